@@ -1,0 +1,1 @@
+"""kvbridge control-plane services."""

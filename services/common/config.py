@@ -1,0 +1,66 @@
+"""Settings shared by every service, typed and validated at start.
+
+Read only by composition roots (``python -m kvbridge_services.<name>``) from
+``KVBRIDGE_*`` environment variables; everything below them receives typed
+objects.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class StoreSettings(BaseSettings):
+    """Where state lives: etcd when endpoints are given, else the embedded store."""
+
+    model_config = SettingsConfigDict(env_prefix="KVBRIDGE_", extra="ignore")
+
+    # Comma-separated host:port list; empty selects the embedded in-process store.
+    etcd_endpoints: list[str] = Field(default_factory=list)
+    # Versioned key prefix of every kvbridge key in etcd.
+    etcd_prefix: str = "/kvbridge/v1"
+    etcd_timeout_s: float = Field(default=5.0, gt=0, le=60)
+
+    @field_validator("etcd_endpoints", mode="before")
+    @classmethod
+    def _split(cls, value: object) -> object:
+        if isinstance(value, str):
+            return [p.strip() for p in value.split(",") if p.strip()]
+        return value
+
+    @field_validator("etcd_endpoints")
+    @classmethod
+    def _check_endpoints(cls, value: list[str]) -> list[str]:
+        for ep in value:
+            host, sep, port = ep.rpartition(":")
+            if not sep or not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"etcd endpoint {ep!r} is not host:port")
+        return value
+
+    @field_validator("etcd_prefix")
+    @classmethod
+    def _check_prefix(cls, value: str) -> str:
+        if not value.startswith("/") or value.endswith("/") or len(value) > 128:
+            raise ValueError("etcd_prefix must start with '/', not end with '/', and be at most 128 chars")
+        return value
+
+    @property
+    def embedded(self) -> bool:
+        return not self.etcd_endpoints
+
+
+class ServerSettings(BaseSettings):
+    """gRPC server knobs common to all services."""
+
+    model_config = SettingsConfigDict(env_prefix="KVBRIDGE_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    # JSON file mapping API keys to principals; unset = insecure dev mode.
+    api_keys_file: Path | None = None
+    max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 * 1024)
+    max_concurrent_rpcs: int = Field(default=1024, ge=1, le=100_000)
+    shutdown_grace_s: float = Field(default=5.0, ge=0, le=120)
+    log_level: str = "INFO"

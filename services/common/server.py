@@ -1,0 +1,76 @@
+"""Builds a gRPC aio server the same way for every service.
+
+Health checking and reflection on every server, message-size caps, a bound
+on concurrent RPCs, and graceful shutdown: health flips to NOT_SERVING, then
+in-flight RPCs drain for the grace period, then the server stops.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from .config import ServerSettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ServiceBinding:
+    """A servicer and the generated function that adds it to a server."""
+
+    full_name: str  # e.g. "kvbridge.registry.v1.RegistryService"
+    servicer: Any
+    add_to_server: Callable[[Any, grpc.aio.Server], None]
+
+
+class GrpcServer:
+    def __init__(self, settings: ServerSettings, port: int, bindings: Sequence[ServiceBinding]) -> None:
+        self._settings = settings
+        opts = [
+            ("grpc.max_receive_message_length", settings.max_message_bytes),
+            ("grpc.max_send_message_length", settings.max_message_bytes),
+            ("grpc.so_reuseport", 0),
+        ]
+        self.server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
+        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        names = [b.full_name for b in bindings]
+        for b in bindings:
+            b.add_to_server(b.servicer, self.server)
+        reflection.enable_server_reflection(
+            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
+            self.server,
+        )
+        self._names = names
+        self.port = self.server.add_insecure_port(f"{settings.host}:{port}")
+        if self.port == 0:
+            raise OSError(f"cannot bind gRPC port {settings.host}:{port}")
+
+    @property
+    def address(self) -> str:
+        return f"{self._settings.host}:{self.port}"
+
+    async def _set_all(self, status: int) -> None:
+        for name in ["", *self._names]:
+            result = self.health.set(name, status)
+            if result is not None:
+                await result
+
+    async def start(self) -> None:
+        await self.server.start()
+        await self._set_all(health_pb2.HealthCheckResponse.SERVING)
+        log.info("gRPC serving %s on %s", ", ".join(self._names), self.address)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await self._set_all(health_pb2.HealthCheckResponse.NOT_SERVING)
+        await self.server.stop(self._settings.shutdown_grace_s if grace_s is None else grace_s)
+
+    async def wait(self) -> None:
+        await self.server.wait_for_termination()
