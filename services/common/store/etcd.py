@@ -1,0 +1,442 @@
+"""EtcdStore: the Store over etcd v3 (etcd3aio's generated stubs and services).
+
+- One gRPC channel, round-robin over every endpoint: a dead member's
+  subchannel drops out and calls retry on the others within the deadline.
+- Every call has a deadline; past it, or on a transport failure that retries
+  cannot fix in time, the caller gets ``StoreUnavailable``.
+- Writes are retried only when etcd certainly did not apply them (the
+  connection was never made, or there was no leader); otherwise the outcome
+  is unknown and the caller gets ``StoreUnavailable`` at once.
+- Watches run on our own stream so reconnects resume exactly after the last
+  delivered event (etcd3aio's own watch resumes from the header revision,
+  which can be ahead of the events while a watcher catches up).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from typing import Any, TypeVar
+
+import grpc
+import grpc.aio
+from etcd3aio import EtcdConnectionError, EtcdError, EtcdTransientError, prefix_range_end
+from etcd3aio._protobuf import Compare as PbCompare
+from etcd3aio._protobuf import (  # type: ignore[attr-defined]  # rpc_pb2 is not re-exported
+    DeleteRangeRequest,
+    LeaseKeepAliveRequest,
+    LeaseStub,
+    PutRequest,
+    RangeRequest,
+    RequestOp,
+    WatchCreateRequest,
+    WatchRequest,
+    WatchStub,
+    rpc_pb2,
+)
+from etcd3aio.connections import ConnectionManager
+from etcd3aio.kv import KVService
+from etcd3aio.lease import LeaseService
+
+from .base import (
+    DEFAULT_TIMEOUT_S,
+    Compacted,
+    Compare,
+    CompareTarget,
+    Delete,
+    EventType,
+    Get,
+    KeyValue,
+    LeaseNotFound,
+    Op,
+    Put,
+    Store,
+    StoreError,
+    StoreUnavailable,
+    TxnResult,
+    WatchBatch,
+    WatchEvent,
+)
+
+_log = logging.getLogger(__name__)
+_T = TypeVar("_T")
+
+_TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# UNAVAILABLE details that prove the request was never applied (safe to retry a write).
+_NOT_APPLIED_HINTS = ("failed to connect", "connection refused", "connections to all backends", "no leader")
+_COMPARE_OPS = {"==": PbCompare.EQUAL, "!=": PbCompare.NOT_EQUAL, "<": PbCompare.LESS, ">": PbCompare.GREATER}
+_COMPARE_FIELDS = {
+    CompareTarget.VALUE: (PbCompare.VALUE, "value"),
+    CompareTarget.VERSION: (PbCompare.VERSION, "version"),
+    CompareTarget.CREATE: (PbCompare.CREATE, "create_revision"),
+    CompareTarget.MOD: (PbCompare.MOD, "mod_revision"),
+    CompareTarget.LEASE: (PbCompare.LEASE, "lease"),
+}
+# Ask etcd to cancel a watch when its member loses the leader (else it hangs silently).
+_WATCH_METADATA = (("hasleader", "true"),)
+_WATCH_QUEUE = 64
+_MVCC_EVENT_DELETE = 1  # mvccpb.Event.EventType.DELETE
+_RETRY_BACKOFF_S = 0.05
+_MAX_BACKOFF_S = 1.0
+_MIN_ATTEMPT_S = 0.5
+
+
+def _rpc_error(exc: BaseException) -> grpc.aio.AioRpcError | None:
+    """The gRPC error behind an etcd3aio exception (or the exception itself)."""
+    while exc is not None:
+        if isinstance(exc, grpc.aio.AioRpcError):
+            return exc
+        exc = exc.__cause__  # type: ignore[assignment]
+    return None
+
+
+def _not_applied(exc: BaseException) -> bool:
+    rpc = _rpc_error(exc)
+    if rpc is None or rpc.code() != grpc.StatusCode.UNAVAILABLE:
+        return False
+    details = (rpc.details() or "").lower()
+    return any(hint in details for hint in _NOT_APPLIED_HINTS)
+
+
+def _is_transient(exc: BaseException) -> bool:
+    if isinstance(exc, EtcdConnectionError | EtcdTransientError):
+        return True
+    rpc = _rpc_error(exc)
+    return rpc is not None and rpc.code() in _TRANSIENT
+
+
+def _kv(pb: Any) -> KeyValue:
+    return KeyValue(pb.key, pb.value, pb.create_revision, pb.mod_revision, pb.version, pb.lease)
+
+
+def _range_start(prefix: bytes, start_after: bytes | None) -> bytes:
+    if start_after is not None and start_after >= prefix:
+        return start_after + b"\x00"  # the smallest key after start_after
+    return prefix or b"\x00"  # etcd rejects an empty key
+
+
+def _to_pb_compare(c: Compare) -> Any:
+    target, field = _COMPARE_FIELDS[c.target]
+    if isinstance(c.operand, bytes) != (c.target is CompareTarget.VALUE):
+        raise TypeError(f"compare on {c.target.value} needs a {'bytes' if field == 'value' else 'int'} operand")
+    return PbCompare(result=_COMPARE_OPS[c.op], target=target, key=c.key, **{field: c.operand})
+
+
+def _to_pb_op(op: Op) -> Any:
+    if isinstance(op, Put):
+        return RequestOp(request_put=PutRequest(key=op.key, value=op.value, lease=op.lease))
+    if isinstance(op, Delete):
+        end = prefix_range_end(op.key) if op.prefix else b""
+        return RequestOp(request_delete_range=DeleteRangeRequest(key=op.key or b"\x00", range_end=end))
+    return RequestOp(request_range=RangeRequest(key=op.key))
+
+
+class EtcdStore(Store):
+    def __init__(
+        self,
+        endpoints: Sequence[str],
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+        watch_unavailable_after_s: float = 30.0,
+    ) -> None:
+        if not endpoints:
+            raise ValueError("EtcdStore needs at least one endpoint")
+        self.endpoints = list(endpoints)
+        self.default_timeout = timeout
+        self._watch_unavailable_after_s = watch_unavailable_after_s
+        self._manager = ConnectionManager(self.endpoints, keepalive_time_ms=5_000, keepalive_timeout_ms=3_000)
+        self._channel: grpc.aio.Channel | None = None
+        self._kv_svc: KVService | None = None
+        self._lease_svc: LeaseService | None = None
+        self._closed = False
+
+    # grpc.aio channels bind to the running loop, so they are made on first use.
+    def _channel_now(self) -> grpc.aio.Channel:
+        if self._closed:
+            raise StoreUnavailable("store is closed")
+        if self._channel is None:
+            self._channel = self._manager.get_channel()
+            # We retry ourselves, within the caller's deadline.
+            self._kv_svc = KVService(self._channel, max_attempts=1)
+            self._lease_svc = LeaseService(self._channel, max_attempts=1)
+        return self._channel
+
+    @property
+    def _kvs(self) -> KVService:
+        self._channel_now()
+        assert self._kv_svc is not None
+        return self._kv_svc
+
+    @property
+    def _leases(self) -> LeaseService:
+        self._channel_now()
+        assert self._lease_svc is not None
+        return self._lease_svc
+
+    async def _call(
+        self, name: str, fn: Callable[[float], Awaitable[_T]], timeout: float, *, idempotent: bool = True
+    ) -> _T:
+        """Run ``fn(remaining_s)`` until it succeeds or the deadline passes."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        backoff = _RETRY_BACKOFF_S
+        last: BaseException | None = None
+        while (remaining := deadline - loop.time()) > 0:
+            # A read may hang on a member that lost its leader: cap each try so a retry can reach
+            # another member. A write gets the whole deadline (cutting it short leaves its outcome unknown).
+            attempt_s = min(remaining, max(timeout / 3, _MIN_ATTEMPT_S)) if idempotent else remaining
+            try:
+                async with asyncio.timeout(attempt_s):
+                    return await fn(attempt_s)
+            except TimeoutError:
+                if not idempotent:
+                    break
+                last = TimeoutError(f"attempt timed out after {attempt_s:.3g}s")
+                continue
+            except (EtcdError, grpc.aio.AioRpcError) as exc:
+                if not _is_transient(exc):
+                    raise self._translate(name, exc) from exc
+                if not idempotent and not _not_applied(exc):
+                    raise StoreUnavailable(f"etcd {name}: outcome unknown ({exc})") from exc
+                last = exc
+            await asyncio.sleep(min(backoff, max(deadline - loop.time(), 0)))
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+        raise StoreUnavailable(f"etcd {name}: no answer within {timeout:.3g}s ({last or 'deadline'})") from last
+
+    @staticmethod
+    def _translate(name: str, exc: BaseException) -> StoreError:
+        rpc = _rpc_error(exc)
+        details = (rpc.details() or "") if rpc is not None else str(exc)
+        if "lease not found" in details:
+            return LeaseNotFound(details)
+        if "compacted" in details:
+            return Compacted(0)
+        return StoreError(f"etcd {name} failed: {details}")
+
+    # ------------------------------------------------------------------ reads
+
+    async def get(self, key: bytes, *, timeout: float = DEFAULT_TIMEOUT_S) -> KeyValue | None:
+        resp = await self._call("get", lambda t: self._kvs.get(key, timeout=t), timeout)
+        return _kv(resp.kvs[0]) if resp.kvs else None
+
+    async def range_prefix(
+        self,
+        prefix: bytes,
+        *,
+        start_after: bytes | None = None,
+        limit: int = 0,
+        keys_only: bool = False,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> tuple[list[KeyValue], int]:
+        if limit < 0:
+            raise ValueError("limit must be >= 0")
+        start = _range_start(prefix, start_after)
+        end = prefix_range_end(prefix) if prefix else b"\x00"
+        resp = await self._call(
+            "range", lambda t: self._kvs.get(start, end, limit=limit, keys_only=keys_only, timeout=t), timeout
+        )
+        return [_kv(kv) for kv in resp.kvs], int(resp.header.revision)
+
+    async def current_revision(self, *, timeout: float = DEFAULT_TIMEOUT_S) -> int:
+        resp = await self._call("revision", lambda t: self._kvs.get(b"\x00", count_only=True, timeout=t), timeout)
+        return int(resp.header.revision)
+
+    # ----------------------------------------------------------------- writes
+
+    async def put(self, key: bytes, value: bytes, *, lease: int = 0, timeout: float = DEFAULT_TIMEOUT_S) -> int:
+        resp = await self._call(
+            "put", lambda t: self._kvs.put(key, value, lease=lease, timeout=t), timeout, idempotent=False
+        )
+        return int(resp.header.revision)
+
+    async def delete(self, key: bytes, *, prefix: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> int:
+        end = prefix_range_end(key) if prefix else None
+        resp = await self._call(
+            "delete", lambda t: self._kvs.delete(key or b"\x00", end, timeout=t), timeout, idempotent=False
+        )
+        return int(resp.deleted)
+
+    async def txn(
+        self,
+        compares: Sequence[Compare],
+        success: Sequence[Op],
+        failure: Sequence[Op] = (),
+        *,
+        timeout: float = DEFAULT_TIMEOUT_S,
+    ) -> TxnResult:
+        pb_compares = [_to_pb_compare(c) for c in compares]
+        pb_success = [_to_pb_op(op) for op in success]
+        pb_failure = [_to_pb_op(op) for op in failure]
+        writes = any(not isinstance(op, Get) for op in (*success, *failure))
+        resp = await self._call(
+            "txn",
+            lambda t: self._kvs.txn(pb_compares, pb_success, pb_failure, timeout=t),
+            timeout,
+            idempotent=not writes,
+        )
+        gets: list[KeyValue | None] = []
+        for r in resp.responses:
+            if r.WhichOneof("response") == "response_range":
+                kvs = r.response_range.kvs
+                gets.append(_kv(kvs[0]) if kvs else None)
+        return TxnResult(succeeded=bool(resp.succeeded), revision=int(resp.header.revision), gets=gets)
+
+    async def compact(self, revision: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        """Drop history before ``revision`` (etcd keeps no automatic compaction here)."""
+        await self._call("compact", lambda t: self._kvs.compact(revision, physical=True, timeout=t), timeout)
+
+    # ------------------------------------------------------------------ leases
+
+    async def grant_lease(self, ttl_s: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> int:
+        if ttl_s < 1:
+            raise ValueError("lease TTL must be >= 1 second")
+        # A lost grant only leaks a lease that expires by itself: safe to retry.
+        resp = await self._call("grant", lambda t: self._leases.grant(ttl_s, timeout=t), timeout)
+        if resp.error:
+            raise StoreError(f"etcd lease grant failed: {resp.error}")
+        return int(resp.ID)
+
+    async def refresh_lease(self, lease_id: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> int:
+        async def once(remaining: float) -> int:
+            async def requests() -> AsyncIterator[Any]:
+                yield LeaseKeepAliveRequest(ID=lease_id)
+
+            call = LeaseStub(self._channel_now()).LeaseKeepAlive(requests(), timeout=remaining)
+            try:
+                async for resp in call:
+                    return int(resp.TTL)
+            finally:
+                call.cancel()
+            raise StoreUnavailable("lease keep-alive stream closed without an answer")
+
+        ttl = await self._call("keepalive", once, timeout)
+        if ttl <= 0:
+            raise LeaseNotFound(f"lease {lease_id:x} not found")
+        return ttl
+
+    async def revoke_lease(self, lease_id: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
+        with contextlib.suppress(LeaseNotFound):
+            await self._call("revoke", lambda t: self._leases.revoke(lease_id, timeout=t), timeout)
+
+    async def lease_ttl(self, lease_id: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> int:
+        resp = await self._call("lease ttl", lambda t: self._leases.time_to_live(lease_id, timeout=t), timeout)
+        return int(resp.TTL)
+
+    # ------------------------------------------------------------------- watch
+
+    async def watch_prefix(
+        self,
+        prefix: bytes,
+        *,
+        start_revision: int = 0,
+        progress_interval_s: float = 0.0,
+    ) -> AsyncIterator[WatchBatch]:
+        if start_revision < 0:
+            raise ValueError("start_revision must be >= 0")
+        # "From now" is pinned to a revision up front, so a reconnect cannot skip events.
+        next_rev = start_revision or await self.current_revision(timeout=self.default_timeout) + 1
+        key = prefix or b"\x00"
+        end = prefix_range_end(prefix) if prefix else b"\x00"
+        loop = asyncio.get_running_loop()
+        failing_since: float | None = None
+        backoff = _RETRY_BACKOFF_S
+        while True:
+            stream = _WatchStream(WatchStub(self._channel_now()), key, end, next_rev, progress_interval_s > 0)
+            try:
+                async for resp in stream.responses(progress_interval_s):
+                    failing_since, backoff = None, _RETRY_BACKOFF_S
+                    if resp.events:
+                        events = [self._event(e) for e in resp.events]
+                        next_rev = events[-1].kv.mod_revision + 1
+                        yield WatchBatch(events, next_rev - 1)
+                    elif int(resp.header.revision) >= next_rev - 1:  # a progress notification
+                        next_rev = int(resp.header.revision) + 1
+                        yield WatchBatch([], next_rev - 1)
+            except _WatchBroken as exc:
+                now = loop.time()
+                failing_since = failing_since or now
+                if now - failing_since > self._watch_unavailable_after_s:
+                    raise StoreUnavailable(f"etcd watch down for {now - failing_since:.1f}s: {exc}") from exc
+                _log.info("etcd watch on %r broke (%s); resuming from revision %d", prefix, exc, next_rev)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            finally:
+                await stream.close()
+
+    @staticmethod
+    def _event(pb: Any) -> WatchEvent:
+        prev = _kv(pb.prev_kv) if pb.HasField("prev_kv") else None
+        kind = EventType.DELETE if pb.type == _MVCC_EVENT_DELETE else EventType.PUT
+        return WatchEvent(kind, _kv(pb.kv), prev)
+
+    async def close(self) -> None:
+        self._closed = True
+        if self._channel is not None:
+            await self._channel.close()
+            self._channel = None
+
+
+class _WatchBroken(Exception):
+    """The watch stream failed in a way a reconnect can fix."""
+
+
+class _WatchStream:
+    """One etcd watch stream; a reader task pumps responses so reads are never cancelled
+    (cancelling a grpc.aio read cancels the whole call)."""
+
+    def __init__(self, stub: Any, key: bytes, end: bytes, start_revision: int, progress_notify: bool) -> None:
+        self._requests: asyncio.Queue[Any] = asyncio.Queue()
+        self._requests.put_nowait(
+            WatchRequest(
+                create_request=WatchCreateRequest(
+                    key=key, range_end=end, start_revision=start_revision, prev_kv=True, progress_notify=progress_notify
+                )
+            )
+        )
+        self._call = stub.Watch(self._request_iter(), metadata=_WATCH_METADATA)
+        self._responses: asyncio.Queue[Any] = asyncio.Queue(maxsize=_WATCH_QUEUE)
+        self._reader = asyncio.get_running_loop().create_task(self._pump())
+
+    async def _request_iter(self) -> AsyncIterator[Any]:
+        while True:
+            yield await self._requests.get()
+
+    async def _pump(self) -> None:
+        try:
+            async for resp in self._call:
+                await self._responses.put(resp)
+            await self._responses.put(_WatchBroken("stream ended"))
+        except grpc.aio.AioRpcError as exc:
+            await self._responses.put(exc)
+
+    async def responses(self, progress_interval_s: float) -> AsyncIterator[Any]:
+        """Event and progress responses; raises Compacted, _WatchBroken, or a non-transient error."""
+        while True:
+            try:
+                async with asyncio.timeout(progress_interval_s if progress_interval_s > 0 else None):
+                    item = await self._responses.get()
+            except TimeoutError:
+                # Idle: ask for a progress notification (answered with the current revision).
+                self._requests.put_nowait(WatchRequest(progress_request=rpc_pb2.WatchProgressRequest()))
+                continue
+            if isinstance(item, _WatchBroken):
+                raise item
+            if isinstance(item, grpc.aio.AioRpcError):
+                if item.code() in (*_TRANSIENT, grpc.StatusCode.CANCELLED):
+                    raise _WatchBroken(f"{item.code().name}: {item.details()}")
+                raise StoreError(f"etcd watch failed: {item.code().name}: {item.details()}")
+            if item.compact_revision:
+                raise Compacted(int(item.compact_revision))
+            if item.canceled:
+                raise _WatchBroken(f"watch canceled by etcd: {item.cancel_reason or 'no reason'}")
+            if item.created:
+                continue
+            yield item
+
+    async def close(self) -> None:
+        self._call.cancel()
+        self._reader.cancel()
+        with contextlib.suppress(asyncio.CancelledError, grpc.aio.AioRpcError):
+            await self._reader
