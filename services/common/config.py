@@ -8,9 +8,10 @@ objects.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class StoreSettings(BaseSettings):
@@ -19,7 +20,7 @@ class StoreSettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVBRIDGE_", extra="ignore")
 
     # Comma-separated host:port list; empty selects the embedded in-process store.
-    etcd_endpoints: list[str] = Field(default_factory=list)
+    etcd_endpoints: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Versioned key prefix of every kvbridge key in etcd.
     etcd_prefix: str = "/kvbridge/v1"
     etcd_timeout_s: float = Field(default=5.0, gt=0, le=60)

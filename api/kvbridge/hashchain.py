@@ -1,0 +1,147 @@
+"""The block-hash chain: one definition shared by gateway, registry and connector.
+
+Exact definition (docs/hash-chain.md has the same text and test vectors):
+
+    H(x)     = BLAKE2b(x, digest_size=16, key=secret)           secret: 16..64 bytes
+    lp(s)    = uint32_le(len(utf8(s))) || utf8(s)
+    seed     = H(lp(DOMAIN_TAG) || lp(tenant) || lp(model) || lp(cache_salt) || uint32_le(block_size))
+    hash_0   = H(seed || tokens[0:B] as uint32_le each)
+    hash_i   = H(hash_{i-1} || tokens[i*B:(i+1)*B] as uint32_le each)
+
+Only full blocks are hashed. Because every hash covers its predecessor, two
+chains equal at block i are equal at every block below i (up to collisions of
+a keyed 128-bit hash), which is what lets the registry binary-search them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+import sys
+from array import array
+from collections.abc import Sequence
+
+DOMAIN_TAG = "kvbridge.block-hash-chain.v1"
+HASH_BYTES = 16
+MIN_SECRET_BYTES = 16
+MAX_SECRET_BYTES = 64  # BLAKE2b's maximum key length
+MAX_BLOCK_SIZE = 1024
+_MAX_TOKEN_ID = 2**32 - 1
+_U32 = struct.Struct("<I")
+
+
+def check_secret(secret: bytes) -> bytes:
+    """The secret itself, if it is usable as the chain key; ValueError otherwise."""
+    if not isinstance(secret, bytes | bytearray):
+        raise TypeError("the hash-chain secret must be bytes")
+    if not MIN_SECRET_BYTES <= len(secret) <= MAX_SECRET_BYTES:
+        raise ValueError(
+            f"the hash-chain secret must be {MIN_SECRET_BYTES}..{MAX_SECRET_BYTES} bytes, got {len(secret)}"
+        )
+    return bytes(secret)
+
+
+def _lp(text: str) -> bytes:
+    raw = text.encode("utf-8")
+    return _U32.pack(len(raw)) + raw
+
+
+def _check_block_size(block_size: int) -> None:
+    if not 1 <= block_size <= MAX_BLOCK_SIZE:
+        raise ValueError(f"block_size must be 1..{MAX_BLOCK_SIZE}, got {block_size}")
+
+
+def _h(secret: bytes, data: bytes) -> bytes:
+    return hashlib.blake2b(data, digest_size=HASH_BYTES, key=secret).digest()
+
+
+def seed(secret: bytes, tenant: str, model: str, cache_salt: str, block_size: int) -> bytes:
+    """The chain's starting value: scopes every hash by tenant, model, cache_salt and block size."""
+    key = check_secret(secret)
+    _check_block_size(block_size)
+    data = _lp(DOMAIN_TAG) + _lp(tenant) + _lp(model) + _lp(cache_salt) + _U32.pack(block_size)
+    return _h(key, data)
+
+
+def _token_bytes(tokens: Sequence[int]) -> bytes:
+    try:
+        packed = array("I", tokens) if array("I").itemsize == 4 else array("L", tokens)
+    except OverflowError:
+        raise ValueError(f"token ids must be 0..{_MAX_TOKEN_ID}") from None
+    if packed.itemsize != 4:  # pragma: no cover - no such platform in practice
+        return b"".join(_U32.pack(t) for t in tokens)
+    if sys.byteorder == "big":  # pragma: no cover
+        packed.byteswap()
+    return packed.tobytes()
+
+
+def _hash_blocks(key: bytes, prev: bytes, block_size: int, token_ids: Sequence[int], first_block: int) -> list[bytes]:
+    raw = _token_bytes(token_ids)
+    width = block_size * 4
+    out: list[bytes] = []
+    for start in range(first_block * width, (len(token_ids) // block_size) * width, width):
+        prev = _h(key, prev + raw[start : start + width])
+        out.append(prev)
+    return out
+
+
+def chain(
+    secret: bytes, tenant: str, model: str, cache_salt: str, block_size: int, token_ids: Sequence[int]
+) -> list[bytes]:
+    """One 16-byte hash per full block of ``token_ids``."""
+    start = seed(secret, tenant, model, cache_salt, block_size)
+    return _hash_blocks(bytes(secret), start, block_size, token_ids, 0)
+
+
+def extend(
+    secret: bytes,
+    tenant: str,
+    model: str,
+    cache_salt: str,
+    block_size: int,
+    hashes: Sequence[bytes],
+    token_ids: Sequence[int],
+) -> list[bytes]:
+    """The chain of ``token_ids`` given ``hashes``, the chain of its first ``len(hashes)`` blocks.
+
+    Only the blocks after those are hashed (appending a turn costs only the new
+    tokens). ``token_ids`` is the whole sequence, not just the appended part.
+    """
+    if len(hashes) * block_size > len(token_ids):
+        raise ValueError("hashes cover more blocks than token_ids has")
+    if not hashes:
+        return chain(secret, tenant, model, cache_salt, block_size, token_ids)
+    check_secret(secret)
+    _check_block_size(block_size)
+    prev = bytes(hashes[-1])
+    if len(prev) != HASH_BYTES:
+        raise ValueError(f"block hashes are {HASH_BYTES} bytes")
+    # Only the new blocks' tokens need packing.
+    tail = token_ids[len(hashes) * block_size :]
+    return [*hashes, *_hash_blocks(bytes(secret), prev, block_size, tail, 0)]
+
+
+def common_prefix_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> int:
+    """How many leading blocks two chains share (binary search: chains are cumulative)."""
+    lo, hi = 0, min(len(a), len(b))  # invariant: a[:lo] == b[:lo]; mismatch somewhere at or below hi
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[mid - 1] == b[mid - 1]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+__all__ = [
+    "DOMAIN_TAG",
+    "HASH_BYTES",
+    "MIN_SECRET_BYTES",
+    "MAX_SECRET_BYTES",
+    "MAX_BLOCK_SIZE",
+    "check_secret",
+    "seed",
+    "chain",
+    "extend",
+    "common_prefix_blocks",
+]

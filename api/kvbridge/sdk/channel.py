@@ -1,0 +1,99 @@
+"""Channels and the retrying unary call every SDK client uses."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kvbridge.errors import KvbridgeError, Reason, from_rpc_error
+
+DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True, slots=True)
+class ClientOptions:
+    api_key: str | None = None
+    # Per-attempt deadline of a unary call, seconds.
+    timeout_s: float = 5.0
+    # Attempts for UNAVAILABLE (including the first).
+    max_attempts: int = 4
+    backoff_initial_s: float = 0.05
+    backoff_max_s: float = 1.0
+    # PEM root certificates; None = plaintext (loopback / inside a mesh).
+    root_certificates: bytes | None = None
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+
+    def metadata(self) -> tuple[tuple[str, str], ...]:
+        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+
+
+def open_channel(target: str, options: ClientOptions) -> grpc.aio.Channel:
+    opts = [
+        ("grpc.max_receive_message_length", options.max_message_bytes),
+        ("grpc.max_send_message_length", options.max_message_bytes),
+        ("grpc.keepalive_time_ms", 30_000),
+    ]
+    if options.root_certificates is not None:
+        creds = grpc.ssl_channel_credentials(root_certificates=options.root_certificates)
+        return grpc.aio.secure_channel(target, creds, options=opts)
+    return grpc.aio.insecure_channel(target, options=opts)
+
+
+class BaseClient:
+    """Owns a channel (or borrows one) and runs unary calls with retries."""
+
+    def __init__(self, target: str, options: ClientOptions | None = None) -> None:
+        self.options = options or ClientOptions()
+        self.target = target
+        self._channel = open_channel(target, self.options)
+        self._bind(self._channel)
+
+    def _bind(self, channel: grpc.aio.Channel) -> None:
+        raise NotImplementedError
+
+    def _redirect(self, leader: str) -> None:
+        if leader and leader != self.target:
+            old = self._channel
+            self.target = leader
+            self._channel = open_channel(leader, self.options)
+            self._bind(self._channel)
+            asyncio.get_running_loop().create_task(old.close())
+
+    def _stub(self) -> Any:
+        raise NotImplementedError
+
+    async def _unary(self, method: str, request: Any, *, timeout_s: float | None = None) -> Any:
+        """Calls ``method`` of the bound stub; retries UNAVAILABLE with jittered
+        exponential backoff, following NOT_LEADER redirects."""
+        opts = self.options
+        delay = opts.backoff_initial_s
+        for attempt in range(1, opts.max_attempts + 1):
+            # Looked up per attempt: a redirect rebinds the stub.
+            fn = getattr(self._stub(), method)
+            try:
+                return await fn(request, timeout=timeout_s or opts.timeout_s, metadata=opts.metadata())
+            except grpc.RpcError as exc:
+                err = from_rpc_error(exc)
+                if err.code is not grpc.StatusCode.UNAVAILABLE or attempt >= opts.max_attempts:
+                    raise err from None
+                if err.reason == Reason.NOT_LEADER.value:
+                    self._redirect(err.metadata.get("leader", ""))
+            await asyncio.sleep(delay * (0.5 + random.random()))
+            delay = min(delay * 2, opts.backoff_max_s)
+        raise AssertionError("unreachable")
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+    async def __aenter__(self) -> BaseClient:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+
+__all__ = ["BaseClient", "ClientOptions", "KvbridgeError", "open_channel"]

@@ -1,0 +1,205 @@
+"""Async client of kvbridge.lease.v1.LeaseService, and a shared heartbeater."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2
+
+from kvbridge.errors import from_rpc_error
+from kvbridge.lease.v1 import lease_pb2 as pb
+from kvbridge.lease.v1 import lease_pb2_grpc as pb_grpc
+from kvbridge.types.v1 import types_pb2
+
+from .channel import BaseClient
+
+log = logging.getLogger(__name__)
+
+# Ids per KeepAlive message the heartbeater sends (servers cap this).
+KEEPALIVE_BATCH = 1000
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+class LeaseClient(BaseClient):
+    def _bind(self, channel: grpc.aio.Channel) -> None:
+        self._lease = pb_grpc.LeaseServiceStub(channel)
+
+    def _stub(self) -> Any:
+        return self._lease
+
+    async def grant(
+        self,
+        *,
+        kind: int,
+        tenant: str = "",
+        engine_id: str = "",
+        model: str = "",
+        conversation_key: str = "",
+        retained_tokens: int = 0,
+        ttl_s: float | None = None,
+        request_id: str = "",
+    ) -> pb.GrantLeaseResponse:
+        req = pb.GrantLeaseRequest(
+            kind=kind,  # type: ignore[arg-type]
+            tenant=tenant,
+            engine_id=engine_id,
+            model=model,
+            conversation_key=conversation_key,
+            retained_tokens=retained_tokens,
+            request_id=request_id,
+        )
+        if ttl_s is not None:
+            req.ttl.CopyFrom(_duration(ttl_s))
+        resp: pb.GrantLeaseResponse = await self._unary("GrantLease", req)
+        return resp
+
+    async def revoke(self, lease_id: int, reason: int = types_pb2.REVOKE_REASON_CLIENT_CLOSED) -> pb.Lease:
+        req = pb.RevokeLeaseRequest(lease_id=lease_id, reason=reason)  # type: ignore[arg-type]
+        resp: pb.RevokeLeaseResponse = await self._unary("RevokeLease", req)
+        return resp.lease
+
+    async def get(self, lease_id: int) -> pb.Lease:
+        resp: pb.GetLeaseResponse = await self._unary("GetLease", pb.GetLeaseRequest(lease_id=lease_id))
+        return resp.lease
+
+    async def list_leases(
+        self, tenant: str = "", engine_id: str = "", page_size: int = 0, page_token: str = ""
+    ) -> pb.ListLeasesResponse:
+        req = pb.ListLeasesRequest(tenant=tenant, engine_id=engine_id, page_size=page_size, page_token=page_token)
+        resp: pb.ListLeasesResponse = await self._unary("ListLeases", req)
+        return resp
+
+    async def renew_once(
+        self, lease_ids: list[int], conversations: list[pb.ConversationRef] | None = None
+    ) -> list[pb.LeaseStatus]:
+        """One KeepAlive round trip on a short-lived stream (for occasional renewals)."""
+        call = self._lease.KeepAlive(metadata=self.options.metadata(), timeout=self.options.timeout_s)
+        try:
+            await call.write(pb.KeepAliveRequest(lease_ids=lease_ids, conversations=conversations or []))
+            resp = await call.read()
+            await call.done_writing()
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
+        if not isinstance(resp, pb.KeepAliveResponse):
+            return []
+        return list(resp.statuses)
+
+    def watch(self, engine_id: str) -> AsyncIterator[pb.WatchLeasesResponse]:
+        """The WatchLeases stream of an engine (caller handles reconnects)."""
+        call = self._lease.WatchLeases(pb.WatchLeasesRequest(engine_id=engine_id), metadata=self.options.metadata())
+        return call.__aiter__()  # type: ignore[no-any-return]
+
+
+class Heartbeater:
+    """Keeps many leases alive over ONE KeepAlive stream.
+
+    Add lease ids (or conversations, for SDK users who know only those); every
+    ``interval_s`` the heartbeater renews them all in batches. When the server
+    reports a lease gone, it stops renewing it and calls ``on_lost``. A broken
+    stream is re-opened with backoff; nothing waits forever.
+    """
+
+    def __init__(
+        self,
+        client: LeaseClient,
+        *,
+        interval_s: float = 5.0,
+        on_lost: Callable[[pb.LeaseStatus], None] | None = None,
+    ) -> None:
+        self._client = client
+        self._interval_s = interval_s
+        self._on_lost = on_lost
+        self._lease_ids: set[int] = set()
+        self._conversations: dict[tuple[str, str, str], pb.ConversationRef] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._wake = asyncio.Event()
+        self.rounds = 0
+
+    def add_lease(self, lease_id: int) -> None:
+        self._lease_ids.add(lease_id)
+
+    def remove_lease(self, lease_id: int) -> None:
+        self._lease_ids.discard(lease_id)
+
+    def add_conversation(self, tenant: str, model: str, conversation_key: str) -> None:
+        ref = pb.ConversationRef(tenant=tenant, model=model, conversation_key=conversation_key)
+        self._conversations[(tenant, model, conversation_key)] = ref
+
+    def remove_conversation(self, tenant: str, model: str, conversation_key: str) -> None:
+        self._conversations.pop((tenant, model, conversation_key), None)
+
+    def renew_now(self) -> None:
+        self._wake.set()
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="kvbridge-heartbeater")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    def _batches(self) -> list[pb.KeepAliveRequest]:
+        ids = sorted(self._lease_ids)
+        convs = list(self._conversations.values())
+        out = [pb.KeepAliveRequest(lease_ids=ids[i : i + KEEPALIVE_BATCH]) for i in range(0, len(ids), KEEPALIVE_BATCH)]
+        out += [
+            pb.KeepAliveRequest(conversations=convs[i : i + KEEPALIVE_BATCH])
+            for i in range(0, len(convs), KEEPALIVE_BATCH)
+        ]
+        return out
+
+    async def _run(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                await self._stream_once()
+                backoff = 0.1
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # noqa: BLE001 - keep heartbeating through outages
+                log.warning("lease keep-alive stream failed (%s); retrying in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 5.0)
+
+    async def _stream_once(self) -> None:
+        call = self._client._lease.KeepAlive(metadata=self._client.options.metadata())
+        try:
+            while True:
+                for req in self._batches():
+                    await call.write(req)
+                    resp = await asyncio.wait_for(call.read(), self._client.options.timeout_s)
+                    if not isinstance(resp, pb.KeepAliveResponse):
+                        return  # EOF: the server ended the stream
+                    self._handle(resp)
+                self.rounds += 1
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._wake.wait(), self._interval_s)
+        finally:
+            call.cancel()
+
+    def _handle(self, resp: pb.KeepAliveResponse) -> None:
+        for status in resp.statuses:
+            if status.alive:
+                continue
+            if status.HasField("conversation"):
+                c = status.conversation
+                self._conversations.pop((c.tenant, c.model, c.conversation_key), None)
+            else:
+                self._lease_ids.discard(status.lease_id)
+            if self._on_lost is not None:
+                self._on_lost(status)

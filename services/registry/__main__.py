@@ -1,0 +1,86 @@
+"""Composition root: ``python -m kvbridge_services.registry`` (settings from KVBRIDGE_* env)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from kvbridge_services.common.auth import Authenticator
+from kvbridge_services.common.config import ServerSettings, StoreSettings
+from kvbridge_services.common.keys import KeyLayout
+from kvbridge_services.common.store.base import Store
+
+from .app import RegistryApp
+from .config import RegistrySettings
+
+log = logging.getLogger("kvbridge_services.registry")
+
+HELP = """\
+kvbridge metadata registry (gRPC kvbridge.registry.v1.RegistryService).
+
+Configuration comes from the environment:
+  KVBRIDGE_ETCD_ENDPOINTS        host:port,...  (empty: embedded in-process store)
+  KVBRIDGE_ETCD_PREFIX           key prefix (default /kvbridge/v1)
+  KVBRIDGE_HOST                  listen address (default 127.0.0.1)
+  KVBRIDGE_API_KEYS_FILE         JSON API keys (unset: insecure dev mode)
+  KVBRIDGE_LOG_LEVEL             default INFO
+  KVBRIDGE_REGISTRY_PORT         default 50051
+  KVBRIDGE_REGISTRY_CHAIN_STRIDE, _MAX_BLOCKS_PER_CHAIN, _MAX_ENTRIES_PER_TENANT,
+  KVBRIDGE_REGISTRY_LEASE_SERVICE_TARGET (host:port of the lease manager) ...
+"""
+
+
+def _open_store(settings: StoreSettings) -> Store:
+    if settings.embedded:
+        from kvbridge_services.common.store.memory import MemoryStore
+
+        log.warning("no KVBRIDGE_ETCD_ENDPOINTS: using the embedded in-memory store (single node, not durable)")
+        return MemoryStore()
+    from kvbridge_services.common.store.etcd import EtcdStore
+
+    store: Store = EtcdStore(settings.etcd_endpoints, timeout=settings.etcd_timeout_s)
+    return store
+
+
+async def _serve() -> None:
+    store_settings = StoreSettings()
+    server_settings = ServerSettings()
+    settings = RegistrySettings()
+    store = _open_store(store_settings)
+    app = RegistryApp(
+        store,
+        settings=settings,
+        server_settings=server_settings,
+        keys=KeyLayout(store_settings.etcd_prefix),
+        auth=Authenticator.from_file(server_settings.api_keys_file),
+        store_timeout_s=store_settings.etcd_timeout_s,
+    )
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await app.start()
+    print(f"registry listening on {app.address}", flush=True)
+    await stop.wait()
+    log.info("shutting down")
+    await app.stop()
+    await store.close()
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m kvbridge_services.registry", description=HELP, formatter_class=argparse.RawTextHelpFormatter
+    )
+    parser.parse_args(argv)
+    logging.basicConfig(
+        level=ServerSettings().log_level.upper(), format="%(asctime)s %(levelname)s %(name)s %(message)s"
+    )
+    asyncio.run(_serve())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""RegistryApp: the registry wired around a given Store (shared by the embedded all-in-one process)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from kvbridge.registry.v1 import registry_pb2_grpc
+from kvbridge_services.common.auth import Authenticator
+from kvbridge_services.common.config import ServerSettings
+from kvbridge_services.common.keys import KeyLayout
+from kvbridge_services.common.server import GrpcServer, ServiceBinding
+from kvbridge_services.common.store.base import Store
+
+from .config import RegistrySettings
+from .core import Registry
+from .feeder import IndexFeeder
+from .index import RegistryIndex
+from .releaser import BackgroundRevoker, GrpcLeaseReleaser, LeaseReleaser, LogOnlyReleaser
+from .service import RegistryServicer
+
+log = logging.getLogger(__name__)
+
+SERVICE_NAME = "kvbridge.registry.v1.RegistryService"
+
+
+class RegistryApp:
+    """Owns the index, its feeder, the revoker and the gRPC server; not the store."""
+
+    def __init__(
+        self,
+        store: Store,
+        *,
+        settings: RegistrySettings | None = None,
+        server_settings: ServerSettings | None = None,
+        keys: KeyLayout | None = None,
+        auth: Authenticator | None = None,
+        releaser: LeaseReleaser | None = None,
+        store_timeout_s: float = 5.0,
+    ) -> None:
+        self.settings = settings or RegistrySettings()
+        self.server_settings = server_settings or ServerSettings()
+        self.keys = keys or KeyLayout()
+        self.store = store
+        self._own_releaser: GrpcLeaseReleaser | None = None
+        if releaser is None:
+            if self.settings.lease_service_target:
+                releaser = self._own_releaser = GrpcLeaseReleaser(
+                    self.settings.lease_service_target,
+                    api_key=self.settings.lease_service_api_key,
+                    timeout_s=self.settings.lease_rpc_timeout_s,
+                )
+            else:
+                releaser = LogOnlyReleaser()
+        self.index = RegistryIndex(
+            self.settings.max_index_entries, self.settings.max_engines, self.settings.content_index_stride
+        )
+        self.revoker = BackgroundRevoker(releaser)
+        self.registry = Registry(
+            store, self.keys, self.settings, self.index, self.revoker, store_timeout_s=store_timeout_s
+        )
+        self._sweeper: asyncio.Task[None] | None = None
+        self.feeder = IndexFeeder(store, self.keys, self.index, timeout_s=store_timeout_s)
+        servicer = RegistryServicer(self.registry, auth or Authenticator({}), store, self.keys)
+        self.server = GrpcServer(
+            self.server_settings,
+            self.settings.port,
+            [ServiceBinding(SERVICE_NAME, servicer, registry_pb2_grpc.add_RegistryServiceServicer_to_server)],
+        )
+
+    @property
+    def address(self) -> str:
+        return str(self.server.address)
+
+    async def start(self) -> None:
+        await self.feeder.start()
+        self.revoker.start()
+        self._sweeper = asyncio.get_running_loop().create_task(self._sweep_engines(), name="registry-engine-sweep")
+        await self.server.start()
+
+    async def _sweep_engines(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.engine_sweep_interval_s)
+            try:
+                await self.registry.sweep_engines()
+            except Exception:
+                log.warning("engine sweep failed", exc_info=True)
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        await self.server.stop(grace_s)
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._sweeper
+        await self.feeder.stop()
+        await self.revoker.drain(1.0)
+        await self.revoker.stop()
+        if self._own_releaser is not None:
+            await self._own_releaser.close()

@@ -1,0 +1,41 @@
+"""Registry settings (env prefix ``KVBRIDGE_REGISTRY_``), read only by the composition root."""
+
+from __future__ import annotations
+
+from pydantic import Field, model_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class RegistrySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVBRIDGE_REGISTRY_", extra="ignore")
+
+    port: int = Field(default=50051, ge=0, le=65535)
+    # Hash record: keep every chain_stride-th block hash plus the last one.
+    chain_stride: int = Field(default=4, ge=1, le=1024)
+    # Content-addressed lookups index every content_index_stride-th block hash (a multiple of
+    # chain_stride) plus each entry's final one.
+    content_index_stride: int = Field(default=16, ge=1, le=4096)
+    max_blocks_per_chain: int = Field(default=32768, ge=1, le=1 << 20)
+    max_kv_groups: int = Field(default=16, ge=1, le=256)
+    # Per-tenant cap on entries; registering past it evicts the tenant's oldest-idle entry.
+    max_entries_per_tenant: int = Field(default=10_000, ge=1, le=10_000_000)
+    # Cap of the whole in-memory index (entries + engines); past it new registrations are refused.
+    max_index_entries: int = Field(default=1_000_000, ge=1, le=100_000_000)
+    max_engines: int = Field(default=10_000, ge=1, le=1_000_000)
+    # How long a request id is remembered for idempotent replays.
+    idempotency_ttl_s: int = Field(default=600, ge=10, le=86_400)
+    # Content-addressed lookups verify at most this many candidate entries.
+    max_content_candidates: int = Field(default=32, ge=1, le=1024)
+    # How often engines whose node lease ended are deregistered.
+    engine_sweep_interval_s: float = Field(default=2.0, gt=0, le=300)
+    # LeaseService endpoint (host:port) for revoking superseded/evicted leases; empty: leases are
+    # left to expire by TTL (logged), e.g. in tests without a lease manager.
+    lease_service_target: str = ""
+    lease_service_api_key: str = ""
+    lease_rpc_timeout_s: float = Field(default=2.0, gt=0, le=60)
+
+    @model_validator(mode="after")
+    def _content_stride_on_checkpoints(self) -> RegistrySettings:
+        if self.content_index_stride % self.chain_stride:
+            raise ValueError("content_index_stride must be a multiple of chain_stride")
+        return self

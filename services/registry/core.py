@@ -1,0 +1,533 @@
+"""Registry logic: registrations (durable, CAS on epoch, idempotent), lookups (from memory)."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import hashlib
+import logging
+import time
+from collections.abc import Callable
+
+from google.protobuf import timestamp_pb2
+from kvbridge.errors import (
+    Aborted,
+    FailedPrecondition,
+    InvalidArgument,
+    NotFound,
+    Reason,
+    ResourceExhausted,
+    invalid_field,
+)
+from kvbridge.lease.v1 import lease_pb2
+from kvbridge.registry.v1 import registry_pb2
+from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common.auth import Principal
+from kvbridge_services.common.keys import KeyLayout
+from kvbridge_services.common.store.base import (
+    Compare,
+    CompareTarget,
+    Delete,
+    Get,
+    KeyValue,
+    LeaseNotFound,
+    Put,
+    Store,
+)
+
+from . import validation as v
+from .config import RegistrySettings
+from .hashrecord import HashRecord
+from .index import EntryId, IndexedEntry, RegistryIndex
+from .releaser import BackgroundRevoker
+
+log = logging.getLogger(__name__)
+
+_CAS_ATTEMPTS = 5
+_RECORD_VERSION = b"\x01"
+Verdict = registry_pb2.LookupVerdict
+
+
+def _now_ts(clock: Callable[[], float]) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(clock() * 1e9))
+    return ts
+
+
+def _exists(key: bytes) -> Compare:
+    return Compare(key, CompareTarget.VERSION, ">", 0)
+
+
+def _content_digest(entry: registry_pb2.Entry) -> bytes:
+    """Digest of what a registration stores, ignoring the server-set register_time."""
+    copy = registry_pb2.Entry()
+    copy.CopyFrom(entry)
+    copy.ClearField("register_time")
+    return hashlib.sha256(copy.SerializeToString(deterministic=True)).digest()
+
+
+class _IdempotencyLease:
+    """One store lease per time window; idempotency records attach to it, so they vanish after ~TTL."""
+
+    def __init__(self, store: Store, ttl_s: int, timeout_s: float) -> None:
+        self._store, self._ttl_s, self._timeout_s = store, ttl_s, timeout_s
+        self._lease_id = 0
+        self._granted_at = 0.0
+        self._lock = asyncio.Lock()
+
+    async def current(self) -> int:
+        # Renewed at half-life: a record written now lives between TTL/2 and TTL.
+        if self._lease_id and time.monotonic() - self._granted_at < self._ttl_s / 2:
+            return self._lease_id
+        async with self._lock:
+            if not self._lease_id or time.monotonic() - self._granted_at >= self._ttl_s / 2:
+                self._lease_id = await self._store.grant_lease(self._ttl_s, timeout=self._timeout_s)
+                self._granted_at = time.monotonic()
+            return self._lease_id
+
+
+class Registry:
+    def __init__(
+        self,
+        store: Store,
+        keys: KeyLayout,
+        settings: RegistrySettings,
+        index: RegistryIndex,
+        revoker: BackgroundRevoker,
+        *,
+        store_timeout_s: float = 5.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self._store = store
+        self._keys = keys
+        self._settings = settings
+        self.index = index
+        self._revoker = revoker
+        self._timeout = store_timeout_s
+        self._clock = clock
+        self.limits = v.Limits(settings.max_blocks_per_chain, settings.max_kv_groups)
+        self._idem = _IdempotencyLease(store, settings.idempotency_ttl_s, store_timeout_s)
+
+    # ------------------------------------------------------------------ engines
+
+    async def register_engine(self, principal: Principal, engine: types_pb2.Engine) -> types_pb2.Engine:
+        principal.require_service()
+        v.check_engine(engine, self.limits)
+        if engine.engine_id not in self.index.engines and len(self.index.engines) >= self._settings.max_engines:
+            raise ResourceExhausted(Reason.BUDGET_EXCEEDED, f"at most {self._settings.max_engines} engines")
+        lease_key = self._keys.lease(engine.node_lease_id)
+        lease_kv = await self._store.get(lease_key, timeout=self._timeout)
+        lease = self._parse_lease(lease_kv, "engine.node_lease_id")
+        if lease.kind != lease_pb2.LEASE_KIND_NODE or (lease.engine_id and lease.engine_id != engine.engine_id):
+            raise FailedPrecondition(
+                Reason.LEASE_MISMATCH, "node_lease_id is not this engine's node lease", metadata={"field": "engine"}
+            )
+        stored = types_pb2.Engine()
+        stored.CopyFrom(engine)
+        stored.registered_at.CopyFrom(_now_ts(self._clock))
+        key = self._keys.engine(engine.engine_id)
+        assert lease_kv is not None
+        try:
+            result = await self._store.txn(
+                [_exists(lease_key)],
+                [Put(key, stored.SerializeToString(), lease=lease_kv.lease)],
+                timeout=self._timeout,
+            )
+        except LeaseNotFound:
+            raise self._lease_gone("engine.node_lease_id") from None
+        if not result.succeeded:
+            raise self._lease_gone("engine.node_lease_id")
+        self.index.put_engine(stored, result.revision)
+        return stored
+
+    async def deregister_engine(self, principal: Principal, engine_id: str) -> None:
+        principal.require_service()
+        v.check_id("engine_id", engine_id)
+        if not await self._store.delete(self._keys.engine(engine_id), timeout=self._timeout):
+            raise NotFound(Reason.ENGINE_NOT_FOUND, f"engine {engine_id!r} is not registered")
+        self.index.delete_engine(engine_id, await self._store.current_revision(timeout=self._timeout))
+
+    async def sweep_engines(self) -> int:
+        """Deregister engines whose node lease record is gone (the lease manager ended it).
+
+        Node leases live in the lease manager's table (docs/adr/0002), not in store
+        leases, so the engine record is not deleted by the store on expiry; this sweep
+        makes "registered" mean "live" within one sweep interval. Idempotent across replicas.
+        """
+        removed = 0
+        for engine in list(self.index.engines.values()):
+            lease_key = self._keys.lease(engine.node_lease_id)
+            if await self._store.get(lease_key, timeout=self._timeout) is not None:
+                continue
+            key = self._keys.engine(engine.engine_id)
+            current = await self._store.get(key, timeout=self._timeout)
+            if current is None or types_pb2.Engine.FromString(current.value).node_lease_id != engine.node_lease_id:
+                continue
+            result = await self._store.txn(
+                [Compare.mod_revision_is(key, current.mod_revision), Compare.absent(lease_key)],
+                [Delete(key)],
+                timeout=self._timeout,
+            )
+            if result.succeeded:
+                self.index.delete_engine(engine.engine_id, result.revision)
+                log.info("engine %s deregistered: node lease %d ended", engine.engine_id, engine.node_lease_id)
+                removed += 1
+        return removed
+
+    def get_engine(self, engine_id: str) -> types_pb2.Engine:
+        v.check_id("engine_id", engine_id)
+        engine = self.index.engines.get(engine_id)
+        if engine is None:
+            raise NotFound(Reason.ENGINE_NOT_FOUND, f"engine {engine_id!r} is not registered")
+        return engine
+
+    def list_engines(self, request: registry_pb2.ListEnginesRequest) -> registry_pb2.ListEnginesResponse:
+        if request.model:
+            v.check_model("model", request.model)
+        size = v.page_size("page_size", request.page_size)
+        after = _decode_page_token(request.page_token, b"engines").decode() if request.page_token else ""
+        matching = sorted(
+            (e for e in self.index.engines.values()
+             if (not request.model or e.model == request.model) and (not request.role or e.role == request.role)
+             and e.engine_id > after),
+            key=lambda e: e.engine_id,
+        )
+        page = matching[:size]
+        token = _encode_page_token(b"engines", page[-1].engine_id.encode()) if len(matching) > size else ""
+        return registry_pb2.ListEnginesResponse(engines=page, next_page_token=token)
+
+    # ------------------------------------------------------------------ register
+
+    def _compact(self, entry: registry_pb2.Entry, tenant: str) -> registry_pb2.Entry:
+        record = HashRecord.from_chain(list(entry.block_hashes), self._settings.chain_stride)
+        stored = registry_pb2.Entry()
+        stored.CopyFrom(entry)
+        stored.key.tenant = tenant
+        del stored.block_hashes[:]
+        stored.block_hashes.extend(record.checkpoints)
+        stored.chain_stride = record.stride
+        stored.final_block_hash = record.final
+        stored.register_time.CopyFrom(_now_ts(self._clock))
+        return stored
+
+    async def register_entry(
+        self, principal: Principal, request: registry_pb2.RegisterEntryRequest
+    ) -> registry_pb2.RegisterEntryResponse:
+        v.check_register_request(request, self.limits)
+        tenant = principal.tenant_for(request.entry.key.tenant, field="entry.key.tenant")
+        entry = self._compact(request.entry, tenant)
+        digest = _content_digest(entry)
+        key = entry.key
+        entry_key = self._keys.entry(tenant, key.model, key.conversation_key)
+        request_key = self._keys.registry_request(request.request_id)
+        lease_key = self._keys.lease(entry.lease_id)
+        engine_key = self._keys.engine(entry.engine_id)
+        for _ in range(_CAS_ATTEMPTS):
+            snap = await self._store.txn(
+                [], [Get(request_key), Get(entry_key), Get(lease_key), Get(engine_key)], timeout=self._timeout
+            )
+            record_kv, current_kv, lease_kv, engine_kv = snap.gets
+            if record_kv is not None:
+                return _replay(record_kv, digest, request.request_id)
+            self._check_engine(engine_kv, entry)
+            lease = self._parse_lease(lease_kv, "entry.lease_id")
+            _check_entry_lease(lease, entry)
+            current = registry_pb2.Entry.FromString(current_kv.value) if current_kv is not None else None
+            if current is not None:
+                if current.epoch > entry.epoch or (
+                    current.epoch == entry.epoch and _content_digest(current) != digest
+                ):
+                    raise FailedPrecondition(
+                        Reason.STALE_EPOCH,
+                        f"stored epoch {current.epoch} supersedes epoch {entry.epoch}",
+                        metadata={"field": "entry.epoch", "stored_epoch": str(current.epoch)},
+                    )
+                if current.epoch == entry.epoch:  # the same registration again (request id differs)
+                    return registry_pb2.RegisterEntryResponse(entry=current, replayed=True)
+            else:
+                await self._make_room(tenant, (tenant, key.model, key.conversation_key))
+            response = registry_pb2.RegisterEntryResponse(
+                entry=entry, superseded_epoch=current.epoch if current is not None else 0
+            )
+            assert lease_kv is not None
+            cas = Compare.absent(entry_key) if current_kv is None else Compare.mod_revision_is(
+                entry_key, current_kv.mod_revision
+            )
+            idem_lease = await self._idem.current()
+            try:
+                result = await self._store.txn(
+                    [cas, _exists(lease_key), _exists(engine_key), Compare.absent(request_key)],
+                    [
+                        Put(entry_key, entry.SerializeToString(), lease=lease_kv.lease),
+                        Put(request_key, _RECORD_VERSION + digest + response.SerializeToString(), lease=idem_lease),
+                    ],
+                    timeout=self._timeout,
+                )
+            except LeaseNotFound:
+                raise self._lease_gone("entry.lease_id") from None
+            if result.succeeded:
+                self.index.put_entry(entry, result.revision)
+                if current is not None and current.lease_id != entry.lease_id:
+                    self._revoker.submit(current.lease_id, types_pb2.REVOKE_REASON_SUPERSEDED)
+                return response
+            # Someone changed the entry, lease, engine or request record in between: re-read and decide again.
+        raise Aborted(Reason.OVERLOADED, "too much contention on this conversation; retry")
+
+    def _check_engine(self, engine_kv: KeyValue | None, entry: registry_pb2.Entry) -> None:
+        if engine_kv is None:
+            raise FailedPrecondition(
+                Reason.ENGINE_NOT_FOUND,
+                f"engine {entry.engine_id!r} is not registered and live",
+                metadata={"field": "entry.engine_id"},
+            )
+        engine = types_pb2.Engine.FromString(engine_kv.value)
+        if engine.model != entry.key.model:
+            raise invalid_field("entry.key.model", f"engine {entry.engine_id!r} serves {engine.model!r}")
+        if engine.block_size != entry.block_size:
+            raise invalid_field("entry.block_size", f"engine {entry.engine_id!r} uses block size {engine.block_size}")
+        if engine.kv_group_count and len(entry.block_ids) != engine.kv_group_count:
+            raise invalid_field("entry.block_ids", f"engine {entry.engine_id!r} has {engine.kv_group_count} KV groups")
+
+    def _parse_lease(self, lease_kv: KeyValue | None, field: str) -> lease_pb2.Lease:
+        if lease_kv is None:
+            raise self._lease_gone(field)
+        return lease_pb2.Lease.FromString(lease_kv.value)
+
+    @staticmethod
+    def _lease_gone(field: str) -> FailedPrecondition:
+        return FailedPrecondition(Reason.LEASE_NOT_FOUND, "the lease does not exist (expired or revoked)",
+                                  metadata={"field": field})
+
+    async def _make_room(self, tenant: str, incoming: EntryId) -> None:
+        """Per-tenant cap: evict the tenant's oldest-idle entry (lease revoked with BUDGET)."""
+        while self.index.tenant_count(tenant) >= self._settings.max_entries_per_tenant:
+            victim = self.index.oldest_idle(tenant, exclude=incoming)
+            if victim is None:
+                return
+            await self._delete_indexed(victim, types_pb2.REVOKE_REASON_BUDGET)
+
+    async def _delete_indexed(self, item: IndexedEntry, reason: types_pb2.RevokeReason.ValueType) -> bool:
+        key = self._keys.entry(*item.id)
+        result = await self._store.txn(
+            [Compare.mod_revision_is(key, item.mod_revision)], [Delete(key)], timeout=self._timeout
+        )
+        # Either we deleted it, or it changed/vanished in the store; the watch brings the truth.
+        self.index.delete_entry(item.id, result.revision if result.succeeded else item.mod_revision + 1)
+        if result.succeeded:
+            self._revoker.submit(item.entry.lease_id, reason)
+        return result.succeeded
+
+    # ------------------------------------------------------------------ lookup
+
+    def lookup(
+        self, principal: Principal, request: registry_pb2.LookupEntryRequest
+    ) -> registry_pb2.LookupEntryResponse:
+        v.check_lookup_request(request, self.limits)
+        tenant = principal.tenant_for(request.tenant)
+        prompt = list(request.block_hashes)
+        response = registry_pb2.LookupEntryResponse(prompt_block_tokens=len(prompt) * request.block_size)
+        if request.conversation_key:
+            item = self.index.entries.get((tenant, request.model, request.conversation_key))
+            if item is None:
+                response.verdict = Verdict.LOOKUP_VERDICT_NOT_FOUND
+                return response
+            verdict = self._unusable(item, request.block_size, self._clock())
+            if verdict is not None:
+                response.verdict = verdict
+                return response
+            blocks = item.record.verified_blocks(prompt)
+            if blocks == 0:
+                response.verdict = Verdict.LOOKUP_VERDICT_MISMATCH
+                return response
+        else:
+            best = self._best_content_match(tenant, request.model, request.block_size, prompt)
+            if best is None:
+                response.verdict = Verdict.LOOKUP_VERDICT_NOT_FOUND
+                return response
+            item, blocks = best
+        return self._answer(response, item, blocks, request.min_tokens)
+
+    def _unusable(self, item: IndexedEntry, block_size: int, now_s: float) -> Verdict.ValueType | None:
+        if item.expired(now_s):
+            return Verdict.LOOKUP_VERDICT_EXPIRED
+        if item.entry.block_size != block_size:
+            return Verdict.LOOKUP_VERDICT_BLOCK_SIZE_MISMATCH
+        if item.entry.engine_id not in self.index.engines:
+            return Verdict.LOOKUP_VERDICT_ENGINE_GONE
+        return None
+
+    def _answer(
+        self, response: registry_pb2.LookupEntryResponse, item: IndexedEntry, blocks: int, min_tokens: int
+    ) -> registry_pb2.LookupEntryResponse:
+        entry = item.entry
+        tokens = min(blocks * entry.block_size, entry.token_count)
+        blocks = tokens // entry.block_size
+        response.verified_tokens = tokens
+        loc = response.location
+        loc.engine.CopyFrom(self.index.engines[entry.engine_id])
+        loc.engine_request_id = entry.engine_request_id
+        for group in entry.block_ids:
+            loc.block_ids.add().ids.extend(group.ids[:blocks])
+        loc.lease_id = entry.lease_id
+        loc.epoch = entry.epoch
+        if entry.HasField("expire_time"):
+            loc.expire_time.CopyFrom(entry.expire_time)
+        loc.conversation_key = entry.key.conversation_key
+        if tokens < min_tokens:
+            response.verdict = Verdict.LOOKUP_VERDICT_BELOW_THRESHOLD
+        else:
+            response.verdict = Verdict.LOOKUP_VERDICT_HIT
+            self.index.touch(item.id)
+        return response
+
+    def _best_content_match(
+        self, tenant: str, model: str, block_size: int, prompt: list[bytes]
+    ) -> tuple[IndexedEntry, int] | None:
+        """Longest verified prefix among the tenant's live entries of the model.
+
+        Binary search over the prompt's checkpoint positions for the deepest one
+        some entry holds (cumulative chains: holding position j implies matching
+        every block below j), then the positions up to the next checkpoint for
+        entries whose final block ends there.
+        """
+        stride = self.index.content_stride
+        lo, hi = 0, len(prompt) // stride
+        while lo < hi:
+            mid = (lo + hi + 1) // 2
+            if self.index.holders(tenant, model, prompt[mid * stride - 1], limit=1):
+                lo = mid
+            else:
+                hi = mid - 1
+        cap = self._settings.max_content_candidates
+        candidates: list[EntryId] = []
+        if lo:
+            candidates += self.index.holders(tenant, model, prompt[lo * stride - 1], limit=cap)
+        for pos in range(lo * stride, min(len(prompt), (lo + 1) * stride)):
+            candidates += self.index.holders(tenant, model, prompt[pos], limit=cap)
+        now_s = self._clock()
+        best: tuple[IndexedEntry, int] | None = None
+        # Bounded work per lookup: many conversations sharing one prefix must not make lookups slow.
+        for eid in candidates[: 2 * cap]:
+            item = self.index.entries.get(eid)
+            if item is None or self._unusable(item, block_size, now_s) is not None:
+                continue
+            blocks = item.record.verified_blocks(prompt)
+            if blocks and (
+                best is None
+                or blocks > best[1]
+                or (blocks == best[1] and item.entry.register_time.ToNanoseconds()
+                    > best[0].entry.register_time.ToNanoseconds())
+            ):
+                best = (item, blocks)
+        return best
+
+    # ------------------------------------------------------------------ operator reads / deletes
+
+    async def get_entry(self, principal: Principal, key: registry_pb2.EntryKey) -> registry_pb2.Entry:
+        v.check_entry_key("key", key)
+        tenant = principal.tenant_for(key.tenant, field="key.tenant")
+        kv = await self._store.get(self._keys.entry(tenant, key.model, key.conversation_key), timeout=self._timeout)
+        if kv is None:
+            raise NotFound(Reason.ENTRY_NOT_FOUND, "no entry for this key")
+        return registry_pb2.Entry.FromString(kv.value)
+
+    async def delete_entry(
+        self, principal: Principal, key: registry_pb2.EntryKey, reason: types_pb2.RevokeReason.ValueType
+    ) -> registry_pb2.Entry:
+        v.check_entry_key("key", key)
+        if reason not in types_pb2.RevokeReason.values():
+            raise invalid_field("reason", "unknown revoke reason")
+        tenant = principal.tenant_for(key.tenant, field="key.tenant")
+        store_key = self._keys.entry(tenant, key.model, key.conversation_key)
+        for _ in range(_CAS_ATTEMPTS):
+            kv = await self._store.get(store_key, timeout=self._timeout)
+            if kv is None:
+                raise NotFound(Reason.ENTRY_NOT_FOUND, "no entry for this key")
+            entry = registry_pb2.Entry.FromString(kv.value)
+            result = await self._store.txn(
+                [Compare.mod_revision_is(store_key, kv.mod_revision)], [Delete(store_key)], timeout=self._timeout
+            )
+            if result.succeeded:
+                self.index.delete_entry((tenant, key.model, key.conversation_key), result.revision)
+                self._revoker.submit(entry.lease_id, reason or types_pb2.REVOKE_REASON_OPERATOR)
+                return entry
+        raise Aborted(Reason.OVERLOADED, "too much contention on this conversation; retry")
+
+    async def list_entries(
+        self, principal: Principal, request: registry_pb2.ListEntriesRequest
+    ) -> registry_pb2.ListEntriesResponse:
+        v.check_tenant_field("tenant", request.tenant)
+        tenant = principal.tenant_for(request.tenant)
+        if request.model:
+            v.check_model("model", request.model)
+        if request.engine_id:
+            v.check_id("engine_id", request.engine_id)
+        size = v.page_size("page_size", request.page_size)
+        prefix = self._keys.entries_prefix(tenant, request.model or None)
+        query = prefix + b"\x00" + request.engine_id.encode()
+        after = _decode_page_token(request.page_token, query) if request.page_token else None
+        out: list[registry_pb2.Entry] = []
+        last_key: bytes | None = None
+        more = True
+        # Bounded scan: a filtered page may come back short, with a token to go on.
+        for _ in range(8):
+            kvs, _rev = await self._store.range_prefix(
+                prefix, start_after=after, limit=size + 1 - len(out), timeout=self._timeout
+            )
+            more = len(kvs) > size - len(out)
+            for kv in kvs[: size - len(out)]:
+                last_key = kv.key
+                entry = registry_pb2.Entry.FromString(kv.value)
+                if not request.engine_id or entry.engine_id == request.engine_id:
+                    out.append(entry)
+            after = last_key
+            if len(out) >= size or not more:
+                break
+        token = _encode_page_token(query, last_key) if more and last_key is not None else ""
+        return registry_pb2.ListEntriesResponse(entries=out, next_page_token=token)
+
+
+def _check_entry_lease(lease: lease_pb2.Lease, entry: registry_pb2.Entry) -> None:
+    key = entry.key
+    mismatch = (
+        lease.kind == lease_pb2.LEASE_KIND_NODE
+        or lease.tenant != key.tenant
+        or lease.engine_id != entry.engine_id
+        or (lease.model and lease.model != key.model)
+        or (lease.conversation_key and lease.conversation_key != key.conversation_key)
+    )
+    if mismatch:
+        raise FailedPrecondition(
+            Reason.LEASE_MISMATCH,
+            "the lease belongs to another engine, tenant or conversation",
+            metadata={"field": "entry.lease_id"},
+        )
+
+
+def _replay(record_kv: KeyValue, digest: bytes, request_id: str) -> registry_pb2.RegisterEntryResponse:
+    raw = record_kv.value
+    if raw[:1] != _RECORD_VERSION or raw[1:33] != digest:
+        raise FailedPrecondition(
+            Reason.IDEMPOTENCY_CONFLICT,
+            f"request id {request_id!r} was used for a different registration",
+            metadata={"field": "request_id"},
+        )
+    response = registry_pb2.RegisterEntryResponse.FromString(raw[33:])
+    response.replayed = True
+    return response
+
+
+def _encode_page_token(query: bytes, last_key: bytes) -> str:
+    tag = hashlib.sha256(query).digest()[:8]
+    return base64.urlsafe_b64encode(tag + last_key).decode()
+
+
+def _decode_page_token(token: str, query: bytes) -> bytes:
+    try:
+        raw = base64.urlsafe_b64decode(token.encode("ascii"))
+    except (ValueError, UnicodeEncodeError):
+        raw = b""
+    if len(token) > 2048 or len(raw) < 9 or raw[:8] != hashlib.sha256(query).digest()[:8]:
+        raise InvalidArgument(Reason.INVALID_PAGE_TOKEN, "malformed page token or not of this query",
+                              metadata={"field": "page_token"})
+    return raw[8:]

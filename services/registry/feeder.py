@@ -1,0 +1,125 @@
+"""Keeps the in-memory index equal to the store: list, then watch from the list's revision.
+
+On ``Compacted`` (the watch fell behind the store's history) it re-lists; on a
+store outage it retries with backoff and resumes from the last revision seen,
+so every replica converges on the same state.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from urllib.parse import unquote
+
+from kvbridge.registry.v1 import registry_pb2
+from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common.keys import KeyLayout
+from kvbridge_services.common.store.base import Compacted, EventType, KeyValue, Store, StoreError
+
+from .index import RegistryIndex
+
+log = logging.getLogger(__name__)
+
+_PAGE = 1000
+_MAX_BACKOFF_S = 5.0
+
+
+class IndexFeeder:
+    def __init__(self, store: Store, keys: KeyLayout, index: RegistryIndex, *, timeout_s: float = 5.0) -> None:
+        self._store = store
+        self._keys = keys
+        self._index = index
+        self._timeout = timeout_s
+        self._entries_prefix = keys.entries_prefix()
+        self._engines_prefix = keys.engines_prefix()
+        self._registry_prefix = keys.entries_prefix()[: -len(b"entries/")]
+        self._task: asyncio.Task[None] | None = None
+        self.revision = 0
+        self.ready = asyncio.Event()
+
+    async def start(self) -> None:
+        """Loads the index (so lookups are answered from a full index) and starts following changes."""
+        await self._relist()
+        self._task = asyncio.get_running_loop().create_task(self._follow(), name="registry-index-feeder")
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _range_all(self, prefix: bytes) -> tuple[list[KeyValue], int]:
+        out: list[KeyValue] = []
+        after: bytes | None = None
+        revision = 0
+        while True:
+            kvs, rev = await self._store.range_prefix(prefix, start_after=after, limit=_PAGE, timeout=self._timeout)
+            revision = revision or rev
+            out.extend(kvs)
+            if len(kvs) < _PAGE:
+                return out, revision
+            after = kvs[-1].key
+
+    async def _relist(self) -> None:
+        # One revision for the whole snapshot: read the engines and entries, then watch from the
+        # lowest revision seen, so nothing that changed in between is missed (re-applying is harmless).
+        engines, rev_a = await self._range_all(self._engines_prefix)
+        entries, rev_b = await self._range_all(self._entries_prefix)
+        self._index.clear()
+        for kv in engines:
+            self._apply_put(kv)
+        for kv in entries:
+            self._apply_put(kv)
+        self.revision = min(rev_a, rev_b)
+        self.ready.set()
+        log.info("registry index loaded: %d entries, %d engines at revision %d",
+                 len(self._index.entries), len(self._index.engines), self.revision)
+
+    async def _follow(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                async for batch in self._store.watch_prefix(self._registry_prefix, start_revision=self.revision + 1):
+                    for event in batch.events:
+                        if event.type is EventType.PUT:
+                            self._apply_put(event.kv)
+                        else:
+                            self._apply_delete(event.kv.key, event.kv.mod_revision)
+                    self.revision = max(self.revision, batch.revision)
+                    backoff = 0.1
+            except Compacted:
+                log.warning("registry watch compacted at revision %d; re-listing", self.revision)
+                await self._relist_until_done()
+            except (StoreError, TimeoutError, OSError) as exc:
+                log.warning("registry watch failed (%s); resuming from revision %d in %.1fs",
+                            exc, self.revision, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+
+    async def _relist_until_done(self) -> None:
+        backoff = 0.1
+        while True:
+            try:
+                await self._relist()
+                return
+            except (StoreError, TimeoutError, OSError) as exc:
+                log.warning("registry re-list failed (%s); retry in %.1fs", exc, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+
+    def _apply_put(self, kv: KeyValue) -> None:
+        try:
+            if kv.key.startswith(self._entries_prefix):
+                self._index.put_entry(registry_pb2.Entry.FromString(kv.value), kv.mod_revision)
+            elif kv.key.startswith(self._engines_prefix):
+                self._index.put_engine(types_pb2.Engine.FromString(kv.value), kv.mod_revision)
+        except Exception:
+            log.exception("skipping unreadable registry record %r", kv.key)
+
+    def _apply_delete(self, key: bytes, revision: int) -> None:
+        if key.startswith(self._entries_prefix):
+            self._index.delete_entry(self._keys.parse_entry(key), revision)
+        elif key.startswith(self._engines_prefix):
+            self._index.delete_engine(unquote(key[len(self._engines_prefix):].decode()), revision)

@@ -1,0 +1,183 @@
+"""The in-memory index every lookup is served from, fed by the store (list + watch).
+
+It mirrors the store's entries and engines of this deployment, so its size is
+bounded by the registry's caps on what it writes (per-tenant entry cap, engine
+cap, ``max_index_entries``); records arriving past the hard cap are dropped
+from memory (logged) rather than growing it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from kvbridge.registry.v1 import registry_pb2
+from kvbridge.types.v1 import types_pb2
+
+from .hashrecord import HashRecord
+
+log = logging.getLogger(__name__)
+
+EntryId = tuple[str, str, str]  # (tenant, model, conversation_key)
+
+
+def record_of(entry: registry_pb2.Entry) -> HashRecord:
+    """The hash record of a stored (compact) entry."""
+    return HashRecord.from_stored(
+        entry.block_hashes,
+        entry.chain_stride or 1,
+        entry.final_block_hash,
+        entry.token_count // entry.block_size,
+    )
+
+
+@dataclass(slots=True)
+class IndexedEntry:
+    id: EntryId
+    entry: registry_pb2.Entry
+    record: HashRecord
+    mod_revision: int
+    last_used: float = field(default_factory=time.monotonic)
+
+    def expired(self, now_s: float) -> bool:
+        exp = self.entry.expire_time
+        return self.entry.HasField("expire_time") and (exp.seconds + exp.nanos / 1e9) <= now_s
+
+
+class RegistryIndex:
+    def __init__(self, max_entries: int = 1_000_000, max_engines: int = 10_000, content_stride: int = 16) -> None:
+        self._max_entries = max_entries
+        # Content-addressed lookups index only hashes at multiples of this many blocks (plus each
+        # entry's final block), bounding memory; verification then uses the entry's finer record.
+        self.content_stride = content_stride
+        self._max_engines = max_engines
+        self.entries: dict[EntryId, IndexedEntry] = {}
+        # Per tenant, entries in least-recently-used order (first = oldest idle).
+        self._by_tenant: dict[str, OrderedDict[EntryId, None]] = {}
+        # Block hash -> the entry (or entries) holding it. Chains are seeded by tenant and model, so
+        # honest hashes never collide across tenants; callers still filter candidates by tenant.
+        self._content: dict[bytes, EntryId | set[EntryId]] = {}
+        self.engines: dict[str, types_pb2.Engine] = {}
+        self._engine_revs: dict[str, int] = {}
+        # Recent deletions (id -> revision), so a late event of an older put does not resurrect an
+        # entry deleted by this replica ahead of its watch. FIFO-capped.
+        self._tombstones: OrderedDict[EntryId, int] = OrderedDict()
+        self._max_tombstones = 100_000
+
+    # --- mutation (from the watch, or right after our own successful write) ---
+
+    def put_entry(self, entry: registry_pb2.Entry, mod_revision: int) -> None:
+        eid: EntryId = (entry.key.tenant, entry.key.model, entry.key.conversation_key)
+        if self._tombstones.get(eid, 0) >= mod_revision:
+            return
+        old = self.entries.get(eid)
+        if old is not None:
+            if old.mod_revision >= mod_revision:
+                return
+            self._unlink(old)
+        elif len(self.entries) >= self._max_entries:
+            log.error("registry index full (%d entries); not indexing %s", self._max_entries, eid)
+            return
+        item = IndexedEntry(eid, entry, record_of(entry), mod_revision)
+        self.entries[eid] = item
+        self._by_tenant.setdefault(eid[0], OrderedDict())[eid] = None
+        for h in self._content_hashes(item):
+            holders = self._content.get(h)
+            if holders is None:
+                self._content[h] = eid
+            elif isinstance(holders, set):
+                holders.add(eid)
+            elif holders != eid:
+                self._content[h] = {holders, eid}
+
+    def delete_entry(self, eid: EntryId, revision: int) -> None:
+        old = self.entries.get(eid)
+        if old is not None and old.mod_revision < revision:
+            self._unlink(old)
+            del self.entries[eid]
+        if self._tombstones.get(eid, 0) < revision:
+            self._tombstones[eid] = revision
+            self._tombstones.move_to_end(eid)
+            while len(self._tombstones) > self._max_tombstones:
+                self._tombstones.popitem(last=False)
+
+    def _unlink(self, item: IndexedEntry) -> None:
+        tenant = item.id[0]
+        if item.id in self.entries and self.entries[item.id] is item:
+            order = self._by_tenant.get(tenant)
+            if order is not None:
+                order.pop(item.id, None)
+                if not order:
+                    del self._by_tenant[tenant]
+        for h in self._content_hashes(item):
+            holders = self._content.get(h)
+            if holders == item.id:
+                del self._content[h]
+            elif isinstance(holders, set):
+                holders.discard(item.id)
+                if len(holders) == 1:
+                    self._content[h] = next(iter(holders))
+
+    def _content_hashes(self, item: IndexedEntry) -> list[bytes]:
+        last = item.record.blocks - 1
+        return [h for pos, h in item.record.positions() if (pos + 1) % self.content_stride == 0 or pos == last]
+
+    def put_engine(self, engine: types_pb2.Engine, mod_revision: int) -> None:
+        if self._engine_revs.get(engine.engine_id, 0) >= mod_revision:
+            return
+        if engine.engine_id not in self.engines and len(self.engines) >= self._max_engines:
+            log.error("registry index holds %d engines (cap); not indexing %s", self._max_engines, engine.engine_id)
+            return
+        self.engines[engine.engine_id] = engine
+        self._engine_revs[engine.engine_id] = mod_revision
+
+    def delete_engine(self, engine_id: str, revision: int) -> None:
+        if self._engine_revs.get(engine_id, 0) < revision:
+            self.engines.pop(engine_id, None)
+            self._engine_revs.pop(engine_id, None)
+
+    def clear(self) -> None:
+        self.entries.clear()
+        self._by_tenant.clear()
+        self._content.clear()
+        self.engines.clear()
+        self._engine_revs.clear()
+        self._tombstones.clear()
+
+    # --- queries ---
+
+    def touch(self, eid: EntryId) -> None:
+        item = self.entries.get(eid)
+        if item is not None:
+            item.last_used = time.monotonic()
+            self._by_tenant[eid[0]].move_to_end(eid)
+
+    def tenant_count(self, tenant: str) -> int:
+        return len(self._by_tenant.get(tenant, ()))
+
+    def oldest_idle(self, tenant: str, exclude: EntryId | None = None) -> IndexedEntry | None:
+        for eid in self._by_tenant.get(tenant, ()):
+            if eid != exclude:
+                return self.entries[eid]
+        return None
+
+    def holders(self, tenant: str, model: str, block_hash: bytes, limit: int = 1 << 30) -> list[EntryId]:
+        """Up to ``limit`` entries of (tenant, model) holding ``block_hash``."""
+        found = self._content.get(block_hash)
+        if found is None:
+            return []
+        if not isinstance(found, set):
+            return [found] if found[0] == tenant and found[1] == model else []
+        out: list[EntryId] = []
+        for e in found:
+            if e[0] == tenant and e[1] == model:
+                out.append(e)
+                if len(out) >= limit:
+                    break
+        return out
+
+    def iter_entries(self) -> Iterator[IndexedEntry]:
+        return iter(list(self.entries.values()))

@@ -1,0 +1,162 @@
+"""gRPC servicer of kvbridge.registry.v1.RegistryService: authenticate, delegate, translate errors."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from kvbridge.errors import FailedPrecondition, Reason, invalid_field
+from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
+from kvbridge_services.common.auth import Authenticator
+from kvbridge_services.common.boundary import rpc_boundary, stream_boundary
+from kvbridge_services.common.keys import KeyLayout
+from kvbridge_services.common.store.base import Compacted, EventType, Store
+
+from . import validation as v
+from .core import Registry
+
+Ctx = grpc.aio.ServicerContext[Any, Any]
+_MAX_PROGRESS_S = 300.0
+_DEFAULT_PROGRESS_S = 10.0
+
+
+class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
+    def __init__(self, registry: Registry, auth: Authenticator, store: Store, keys: KeyLayout) -> None:
+        self._registry = registry
+        self._auth = auth
+        self._store = store
+        self._keys = keys
+
+    @rpc_boundary
+    async def RegisterEngine(
+        self, request: registry_pb2.RegisterEngineRequest, context: Ctx
+    ) -> registry_pb2.RegisterEngineResponse:
+        principal = self._auth.authenticate(context)
+        if not request.HasField("engine"):
+            raise invalid_field("engine", "required")
+        engine = await self._registry.register_engine(principal, request.engine)
+        return registry_pb2.RegisterEngineResponse(engine=engine)
+
+    @rpc_boundary
+    async def DeregisterEngine(
+        self, request: registry_pb2.DeregisterEngineRequest, context: Ctx
+    ) -> registry_pb2.DeregisterEngineResponse:
+        await self._registry.deregister_engine(self._auth.authenticate(context), request.engine_id)
+        return registry_pb2.DeregisterEngineResponse()
+
+    @rpc_boundary
+    async def GetEngine(
+        self, request: registry_pb2.GetEngineRequest, context: Ctx
+    ) -> registry_pb2.GetEngineResponse:
+        self._auth.authenticate(context)
+        return registry_pb2.GetEngineResponse(engine=self._registry.get_engine(request.engine_id))
+
+    @rpc_boundary
+    async def ListEngines(
+        self, request: registry_pb2.ListEnginesRequest, context: Ctx
+    ) -> registry_pb2.ListEnginesResponse:
+        self._auth.authenticate(context)
+        return self._registry.list_engines(request)
+
+    @rpc_boundary
+    async def RegisterEntry(
+        self, request: registry_pb2.RegisterEntryRequest, context: Ctx
+    ) -> registry_pb2.RegisterEntryResponse:
+        return await self._registry.register_entry(self._auth.authenticate(context), request)
+
+    @rpc_boundary
+    async def LookupEntry(
+        self, request: registry_pb2.LookupEntryRequest, context: Ctx
+    ) -> registry_pb2.LookupEntryResponse:
+        return self._registry.lookup(self._auth.authenticate(context), request)
+
+    @rpc_boundary
+    async def GetEntry(
+        self, request: registry_pb2.GetEntryRequest, context: Ctx
+    ) -> registry_pb2.GetEntryResponse:
+        entry = await self._registry.get_entry(self._auth.authenticate(context), request.key)
+        return registry_pb2.GetEntryResponse(entry=entry)
+
+    @rpc_boundary
+    async def ListEntries(
+        self, request: registry_pb2.ListEntriesRequest, context: Ctx
+    ) -> registry_pb2.ListEntriesResponse:
+        return await self._registry.list_entries(self._auth.authenticate(context), request)
+
+    @rpc_boundary
+    async def DeleteEntry(
+        self, request: registry_pb2.DeleteEntryRequest, context: Ctx
+    ) -> registry_pb2.DeleteEntryResponse:
+        entry = await self._registry.delete_entry(self._auth.authenticate(context), request.key, request.reason)
+        return registry_pb2.DeleteEntryResponse(entry=entry)
+
+    @stream_boundary
+    async def WatchEntries(
+        self, request: registry_pb2.WatchEntriesRequest, context: Ctx
+    ) -> AsyncIterator[registry_pb2.WatchEntriesResponse]:
+        principal = self._auth.authenticate(context)
+        v.check_tenant_field("tenant", request.tenant)
+        if request.tenant:
+            tenant: str | None = principal.tenant_for(request.tenant)
+        else:
+            principal.require_service()
+            tenant = None
+        if request.engine_id:
+            v.check_id("engine_id", request.engine_id)
+        if request.start_revision < 0:
+            raise invalid_field("start_revision", "must be >= 0")
+        progress = request.progress_interval.ToTimedelta().total_seconds() or _DEFAULT_PROGRESS_S
+        if not 0 < progress <= _MAX_PROGRESS_S:
+            raise invalid_field("progress_interval", f"must be in (0, {_MAX_PROGRESS_S:.0f}s]")
+        prefix = self._keys.entries_prefix(tenant)
+
+        def wanted(entry: registry_pb2.Entry) -> bool:
+            return not request.engine_id or entry.engine_id == request.engine_id
+
+        start = request.start_revision
+        if start == 0:
+            snapshot = registry_pb2.WatchEntriesResponse(snapshot_complete=True)
+            after: bytes | None = None
+            while True:
+                kvs, revision = await self._store.range_prefix(prefix, start_after=after, limit=500)
+                start = start or revision
+                for kv in kvs:
+                    entry = registry_pb2.Entry.FromString(kv.value)
+                    if wanted(entry):
+                        snapshot.events.add(type=registry_pb2.EntryEvent.TYPE_PUT, entry=entry,
+                                            revision=kv.mod_revision)
+                if len(kvs) < 500:
+                    break
+                after = kvs[-1].key
+            snapshot.revision = start
+            yield snapshot
+            start += 1
+        try:
+            async for batch in self._store.watch_prefix(prefix, start_revision=start, progress_interval_s=progress):
+                out = registry_pb2.WatchEntriesResponse(revision=batch.revision)
+                for event in batch.events:
+                    if event.type is EventType.PUT:
+                        entry = registry_pb2.Entry.FromString(event.kv.value)
+                        kind = registry_pb2.EntryEvent.TYPE_PUT
+                    else:
+                        entry = _deleted_entry(self._keys, event.kv.key, event.prev_kv)
+                        kind = registry_pb2.EntryEvent.TYPE_DELETE
+                    if wanted(entry):
+                        out.events.add(type=kind, entry=entry, revision=event.kv.mod_revision)
+                if out.events or not batch.events:
+                    yield out
+        except Compacted as exc:
+            raise FailedPrecondition(
+                Reason.INVALID_FIELD,
+                f"start_revision is compacted; restart from {exc.compact_revision} or 0 for a snapshot",
+                metadata={"field": "start_revision", "compact_revision": str(exc.compact_revision)},
+            ) from None
+
+
+def _deleted_entry(keys: KeyLayout, key: bytes, prev: object) -> registry_pb2.Entry:
+    value = getattr(prev, "value", b"")
+    if value:
+        return registry_pb2.Entry.FromString(value)
+    tenant, model, conv = keys.parse_entry(key)
+    return registry_pb2.Entry(key=registry_pb2.EntryKey(tenant=tenant, model=model, conversation_key=conv))

@@ -1,0 +1,174 @@
+"""Validation of every request field. Raises kvbridge.errors (INVALID_FIELD / TOO_LARGE)."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+from kvbridge.errors import InvalidArgument, Reason, invalid_field
+from kvbridge.hashchain import HASH_BYTES, MAX_BLOCK_SIZE
+from kvbridge.registry.v1 import registry_pb2
+from kvbridge.types.v1 import types_pb2
+
+ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+# Served model names ("Qwen/Qwen3-0.6B", "org/model@rev"): printable ASCII without spaces.
+MODEL_RE = re.compile(r"[!-~]{1,256}")
+CONVERSATION_KEY_RE = re.compile(r"[ -~]{1,256}")
+ENGINE_REQUEST_ID_RE = re.compile(r"[!-~]{1,256}")
+HOST_RE = re.compile(r"[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]|[0-9A-Fa-f:]{2,45}")
+URL_RE = re.compile(r"https?://[!-~]{1,2040}")
+MAX_CAPABILITIES = 64
+MAX_PARALLEL = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_blocks_per_chain: int = 32768
+    max_kv_groups: int = 16
+
+
+def too_large(field: str, message: str) -> InvalidArgument:
+    return InvalidArgument(Reason.TOO_LARGE, f"{field}: {message}", metadata={"field": field})
+
+
+def check_id(field: str, value: str) -> str:
+    if not ID_RE.fullmatch(value):
+        raise invalid_field(field, "must match [A-Za-z0-9._:-]{1,128}")
+    return value
+
+
+def check_model(field: str, value: str) -> str:
+    if not MODEL_RE.fullmatch(value):
+        raise invalid_field(field, "must be 1..256 printable ASCII characters without spaces")
+    return value
+
+
+def check_conversation_key(field: str, value: str) -> str:
+    if not CONVERSATION_KEY_RE.fullmatch(value):
+        raise invalid_field(field, "must be 1..256 printable ASCII characters")
+    return value
+
+
+def check_tenant_field(field: str, value: str) -> None:
+    """Tenant fields may be empty (the caller's tenant) or an id."""
+    if value:
+        check_id(field, value)
+
+
+def check_block_size(field: str, value: int) -> int:
+    if not 1 <= value <= MAX_BLOCK_SIZE:
+        raise invalid_field(field, f"must be 1..{MAX_BLOCK_SIZE}")
+    return value
+
+
+def check_hashes(field: str, hashes: list[bytes] | tuple[bytes, ...], limits: Limits) -> None:
+    if len(hashes) > limits.max_blocks_per_chain:
+        raise too_large(field, f"at most {limits.max_blocks_per_chain} block hashes")
+    for i, h in enumerate(hashes):
+        if len(h) != HASH_BYTES:
+            raise invalid_field(f"{field}[{i}]", f"block hashes are exactly {HASH_BYTES} bytes")
+
+
+def blocks_for(token_count: int, block_size: int) -> int:
+    return -(-token_count // block_size)
+
+
+def check_entry_for_register(entry: registry_pb2.Entry, limits: Limits) -> None:
+    """Every field of an Entry a decode engine registers (tenant handled by the caller)."""
+    check_tenant_field("entry.key.tenant", entry.key.tenant)
+    check_model("entry.key.model", entry.key.model)
+    check_conversation_key("entry.key.conversation_key", entry.key.conversation_key)
+    check_id("entry.engine_id", entry.engine_id)
+    if not ENGINE_REQUEST_ID_RE.fullmatch(entry.engine_request_id):
+        raise invalid_field("entry.engine_request_id", "must be 1..256 printable ASCII characters without spaces")
+    bs = check_block_size("entry.block_size", entry.block_size)
+    if entry.token_count < 1:
+        raise invalid_field("entry.token_count", "must be >= 1")
+    blocks = blocks_for(entry.token_count, bs)
+    if blocks > limits.max_blocks_per_chain:
+        raise too_large("entry.token_count", f"at most {limits.max_blocks_per_chain} blocks per entry")
+    if not entry.block_ids:
+        raise invalid_field("entry.block_ids", "at least one KV-cache group is required")
+    if len(entry.block_ids) > limits.max_kv_groups:
+        raise too_large("entry.block_ids", f"at most {limits.max_kv_groups} KV-cache groups")
+    for g, group in enumerate(entry.block_ids):
+        if len(group.ids) != blocks:
+            raise invalid_field(
+                f"entry.block_ids[{g}]", f"has {len(group.ids)} ids; token_count/block_size needs {blocks}"
+            )
+    hashes = list(entry.block_hashes)
+    check_hashes("entry.block_hashes", hashes, limits)
+    full_blocks = entry.token_count // bs
+    if full_blocks == 0:
+        raise invalid_field("entry.token_count", "an entry needs at least one full block")
+    if len(hashes) != full_blocks:
+        raise invalid_field(
+            "entry.block_hashes", f"need {full_blocks} hashes, one per full block of the retained tokens"
+        )
+    if entry.chain_stride not in (0, 1):
+        raise invalid_field("entry.chain_stride", "a registration carries the whole chain (0 or 1)")
+    if entry.final_block_hash and entry.final_block_hash != hashes[-1]:
+        raise invalid_field("entry.final_block_hash", "must be empty or equal the last block hash")
+    if entry.lease_id == 0:
+        raise invalid_field("entry.lease_id", "required")
+    if entry.epoch == 0:
+        raise invalid_field("entry.epoch", "must be >= 1")
+    if entry.HasField("expire_time") and not 0 <= entry.expire_time.nanos < 1_000_000_000:
+        raise invalid_field("entry.expire_time", "not a valid timestamp")
+
+
+def check_register_request(request: registry_pb2.RegisterEntryRequest, limits: Limits) -> None:
+    check_id("request_id", request.request_id)
+    if not request.HasField("entry"):
+        raise invalid_field("entry", "required")
+    check_entry_for_register(request.entry, limits)
+
+
+def check_lookup_request(request: registry_pb2.LookupEntryRequest, limits: Limits) -> None:
+    check_tenant_field("tenant", request.tenant)
+    check_model("model", request.model)
+    if request.conversation_key:
+        check_conversation_key("conversation_key", request.conversation_key)
+    check_block_size("block_size", request.block_size)
+    check_hashes("block_hashes", list(request.block_hashes), limits)
+
+
+def check_entry_key(field: str, key: registry_pb2.EntryKey) -> None:
+    check_tenant_field(f"{field}.tenant", key.tenant)
+    check_model(f"{field}.model", key.model)
+    check_conversation_key(f"{field}.conversation_key", key.conversation_key)
+
+
+def check_engine(engine: types_pb2.Engine, limits: Limits) -> None:
+    check_id("engine.engine_id", engine.engine_id)
+    if engine.role not in types_pb2.EngineRole.values() or engine.role == types_pb2.ENGINE_ROLE_UNSPECIFIED:
+        raise invalid_field("engine.role", "required")
+    check_model("engine.model", engine.model)
+    if engine.http_url and not URL_RE.fullmatch(engine.http_url):
+        raise invalid_field("engine.http_url", "must be an http(s) URL of printable ASCII, at most 2048 chars")
+    if not HOST_RE.fullmatch(engine.kv_host):
+        raise invalid_field("engine.kv_host", "must be a host name or IP address")
+    if not 1 <= engine.kv_port <= 65535:
+        raise invalid_field("engine.kv_port", "must be 1..65535")
+    for name in ("dp_size", "tp_size", "pp_size", "dcp_size"):
+        if getattr(engine, name) > MAX_PARALLEL:
+            raise invalid_field(f"engine.{name}", f"must be <= {MAX_PARALLEL}")
+    if engine.dp_size and engine.dp_rank >= engine.dp_size:
+        raise invalid_field("engine.dp_rank", "must be < dp_size")
+    check_block_size("engine.block_size", engine.block_size)
+    if not 1 <= engine.kv_group_count <= limits.max_kv_groups:
+        raise invalid_field("engine.kv_group_count", f"must be 1..{limits.max_kv_groups}")
+    if len(engine.capabilities) > MAX_CAPABILITIES:
+        raise too_large("engine.capabilities", f"at most {MAX_CAPABILITIES}")
+    for i, cap in enumerate(engine.capabilities):
+        check_id(f"engine.capabilities[{i}]", cap)
+    if engine.node_lease_id == 0:
+        raise invalid_field("engine.node_lease_id", "required: the engine's liveness lease")
+
+
+def page_size(field: str, value: int, default: int = 100, maximum: int = 1000) -> int:
+    if value == 0:
+        return default
+    if value > maximum:
+        raise invalid_field(field, f"must be 0..{maximum}")
+    return value
