@@ -1,0 +1,60 @@
+"""Composition root: ``python -m kvbridge_services.gateway`` (settings from KVBRIDGE_GATEWAY_* env)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import signal
+
+from kvbridge_services.common.telemetry import Telemetry
+
+from .app import GatewayApp
+from .config import GatewaySettings
+
+_HELP = """KV-cache-aware gateway for P/D-disaggregated vLLM (OpenAI HTTP + gRPC front doors).
+
+Settings come from KVBRIDGE_GATEWAY_* environment variables, e.g.
+  KVBRIDGE_GATEWAY_HTTP_PORT=8080 KVBRIDGE_GATEWAY_GRPC_PORT=50053
+  KVBRIDGE_GATEWAY_REGISTRY_ADDRESS=127.0.0.1:50051 KVBRIDGE_GATEWAY_LEASE_ADDRESS=127.0.0.1:50052
+  KVBRIDGE_GATEWAY_PREFILL_ENGINES=http://p0:8000  KVBRIDGE_GATEWAY_DECODE_ENGINES=http://d0:8000
+    (or a JSON list of {"url", "model", "engine_id", "kv_host", "kv_port", "block_size", "register_in_registry"})
+  KVBRIDGE_GATEWAY_HASH_SECRET_HEX=<32..128 hex chars>  KVBRIDGE_GATEWAY_API_KEYS_FILE=keys.json
+  KVBRIDGE_GATEWAY_REUSE_THRESHOLD_TOKENS=64  KVBRIDGE_GATEWAY_COMPAT_REGISTRATION=true
+Tracing: OTEL_EXPORTER_OTLP_ENDPOINT=http://jaeger:4317 (OTLP/gRPC; off when unset), OTEL_SERVICE_NAME,
+  KVBRIDGE_TELEMETRY_HASH_KEY_HEX (key hashing tenant/conversation span attributes). Metrics: GET /metrics.
+Flags below override the environment."""
+
+
+async def _serve(settings: GatewaySettings) -> None:
+    telemetry = Telemetry.from_env("kvbridge-gateway")
+    app = GatewayApp(settings, telemetry=telemetry)
+    await app.start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        with contextlib.suppress(NotImplementedError):
+            loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    await app.stop()
+    telemetry.shutdown()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m kvbridge_services.gateway", description=_HELP,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--http-port", type=int, help="HTTP port (default 8080)")
+    parser.add_argument("--grpc-port", type=int, help="gRPC port (default 50053)")
+    parser.add_argument("--host", help="bind address (default 127.0.0.1)")
+    args = parser.parse_args(argv)
+    overrides = {k: v for k, v in (("http_port", args.http_port), ("grpc_port", args.grpc_port),
+                                   ("host", args.host)) if v is not None}
+    settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
+    logging.basicConfig(level=settings.log_level.upper(),
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    asyncio.run(_serve(settings))
+
+
+if __name__ == "__main__":
+    main()

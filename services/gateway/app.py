@@ -1,0 +1,86 @@
+"""GatewayApp: the gateway assembled in-process (HTTP + gRPC on one core), for ``__main__`` and tests."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import secrets
+
+import uvicorn
+from kvbridge.gateway.v1 import gateway_pb2_grpc
+from kvbridge_services.common.auth import Authenticator
+from kvbridge_services.common.config import ServerSettings
+from kvbridge_services.common.server import GrpcServer, ServiceBinding
+from kvbridge_services.common.telemetry import Telemetry
+
+from .config import GatewaySettings
+from .control import ControlPlane
+from .grpc_api import GatewayServicer
+from .http_api import build_http_app
+from .service import GatewayCore
+
+log = logging.getLogger(__name__)
+SERVICE_NAME = "kvbridge.gateway.v1.GatewayService"
+
+
+class GatewayApp:
+    """``await app.start()`` binds HTTP and gRPC (port 0 picks free ports); ``await app.stop()``."""
+
+    def __init__(self, settings: GatewaySettings, *, auth: Authenticator | None = None,
+                 server_settings: ServerSettings | None = None, telemetry: Telemetry | None = None) -> None:
+        self.settings = settings
+        # Tracing (OTEL_*, set up by the composition root) and the registry behind /metrics.
+        self.telemetry = telemetry or Telemetry.disabled("kvbridge-gateway")
+        secret = bytes.fromhex(settings.hash_secret_hex) if settings.hash_secret_hex else b""
+        if not secret:
+            log.warning("no hash_secret_hex configured: using a random secret (no entry registered elsewhere "
+                        "will verify, and restarts lose reuse)")
+            secret = secrets.token_bytes(32)
+        auth = auth or Authenticator.from_file(settings.api_keys_file)
+        control = ControlPlane(settings.registry_address, settings.lease_address, api_key=settings.control_api_key,
+                               timeout_s=settings.control_timeout_s, tracer=self.telemetry.tracer)
+        self.core = GatewayCore(settings, auth, control, secret, telemetry=self.telemetry)
+        self.http_app = build_http_app(self.core)
+        grpc_settings = (server_settings or ServerSettings()).model_copy(update={"host": settings.host})
+        self._grpc = GrpcServer(grpc_settings, settings.grpc_port, [
+            ServiceBinding(SERVICE_NAME, GatewayServicer(self.core),
+                           gateway_pb2_grpc.add_GatewayServiceServicer_to_server)], telemetry=self.telemetry)
+        config = uvicorn.Config(self.http_app, host=settings.host, port=settings.http_port, log_level="warning",
+                                lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+        self._http = uvicorn.Server(config)
+        self._http_task: asyncio.Task[None] | None = None
+
+    @property
+    def http_url(self) -> str:
+        servers = getattr(self._http, "servers", [])
+        port: int = servers[0].sockets[0].getsockname()[1] if servers else self.settings.http_port
+        return f"http://{self.settings.host}:{port}"
+
+    @property
+    def grpc_address(self) -> str:
+        return str(self._grpc.address)
+
+    async def start(self) -> None:
+        await self.core.start()
+        await self._grpc.start()
+        self._http_task = asyncio.create_task(self._http.serve())
+        while not self._http.started:
+            if self._http_task.done():
+                self._http_task.result()
+                raise OSError("HTTP server exited at start")
+            await asyncio.sleep(0.01)
+        log.info("gateway HTTP on %s, gRPC on %s", self.http_url, self.grpc_address)
+
+    async def stop(self) -> None:
+        self._http.should_exit = True
+        if self._http_task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._http_task
+        await self._grpc.stop(1.0)
+        await self.core.stop()
+        await asyncio.to_thread(self.telemetry.force_flush)  # exporting blocks: off the event loop
+
+    async def wait(self) -> None:
+        if self._http_task is not None:
+            await self._http_task

@@ -1,0 +1,115 @@
+"""Gateway settings (env prefix ``KVBRIDGE_GATEWAY_``), read only by the composition root."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pydantic import BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, SettingsConfigDict
+
+
+class StaticEngine(BaseModel):
+    """An engine given by configuration rather than found in the registry.
+
+    With ``engine_id``/``kv_host``/``kv_port`` set (``register_in_registry=True``), the gateway registers it in the
+    registry under a node lease it keeps alive, so stock vLLM engines can serve reuse (compatibility mode).
+    """
+
+    url: str
+    model: str = ""
+    engine_id: str = ""
+    kv_host: str = ""
+    kv_port: int = Field(default=0, ge=0, lt=65536)
+    block_size: int = Field(default=0, ge=0, le=1024)
+    register_in_registry: bool = False
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"engine url {value!r} must start with http:// or https://")
+        return value.rstrip("/")
+
+
+def _engines(value: object) -> object:
+    """Accepts a JSON list (of URLs or objects) or a comma-separated URL list."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return []
+        if text.startswith("["):
+            value = json.loads(text)
+        else:
+            return [{"url": u.strip()} for u in text.split(",") if u.strip()]
+    if isinstance(value, list):
+        return [{"url": v} if isinstance(v, str) else v for v in value]
+    return value
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVBRIDGE_GATEWAY_", extra="ignore")
+
+    host: str = "127.0.0.1"
+    http_port: int = Field(default=8080, ge=0, lt=65536)
+    grpc_port: int = Field(default=50053, ge=0, lt=65536)
+
+    # Control plane (gRPC only). Empty address: run without it (no reuse, plain P/D routing).
+    registry_address: str = "127.0.0.1:50051"
+    lease_address: str = "127.0.0.1:50052"
+    # API key the gateway presents to registry and lease manager (a service principal there).
+    control_api_key: str | None = None
+    control_timeout_s: float = Field(default=1.0, gt=0, le=30)
+
+    # Client API keys (JSON, see services/common/auth.py); unset = insecure dev mode.
+    api_keys_file: Path | None = None
+    # Hex of the deployment's hash-chain secret (shared with registry clients and the connector).
+    hash_secret_hex: str = ""
+
+    # Engine pools: static config plus engines registered in the registry.
+    prefill_engines: list[StaticEngine] = Field(default_factory=list)
+    decode_engines: list[StaticEngine] = Field(default_factory=list)
+    engines_from_registry: bool = True
+    registry_refresh_s: float = Field(default=5.0, gt=0, le=600)
+    health_interval_s: float = Field(default=2.0, gt=0, le=600)
+    health_timeout_s: float = Field(default=1.0, gt=0, le=60)
+    # Weight of vLLM's KV usage (0..1) against outstanding requests in the load score.
+    kv_usage_weight: float = Field(default=4.0, ge=0, le=1000)
+
+    # Reuse policy.
+    reuse_enabled: bool = True
+    reuse_threshold_tokens: int = Field(default=64, ge=1, le=10_000_000)
+    default_block_size: int = Field(default=16, ge=1, le=1024)
+    # Compatibility mode: stock vLLM, no connector: the gateway registers entries from D's responses.
+    compat_registration: bool = True
+    # Stock vLLM frees D's blocks when P reads them: every entry serves one prefill.
+    single_use_entries: bool = True
+    entry_lease_ttl_s: float = Field(default=300.0, gt=0, le=86_400)
+    # Content-addressed lookups for requests without a conversation key.
+    content_lookup: bool = False
+
+    # Limits.
+    max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
+    max_messages: int = Field(default=2048, ge=1, le=1_000_000)
+    max_prompt_tokens: int = Field(default=1_000_000, ge=1)
+    max_concurrency: int = Field(default=512, ge=1, le=1_000_000)
+    tokenize_timeout_s: float = Field(default=30.0, gt=0, le=3600)
+    prefill_timeout_s: float = Field(default=300.0, gt=0, le=3600)
+    decode_timeout_s: float = Field(default=600.0, gt=0, le=7200)
+    connect_timeout_s: float = Field(default=5.0, gt=0, le=600)
+
+    log_level: str = "INFO"
+
+    @field_validator("prefill_engines", "decode_engines", mode="before")
+    @classmethod
+    def _parse_engines(cls, value: object) -> object:
+        return _engines(value)
+
+    @field_validator("hash_secret_hex")
+    @classmethod
+    def _check_secret(cls, value: str) -> str:
+        if value:
+            raw = bytes.fromhex(value)
+            if not 16 <= len(raw) <= 64:
+                raise ValueError("hash_secret_hex must decode to 16..64 bytes")
+        return value

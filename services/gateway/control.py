@@ -1,0 +1,218 @@
+"""The gateway's view of the control plane: registry and lease manager, over gRPC only.
+
+Every call has a deadline. Callers treat :class:`ControlPlaneError` as "no reuse this turn"
+(fail open to recompute), never as a client error.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import uuid
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Concatenate, ParamSpec, TypeVar
+
+import grpc
+from google.protobuf import duration_pb2
+from kvbridge.errors import KvbridgeError, from_rpc_error
+from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
+from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
+from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common.telemetry import client_interceptors
+from opentelemetry import trace
+
+log = logging.getLogger(__name__)
+P = ParamSpec("P")
+R = TypeVar("R")
+_REGISTRY = "kvbridge.registry.v1.RegistryService/"
+_LEASE = "kvbridge.lease.v1.LeaseService/"
+
+
+class ControlPlaneError(Exception):
+    """The registry or lease manager failed or is not configured."""
+
+    def __init__(self, message: str, *, reason: str = "") -> None:
+        super().__init__(message)
+        self.reason = reason
+
+
+def _duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+def _traced(name: str) -> Callable[[Callable[Concatenate[ControlPlane, P], Awaitable[R]]],
+                                   Callable[Concatenate[ControlPlane, P], Awaitable[R]]]:
+    """A CLIENT span around a control-plane call made within a turn's trace; its context travels in the
+    call's metadata (client interceptors). Background calls outside any trace (engine list refresh, node
+    lease renewal) stay untraced rather than opening a root trace every few seconds."""
+
+    def decorate(fn: Callable[Concatenate[ControlPlane, P], Awaitable[R]]
+                 ) -> Callable[Concatenate[ControlPlane, P], Awaitable[R]]:
+        @functools.wraps(fn)
+        async def wrapper(self: ControlPlane, *args: P.args, **kwargs: P.kwargs) -> R:
+            if not trace.get_current_span().get_span_context().is_valid:
+                return await fn(self, *args, **kwargs)
+            with self._tracer.start_as_current_span(name, kind=trace.SpanKind.CLIENT):
+                return await fn(self, *args, **kwargs)
+
+        return wrapper  # type: ignore[return-value]  # functools.wraps vs Concatenate
+
+    return decorate
+
+
+class ControlPlane:
+    def __init__(self, registry_address: str, lease_address: str, *, api_key: str | None, timeout_s: float,
+                 tracer: trace.Tracer | None = None) -> None:
+        self._timeout = timeout_s
+        self._tracer = tracer or trace.get_tracer("kvbridge.gateway")
+        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
+        self._channels: list[grpc.aio.Channel] = []
+        self._registry: registry_pb2_grpc.RegistryServiceAsyncStub | None = None
+        self._lease: lease_pb2_grpc.LeaseServiceAsyncStub | None = None
+        if registry_address:
+            ch = grpc.aio.insecure_channel(registry_address, interceptors=client_interceptors())
+            self._channels.append(ch)
+            self._registry = registry_pb2_grpc.RegistryServiceStub(ch)
+        if lease_address:
+            ch = grpc.aio.insecure_channel(lease_address, interceptors=client_interceptors())
+            self._channels.append(ch)
+            self._lease = lease_pb2_grpc.LeaseServiceStub(ch)
+
+    @property
+    def enabled(self) -> bool:
+        return self._registry is not None and self._lease is not None
+
+    async def close(self) -> None:
+        for ch in self._channels:
+            await ch.close()
+
+    def _reg(self) -> registry_pb2_grpc.RegistryServiceAsyncStub:
+        if self._registry is None:
+            raise ControlPlaneError("no registry configured")
+        return self._registry
+
+    def _lse(self) -> lease_pb2_grpc.LeaseServiceAsyncStub:
+        if self._lease is None:
+            raise ControlPlaneError("no lease manager configured")
+        return self._lease
+
+    @staticmethod
+    def _wrap(exc: grpc.RpcError, what: str) -> ControlPlaneError:
+        err: KvbridgeError = from_rpc_error(exc)
+        return ControlPlaneError(f"{what}: {err}", reason=err.reason or err.code.name)
+
+    # -- registry ----------------------------------------------------------------------
+    @_traced(_REGISTRY + "LookupEntry")
+    async def lookup(self, *, tenant: str, model: str, conversation_key: str, block_hashes: Sequence[bytes],
+                     block_size: int, min_tokens: int) -> registry_pb2.LookupEntryResponse:
+        req = registry_pb2.LookupEntryRequest(tenant=tenant, model=model, conversation_key=conversation_key,
+                                              block_hashes=list(block_hashes), block_size=block_size,
+                                              min_tokens=min_tokens)
+        try:
+            resp: registry_pb2.LookupEntryResponse = await self._reg().LookupEntry(
+                req, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise self._wrap(exc, "LookupEntry") from exc
+        return resp
+
+    @_traced(_REGISTRY + "GetEntry")
+    async def entry_epoch(self, *, tenant: str, model: str, conversation_key: str) -> int:
+        """The stored epoch of a conversation's entry, 0 when there is none."""
+        key = registry_pb2.EntryKey(tenant=tenant, model=model, conversation_key=conversation_key)
+        try:
+            resp = await self._reg().GetEntry(registry_pb2.GetEntryRequest(key=key), timeout=self._timeout,
+                                              metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if exc.code() == grpc.StatusCode.NOT_FOUND:
+                return 0
+            raise self._wrap(exc, "GetEntry") from exc
+        return int(resp.entry.epoch)
+
+    @_traced(_REGISTRY + "RegisterEntry")
+    async def register_entry(self, entry: registry_pb2.Entry) -> registry_pb2.RegisterEntryResponse:
+        req = registry_pb2.RegisterEntryRequest(request_id=f"gw-{uuid.uuid4().hex}", entry=entry)
+        try:
+            resp: registry_pb2.RegisterEntryResponse = await self._reg().RegisterEntry(
+                req, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise self._wrap(exc, "RegisterEntry") from exc
+        return resp
+
+    @_traced(_REGISTRY + "DeleteEntry")
+    async def delete_entry(self, *, tenant: str, model: str, conversation_key: str) -> None:
+        key = registry_pb2.EntryKey(tenant=tenant, model=model, conversation_key=conversation_key)
+        req = registry_pb2.DeleteEntryRequest(key=key, reason=types_pb2.REVOKE_REASON_EXPIRED)
+        try:
+            await self._reg().DeleteEntry(req, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise self._wrap(exc, "DeleteEntry") from exc
+
+    @_traced(_REGISTRY + "ListEngines")
+    async def list_engines(self, page_limit: int = 20) -> list[types_pb2.Engine]:
+        engines: list[types_pb2.Engine] = []
+        token = ""
+        for _ in range(page_limit):
+            try:
+                resp = await self._reg().ListEngines(
+                    registry_pb2.ListEnginesRequest(page_size=500, page_token=token), timeout=self._timeout,
+                    metadata=self._metadata)
+            except grpc.RpcError as exc:
+                raise self._wrap(exc, "ListEngines") from exc
+            engines.extend(resp.engines)
+            token = resp.next_page_token
+            if not token:
+                break
+        return engines
+
+    @_traced(_REGISTRY + "RegisterEngine")
+    async def register_engine(self, engine: types_pb2.Engine) -> types_pb2.Engine:
+        try:
+            resp = await self._reg().RegisterEngine(registry_pb2.RegisterEngineRequest(engine=engine),
+                                                    timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise self._wrap(exc, "RegisterEngine") from exc
+        registered: types_pb2.Engine = resp.engine
+        return registered
+
+    # -- lease manager -------------------------------------------------------------------
+    @_traced(_LEASE + "GrantLease")
+    async def grant_lease(self, *, kind: int, tenant: str = "", engine_id: str, model: str = "",
+                          conversation_key: str = "", retained_tokens: int = 0, ttl_s: float) -> int:
+        req = lease_pb2.GrantLeaseRequest(kind=kind, tenant=tenant, engine_id=engine_id, model=model,  # type: ignore[arg-type]
+                                          conversation_key=conversation_key, retained_tokens=retained_tokens,
+                                          ttl=_duration(ttl_s), request_id=f"gw-{uuid.uuid4().hex}")
+        try:
+            resp = await self._lse().GrantLease(req, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise self._wrap(exc, "GrantLease") from exc
+        return int(resp.lease.lease_id)
+
+    @_traced(_LEASE + "RevokeLease")
+    async def revoke_lease(self, lease_id: int) -> None:
+        req = lease_pb2.RevokeLeaseRequest(lease_id=lease_id, reason=types_pb2.REVOKE_REASON_OPERATOR)
+        try:
+            await self._lse().RevokeLease(req, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise self._wrap(exc, "RevokeLease") from exc
+
+    @_traced(_LEASE + "KeepAlive")
+    async def keep_alive(self, *, lease_ids: Sequence[int] = (),
+                         conversations: Sequence[tuple[str, str, str]] = ()) -> list[lease_pb2.LeaseStatus]:
+        """One KeepAlive round trip renewing leases by id and conversations by (tenant, model, key)."""
+        refs = [lease_pb2.ConversationRef(tenant=t, model=m, conversation_key=k) for t, m, k in conversations]
+        req = lease_pb2.KeepAliveRequest(lease_ids=list(lease_ids), conversations=refs)
+        call = self._lse().KeepAlive(timeout=self._timeout, metadata=self._metadata)
+        try:
+            await call.write(req)
+            await call.done_writing()
+            resp = await call.read()
+        except grpc.RpcError as exc:
+            raise self._wrap(exc, "KeepAlive") from exc
+        finally:
+            call.cancel()
+        if not isinstance(resp, lease_pb2.KeepAliveResponse):
+            return []
+        return list(resp.statuses)

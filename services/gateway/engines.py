@@ -1,0 +1,160 @@
+"""Prefill and decode engine pools: static config + registry, health checks, load-aware choice."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import re
+import time
+from collections.abc import AsyncIterator, Iterable
+from dataclasses import dataclass, field
+
+import httpx
+from kvbridge.errors import Reason, Unavailable
+from kvbridge.types.v1 import types_pb2
+
+log = logging.getLogger(__name__)
+
+PREFILL, DECODE = "prefill", "decode"
+_KV_USAGE = re.compile(r"^vllm:(?:gpu_)?kv_cache_usage_perc(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.MULTILINE)
+MAX_ENGINES = 4096  # cap of the pool table
+
+
+@dataclass(slots=True)
+class EngineState:
+    url: str
+    role: str  # PREFILL | DECODE
+    model: str = ""  # "" = serves whatever it lists in /v1/models (learned by the health check)
+    engine_id: str = ""
+    record: types_pb2.Engine | None = None  # the registry's record, when known
+    source: str = "static"  # "static" | "registry"
+    healthy: bool = False
+    outstanding: int = 0
+    kv_usage: float = 0.0
+    models: set[str] = field(default_factory=set)
+    last_check: float = 0.0
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.role, self.url)
+
+    def serves(self, model: str) -> bool:
+        return model == self.model or model in self.models
+
+
+def _role_names(role: int) -> tuple[str, ...]:
+    if role == types_pb2.ENGINE_ROLE_PREFILL:
+        return (PREFILL,)
+    if role == types_pb2.ENGINE_ROLE_DECODE:
+        return (DECODE,)
+    if role == types_pb2.ENGINE_ROLE_BOTH:
+        return (PREFILL, DECODE)
+    return ()
+
+
+class EnginePool:
+    def __init__(self, http: httpx.AsyncClient, *, health_timeout_s: float, kv_usage_weight: float) -> None:
+        self._http = http
+        self._engines: dict[tuple[str, str], EngineState] = {}
+        self._health_timeout_s = health_timeout_s
+        self._kv_usage_weight = kv_usage_weight
+
+    # -- membership --------------------------------------------------------------------
+    def add_static(self, url: str, role: str, *, model: str = "", engine_id: str = "") -> EngineState:
+        state = EngineState(url=url, role=role, model=model, engine_id=engine_id)
+        self._engines.setdefault(state.key, state)
+        return self._engines[state.key]
+
+    def sync_registry(self, records: Iterable[types_pb2.Engine]) -> None:
+        """Replaces the registry-sourced members with ``records`` (live engines with an HTTP URL)."""
+        seen: set[tuple[str, str]] = set()
+        for rec in records:
+            if not rec.http_url:
+                continue
+            for role in _role_names(rec.role):
+                key = (role, rec.http_url.rstrip("/"))
+                seen.add(key)
+                state = self._engines.get(key)
+                if state is None:
+                    if len(self._engines) >= MAX_ENGINES:
+                        log.warning("engine pool full (%d); ignoring %s", MAX_ENGINES, rec.engine_id)
+                        continue
+                    state = EngineState(url=key[1], role=role, source="registry")
+                    self._engines[key] = state
+                state.record = rec
+                state.engine_id = rec.engine_id
+                state.model = state.model or rec.model
+        for key in [k for k, s in self._engines.items() if s.source == "registry" and k not in seen]:
+            del self._engines[key]
+
+    def all(self) -> list[EngineState]:
+        return list(self._engines.values())
+
+    def models(self) -> set[str]:
+        out: set[str] = set()
+        for s in self._engines.values():
+            if s.model:
+                out.add(s.model)
+            out |= s.models
+        return out
+
+    def find(self, engine_id: str) -> EngineState | None:
+        for s in self._engines.values():
+            if s.engine_id == engine_id:
+                return s
+        return None
+
+    def count(self, model: str, role: str) -> int:
+        return sum(1 for s in self._engines.values() if s.role == role and s.serves(model) and s.healthy)
+
+    # -- choice ------------------------------------------------------------------------
+    def choose(self, model: str, role: str, *, exclude: frozenset[str] = frozenset()) -> EngineState:
+        """The least loaded healthy engine of ``role`` serving ``model``."""
+        candidates = [s for s in self._engines.values()
+                      if s.role == role and s.healthy and s.serves(model) and s.url not in exclude]
+        if not candidates:
+            raise Unavailable(Reason.NO_ENGINE_AVAILABLE, f"no healthy {role} engine serves model {model!r}")
+        return min(candidates, key=lambda s: (s.outstanding + self._kv_usage_weight * s.kv_usage, s.url))
+
+    @contextlib.asynccontextmanager
+    async def using(self, engine: EngineState) -> AsyncIterator[EngineState]:
+        engine.outstanding += 1
+        try:
+            yield engine
+        finally:
+            engine.outstanding -= 1
+
+    def mark_failed(self, engine: EngineState, why: str) -> None:
+        """Passive health: a transport failure takes the engine out until its next good check."""
+        if engine.healthy:
+            log.warning("engine %s (%s) marked unhealthy: %s", engine.url, engine.role, why)
+        engine.healthy = False
+
+    # -- health --------------------------------------------------------------------------
+    async def check(self, engine: EngineState) -> None:
+        timeout = self._health_timeout_s
+        try:
+            resp = await self._http.get(f"{engine.url}/health", timeout=timeout)
+            healthy = resp.status_code == 200
+            if healthy and not engine.models:
+                models = await self._http.get(f"{engine.url}/v1/models", timeout=timeout)
+                if models.status_code == 200:
+                    engine.models = {str(m.get("id")) for m in models.json().get("data", [])[:64]
+                                     if isinstance(m, dict)}
+            if healthy:
+                metrics = await self._http.get(f"{engine.url}/metrics", timeout=timeout)
+                if metrics.status_code == 200:
+                    match = _KV_USAGE.search(metrics.text)
+                    if match:
+                        engine.kv_usage = min(1.0, max(0.0, float(match.group(1))))
+        except (httpx.HTTPError, ValueError) as exc:
+            healthy = False
+            log.debug("health check of %s failed: %s", engine.url, exc)
+        if healthy != engine.healthy:
+            log.info("engine %s (%s) is now %s", engine.url, engine.role, "healthy" if healthy else "UNHEALTHY")
+        engine.healthy = healthy
+        engine.last_check = time.monotonic()
+
+    async def check_all(self) -> None:
+        await asyncio.gather(*(self.check(e) for e in self.all()))

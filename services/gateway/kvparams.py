@@ -1,0 +1,153 @@
+"""vLLM ``kv_transfer_params`` as the gateway builds and reads them (NixlConnector, pull mode).
+
+Field names follow vLLM 0.32 ``nixl/pull_scheduler.py`` (``request_finished`` builds them, the
+scheduler's ``get_num_new_matched_tokens`` reads them). Network coordinates always come from the
+registry's Engine record, never from a client.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+# Extra keys the gateway adds for D so a kvbridge connector there can register the new state.
+CONVERSATION_KEY_PARAM = "kvbridge_conversation_key"
+TENANT_PARAM = "kvbridge_tenant"
+EPOCH_PARAM = "kvbridge_epoch"
+
+_INTERNAL_BODY_KEYS = ("kv_transfer_params", "conversation_id")
+
+
+def strip_client_params(body: dict[str, Any]) -> dict[str, Any]:
+    """The body without anything a client may not choose (kv_transfer_params, our own keys)."""
+    return {k: v for k, v in body.items() if k not in _INTERNAL_BODY_KEYS}
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, int) and not isinstance(x, bool)
+
+
+def block_groups(raw: object) -> list[list[int]]:
+    """``remote_block_ids`` as a list of groups; vLLM sends one list per KV group (older: one flat list)."""
+    if not isinstance(raw, list | tuple):
+        raise ValueError("remote_block_ids must be a list")
+    if all(_is_int(x) for x in raw):
+        return [list(raw)]
+    groups: list[list[int]] = []
+    for group in raw:
+        if not isinstance(group, list | tuple) or not all(_is_int(x) for x in group):
+            raise ValueError("remote_block_ids groups must be lists of integers")
+        groups.append(list(group))
+    return groups
+
+
+def truncate_groups(groups: Sequence[Sequence[int]], tokens: int, block_size: int) -> list[list[int]]:
+    """Each group's block ids cut to the blocks that hold the first ``tokens`` tokens (a whole number of blocks)."""
+    if block_size <= 0:
+        raise ValueError("block_size must be positive")
+    if tokens % block_size:
+        raise ValueError("tokens must be a whole number of blocks")
+    n = tokens // block_size
+    out = []
+    for group in groups:
+        if len(group) < n:
+            raise ValueError(f"a KV group holds {len(group)} blocks, fewer than the {n} needed")
+        out.append(list(group[:n]))
+    return out
+
+
+def reusable_tokens(verified: int, prompt_len: int, block_size: int) -> int:
+    """Tokens P may pull: the verified prefix, floored to a block, leaving P at least one token to compute."""
+    if prompt_len <= 1:
+        return 0
+    cap = ((prompt_len - 1) // block_size) * block_size
+    return max(0, min((verified // block_size) * block_size, cap))
+
+
+@dataclass(frozen=True, slots=True)
+class PullSource:
+    """Where D's retained KV is (from the registry's Location and Engine records)."""
+
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    block_groups: list[list[int]]
+    tp_size: int = 1
+    pp_size: int = 1
+    dcp_size: int = 1
+    # Unix time after which the blocks may be gone; None when unknown.
+    expiry_time: float | None = None
+
+
+def plain_prefill_params() -> dict[str, Any]:
+    return {"do_remote_decode": True, "do_remote_prefill": False}
+
+
+def reuse_prefill_params(source: PullSource, tokens: int, block_size: int) -> dict[str, Any]:
+    """P's params: produce KV for a remote decode, and pull the first ``tokens`` tokens' KV from D."""
+    params: dict[str, Any] = {
+        **plain_prefill_params(),
+        "remote_engine_id": source.engine_id,
+        "remote_request_id": source.request_id,
+        "remote_host": source.host,
+        "remote_port": source.port,
+        "remote_block_ids": truncate_groups(source.block_groups, tokens, block_size),
+        "remote_num_tokens": tokens,
+        "tp_size": max(1, source.tp_size),
+        "pp_size": max(1, source.pp_size),
+        "dcp_size": max(1, source.dcp_size),
+    }
+    if source.expiry_time is not None:
+        params["remote_blocks_expiry_time"] = source.expiry_time
+    return params
+
+
+def decode_params(
+    prefill_returned: dict[str, Any], *, tenant: str, conversation_key: str, epoch: int
+) -> dict[str, Any]:
+    """D's params: what P returned, plus the conversation identity for a connector on D."""
+    params = dict(prefill_returned)
+    params[TENANT_PARAM] = tenant
+    params[CONVERSATION_KEY_PARAM] = conversation_key
+    params[EPOCH_PARAM] = epoch
+    return params
+
+
+def check_prefill_returned(params: object) -> dict[str, Any]:
+    """P's returned params, if they are what D needs; ValueError otherwise."""
+    if not isinstance(params, dict):
+        raise ValueError("prefill response carries no kv_transfer_params")
+    if not params.get("do_remote_prefill"):
+        raise ValueError("prefill params lack do_remote_prefill")
+    for key in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port", "remote_block_ids"):
+        if key not in params:
+            raise ValueError(f"prefill params lack {key}")
+    return params
+
+
+@dataclass(frozen=True, slots=True)
+class Retained:
+    """What D retained after a turn (its returned params, compatibility mode)."""
+
+    engine_id: str
+    request_id: str
+    block_groups: list[list[int]]
+    token_count: int
+
+
+def retained_from_decode(params: object, sequence_len: int) -> Retained | None:
+    """D's retained blocks from its returned params, or None when D kept nothing."""
+    if not isinstance(params, dict) or not params.get("do_remote_decode"):
+        return None
+    try:
+        groups = block_groups(params.get("remote_block_ids"))
+        engine_id = params["remote_engine_id"]
+        request_id = params["remote_request_id"]
+        num = int(params.get("remote_num_tokens") or 0)
+    except (KeyError, ValueError, TypeError):
+        return None
+    if not isinstance(engine_id, str) or not isinstance(request_id, str) or not groups or not groups[0]:
+        return None
+    return Retained(engine_id, request_id, groups, min(num, sequence_len))

@@ -1,0 +1,54 @@
+"""Prometheus metrics of one gateway instance (in the service's own registry, so several can live in one process)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
+_OVERHEAD_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5)
+
+
+class GatewayMetrics:
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.requests = Counter("kvbridge_gateway_requests_total", "Client requests by route and status class",
+                                ["route", "status"], registry=r)
+        self.reuse = Counter("kvbridge_gateway_reuse_total",
+                             "Turns by reuse verdict (hit, miss, declined) and the reason of a decline",
+                             ["verdict", "reason"], registry=r)
+        self.verified_tokens = Counter("kvbridge_gateway_verified_tokens_total",
+                                       "Prompt tokens the registry verified as a prefix of stored KV",
+                                       registry=r)
+        self.pulled_tokens = Counter("kvbridge_gateway_pulled_tokens_total",
+                                     "Prompt tokens whose KV P pulled from D instead of recomputing", registry=r)
+        self.prompt_tokens = Counter("kvbridge_gateway_prompt_tokens_total",
+                                     "Prompt tokens of turns the gateway tokenized", registry=r)
+        self.reuse_retries = Counter("kvbridge_gateway_reuse_retries_total",
+                                     "Prefills retried without D params after a failure on the reuse path",
+                                     registry=r)
+        self.registrations = Counter("kvbridge_gateway_compat_registrations_total",
+                                     "Entries registered by the gateway (compatibility mode), by outcome",
+                                     ["outcome"], registry=r)
+        self.inflight = Gauge("kvbridge_gateway_inflight_requests", "Requests being served", registry=r)
+        self.latency = Histogram("kvbridge_gateway_request_seconds", "Request latency until the response starts",
+                                 ["route"], registry=r, buckets=_LATENCY_BUCKETS)
+        # TTFT as the gateway sees it: turn start until D's first response bytes (streaming) or its whole
+        # response (non-streaming, where the client gets nothing earlier).
+        self.ttft = Histogram("kvbridge_gateway_ttft_seconds", "Time to first token through the gateway, by reuse",
+                              ["reuse"], registry=r, buckets=_LATENCY_BUCKETS)
+        # What routing adds before decode starts, engine time excluded: tokenize/hash, registry lookup,
+        # engine choice, request rewriting (turn start until the decode request is sent, minus the prefill call).
+        self.router_overhead = Histogram("kvbridge_gateway_router_overhead_seconds",
+                                         "Gateway time per turn outside the prefill and decode calls",
+                                         registry=r, buckets=_OVERHEAD_BUCKETS)
+        self.engine_healthy = Gauge("kvbridge_gateway_engine_healthy", "1 if the engine passed its last check",
+                                    ["role", "url"], registry=r)
+
+    def count_verdict(self, label: str) -> None:
+        """``label``: hit | miss | declined:<reason>."""
+        verdict, _, reason = label.partition(":")
+        self.reuse.labels(verdict, reason).inc()
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,153 @@
+"""OpenAI request bodies → a validated :class:`Turn` (HTTP and gRPC front doors share it)."""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from kvbridge.errors import InvalidArgument, Reason, invalid_field
+
+from .kvparams import strip_client_params
+
+TurnKind = Literal["chat", "completion"]
+
+_CONVERSATION_KEY = re.compile(r"^[ -~]{1,256}$")
+_ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
+SESSION_HEADER = "x-session-id"
+# OpenAI bodies nest a handful of levels (tool schemas a few more); deeper is hostile.
+MAX_JSON_DEPTH = 64
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    max_messages: int
+    max_prompt_tokens: int
+
+
+@dataclass(slots=True)
+class Turn:
+    kind: TurnKind
+    tenant: str
+    model: str
+    # Upstream body: the client's own fields (sampling, stream, ...) minus anything internal.
+    body: dict[str, Any]
+    conversation_key: str = ""
+    cache_salt: str = ""
+    stream: bool = False
+    # Exact prompt token ids when the client sent them (completions); else found by tokenizing.
+    prompt_token_ids: list[int] | None = None
+    client_wants_token_ids: bool = False
+    timeout_s: float | None = None
+    extras: dict[str, Any] = field(default_factory=dict)
+
+
+def parse_json_body(raw: bytes) -> dict[str, Any]:
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise InvalidArgument(Reason.INVALID_FIELD, f"malformed JSON body: {exc}", metadata={"field": "body"}) from exc
+    except RecursionError:
+        body = None  # nested past the interpreter's limit: reported below like any too-deep body
+        _raise_too_deep()
+    if not isinstance(body, dict):
+        raise invalid_field("body", "must be a JSON object")
+    _check_depth(body)
+    return body
+
+
+def _raise_too_deep() -> None:
+    raise invalid_field("body", f"JSON nested deeper than {MAX_JSON_DEPTH} levels")
+
+
+def _check_depth(value: object) -> None:
+    """Iteratively (no recursion to exhaust): later stages re-serialize the body recursively."""
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > MAX_JSON_DEPTH:
+            _raise_too_deep()
+        if isinstance(item, dict):
+            stack.extend((v, depth + 1) for v in item.values())
+        elif isinstance(item, list):
+            stack.extend((v, depth + 1) for v in item)
+
+
+def conversation_key_of(body: dict[str, Any], header: str | None) -> str:
+    """Body ``conversation_id``, then vLLM's ``session_id``, then the X-Session-ID header."""
+    for name in ("conversation_id", "session_id"):
+        value = body.get(name)
+        if value is not None:
+            if not isinstance(value, str) or not _CONVERSATION_KEY.match(value):
+                raise invalid_field(name, "must be 1..256 printable ASCII characters")
+            return value
+    if header is not None:
+        if not _CONVERSATION_KEY.match(header):
+            raise invalid_field(SESSION_HEADER, "must be 1..256 printable ASCII characters")
+        return header
+    return ""
+
+
+def _check_messages(messages: object, limits: Limits) -> None:
+    if not isinstance(messages, list) or not messages:
+        raise invalid_field("messages", "must be a non-empty array")
+    if len(messages) > limits.max_messages:
+        raise InvalidArgument(Reason.TOO_LARGE, f"messages: at most {limits.max_messages} allowed",
+                              metadata={"field": "messages"})
+    for i, msg in enumerate(messages):
+        if not isinstance(msg, dict):
+            raise invalid_field(f"messages[{i}]", "must be an object")
+        if msg.get("role") not in _ROLES:
+            raise invalid_field(f"messages[{i}].role", f"must be one of {sorted(_ROLES)}")
+        content = msg.get("content")
+        if content is not None and not isinstance(content, str | list):
+            raise invalid_field(f"messages[{i}].content", "must be a string or an array of parts")
+
+
+def _check_sampling(body: dict[str, Any]) -> None:
+    for name in ("max_tokens", "max_completion_tokens"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+            raise invalid_field(name, "must be a positive integer")
+    for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
+        value = body.get(name)
+        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
+            raise invalid_field(name, "must be a number")
+    if "stream" in body and not isinstance(body["stream"], bool):
+        raise invalid_field("stream", "must be a boolean")
+    n = body.get("n")
+    if n is not None and n != 1:
+        raise invalid_field("n", "only n=1 is supported")
+
+
+def _prompt_ids(prompt: object, limits: Limits) -> list[int] | None:
+    if isinstance(prompt, str):
+        return None
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if len(prompt) > limits.max_prompt_tokens:
+            raise InvalidArgument(Reason.TOO_LARGE, "prompt: too many tokens", metadata={"field": "prompt"})
+        if any(t < 0 or t >= 2**32 for t in prompt):
+            raise invalid_field("prompt", "token ids must be 0..2^32-1")
+        return list(prompt)
+    raise invalid_field("prompt", "must be a string or a non-empty array of token ids (one prompt per request)")
+
+
+def parse_turn(kind: TurnKind, body: dict[str, Any], *, tenant: str, session_header: str | None,
+               limits: Limits) -> Turn:
+    model = body.get("model")
+    if not isinstance(model, str) or not model:
+        raise invalid_field("model", "required string")
+    if kind == "chat":
+        _check_messages(body.get("messages"), limits)
+        ids = None
+    else:
+        ids = _prompt_ids(body.get("prompt"), limits)
+    _check_sampling(body)
+    salt = body.get("cache_salt", "")
+    if not isinstance(salt, str) or len(salt) > 256:
+        raise invalid_field("cache_salt", "must be a string of at most 256 characters")
+    key = conversation_key_of(body, session_header)
+    return Turn(kind=kind, tenant=tenant, model=model, body=strip_client_params(body), conversation_key=key,
+                cache_salt=salt, stream=bool(body.get("stream", False)), prompt_token_ids=ids,
+                client_wants_token_ids=bool(body.get("return_token_ids")))

@@ -1,0 +1,488 @@
+"""One turn through P/D with verified reuse: the core both front doors share.
+
+tokens → hash chain → registry lookup → prefill on P (with D's params cut to the verified prefix K,
+or plain) → decode on D → (compatibility mode) register the new state under a fresh lease.
+Any failure on the reuse path retries the prefill once without D params: slower, never wrong.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections import OrderedDict
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from kvbridge import hashchain
+from kvbridge import telemetry as tel
+from kvbridge.errors import NotFound, Reason, Unavailable
+from kvbridge.lease.v1 import lease_pb2
+from kvbridge.registry.v1 import registry_pb2
+from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common.telemetry import Telemetry
+from opentelemetry import trace
+
+from . import kvparams
+from .config import GatewaySettings
+from .control import ControlPlane, ControlPlaneError
+from .engines import DECODE, PREFILL, EnginePool, EngineState
+from .metrics import GatewayMetrics
+from .requests import Turn
+from .upstream import ClientError, UpstreamError, UpstreamStream, open_stream, post_json
+
+log = logging.getLogger(__name__)
+
+_MAX_CONSUMED = 100_000  # cap of the single-use table (LRU eviction)
+_MAX_BACKGROUND = 10_000  # cap of pending post-turn tasks (registrations beyond it are skipped)
+_LOOKUP_DECLINES = {
+    registry_pb2.LOOKUP_VERDICT_EXPIRED: "expired",
+    registry_pb2.LOOKUP_VERDICT_MISMATCH: "mismatch",
+    registry_pb2.LOOKUP_VERDICT_BELOW_THRESHOLD: "below_threshold",
+    registry_pb2.LOOKUP_VERDICT_ENGINE_GONE: "engine_gone",
+    registry_pb2.LOOKUP_VERDICT_BLOCK_SIZE_MISMATCH: "block_size_mismatch",
+}
+
+
+@dataclass(slots=True)
+class ReuseVerdict:
+    label: str = "miss"  # hit | miss | declined:<reason>
+    tokens: int = 0  # verified tokens (hit: those P pulled)
+    prompt_tokens: int = 0
+
+    def header(self) -> str:
+        return f"{self.label};tokens={self.tokens}"
+
+
+@dataclass(slots=True)
+class TurnResult:
+    verdict: ReuseVerdict
+    # Non-streaming: D's response (internal fields removed). Streaming: D's SSE bytes as they arrive.
+    body: dict[str, Any] | None = None
+    stream: AsyncIterator[bytes] | None = None
+
+
+@dataclass(slots=True)
+class _Plan:
+    """What the turn decided before prefill."""
+
+    prompt_ids: list[int] | None = None
+    block_size: int = 16
+    verdict: ReuseVerdict = field(default_factory=ReuseVerdict)
+    source: kvparams.PullSource | None = None
+    source_key: tuple[str, str] | None = None
+    reuse_tokens: int = 0
+    next_epoch: int | None = None
+    verified_tokens: int = 0  # what the registry verified (before flooring / declining)
+    started: float = field(default_factory=time.perf_counter)
+    engine_seconds: float = 0.0  # time inside prefill calls (excluded from router overhead)
+
+
+class TurnRouter:
+    def __init__(self, settings: GatewaySettings, pool: EnginePool, control: ControlPlane,
+                 http: httpx.AsyncClient, metrics: GatewayMetrics, secret: bytes, *,
+                 telemetry: Telemetry | None = None) -> None:
+        self._s = settings
+        self._telemetry = telemetry or Telemetry.disabled("kvbridge-gateway")
+        self._tracer = self._telemetry.tracer
+        self._pool = pool
+        self._control = control
+        self._http = http
+        self._metrics = metrics
+        self._secret = hashchain.check_secret(secret)
+        self._pulling: set[tuple[str, str]] = set()
+        self._consumed: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._background: set[asyncio.Task[None]] = set()
+
+    # -- public ------------------------------------------------------------------------
+    async def run(self, turn: Turn) -> TurnResult:
+        if turn.model not in self._pool.models():
+            raise NotFound(Reason.MODEL_NOT_FOUND, f"model {turn.model!r} is not served", metadata={"field": "model"})
+        attrs: dict[str, str | bool] = {tel.ATTR_MODEL: turn.model, "kvbridge.stream": turn.stream,
+                 **self._telemetry.identity(tenant=turn.tenant, conversation_key=turn.conversation_key)}
+        with self._tracer.start_as_current_span("kvbridge.gateway.turn", attributes=attrs) as span:
+            plan = _Plan()
+            prefill = self._pool.choose(turn.model, PREFILL)
+            decode = self._pool.choose(turn.model, DECODE)
+            if turn.conversation_key and self._control.enabled:
+                self._spawn(self._renew(turn))
+            plan = await self._plan(turn, prefill, plan)
+            p_params = await self._prefill(turn, plan, prefill)
+            self._record_verdict(span, plan, prefill, decode)
+            log.info("turn tenant=%s model=%s key=%r reuse=%s", turn.tenant, turn.model, turn.conversation_key,
+                     plan.verdict.header())
+            return await self._decode(turn, plan, decode, p_params)
+
+    def _record_verdict(self, span: trace.Span, plan: _Plan, prefill: EngineState, decode: EngineState) -> None:
+        verdict, _, reason = plan.verdict.label.partition(":")
+        pulled = plan.verdict.tokens if verdict == "hit" else 0
+        span.set_attributes({
+            tel.ATTR_VERDICT: verdict, tel.ATTR_REASON: reason, tel.ATTR_VERIFIED_TOKENS: plan.verified_tokens,
+            tel.ATTR_PULLED_TOKENS: pulled, "kvbridge.prompt_tokens": plan.verdict.prompt_tokens,
+            "kvbridge.prefill.engine_id": prefill.engine_id or prefill.url,
+            "kvbridge.decode.engine_id": decode.engine_id or decode.url,
+        })
+        if plan.source is not None:
+            span.set_attribute("kvbridge.source.engine_id", plan.source.engine_id)
+        self._metrics.count_verdict(plan.verdict.label)
+        self._metrics.verified_tokens.inc(plan.verified_tokens)
+        self._metrics.pulled_tokens.inc(pulled)
+        self._metrics.prompt_tokens.inc(plan.verdict.prompt_tokens)
+
+    async def drain(self) -> None:
+        """Waits for post-turn work (registrations, renewals); for tests and shutdown."""
+        while self._background:
+            await asyncio.gather(*list(self._background), return_exceptions=True)
+
+    # -- step 1: tokens, hashes, lookup --------------------------------------------------
+    def _block_size(self, engine: EngineState) -> int:
+        if engine.record is not None and engine.record.block_size:
+            return int(engine.record.block_size)
+        return self._s.default_block_size
+
+    async def _tokenize(self, turn: Turn, engine: EngineState) -> list[int]:
+        if turn.prompt_token_ids is not None:
+            return turn.prompt_token_ids
+        if turn.kind == "chat":
+            req: dict[str, Any] = {"model": turn.model, "messages": turn.body["messages"]}
+            for k in ("add_generation_prompt", "continue_final_message", "tools", "chat_template",
+                      "chat_template_kwargs", "add_special_tokens"):
+                if k in turn.body:
+                    req[k] = turn.body[k]
+        else:
+            req = {"model": turn.model, "prompt": turn.body["prompt"],
+                   "add_special_tokens": turn.body.get("add_special_tokens", True)}
+        with self._engine_span("kvbridge.gateway.tokenize", engine) as span:
+            async with self._pool.using(engine):
+                data = await post_json(self._http, f"{engine.url}/tokenize", req,
+                                       timeout_s=self._s.tokenize_timeout_s, headers=tel.trace_headers())
+            tokens = data.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise UpstreamError("tokenize answered without token ids")
+            span.set_attribute("kvbridge.prompt_tokens", len(tokens))
+        return tokens
+
+    def _engine_span(self, name: str, engine: EngineState) -> Any:
+        """A CLIENT span around one HTTP call to an engine (its traceparent goes into the request headers)."""
+        return self._tracer.start_as_current_span(name, kind=trace.SpanKind.CLIENT, attributes={
+            tel.ATTR_ENGINE: engine.engine_id or engine.url, "server.address": engine.url})
+
+    async def _plan(self, turn: Turn, prefill: EngineState, plan: _Plan) -> _Plan:
+        plan.block_size = self._block_size(prefill)
+        wants_reuse = self._s.reuse_enabled and self._control.enabled and (
+            turn.conversation_key or self._s.content_lookup)
+        needs_tokens = wants_reuse or (self._s.compat_registration and turn.conversation_key)
+        if not needs_tokens:
+            return plan
+        try:
+            plan.prompt_ids = await self._tokenize(turn, prefill)
+        except ClientError:
+            raise
+        except UpstreamError as exc:
+            plan.verdict.label = "declined:tokenize_failed"
+            log.warning("tokenize failed, no reuse this turn: %s", exc)
+            return plan
+        plan.verdict.prompt_tokens = len(plan.prompt_ids)
+        if not wants_reuse:
+            return plan
+        await self._lookup(turn, plan)
+        return plan
+
+    async def _lookup(self, turn: Turn, plan: _Plan) -> None:
+        assert plan.prompt_ids is not None
+        b, threshold = plan.block_size, self._s.reuse_threshold_tokens
+        if len(plan.prompt_ids) <= threshold:
+            plan.verdict.label = "miss"
+            return
+        hashes = hashchain.chain(self._secret, turn.tenant, turn.model, turn.cache_salt, b, plan.prompt_ids)
+        try:
+            found = await self._control.lookup(tenant=turn.tenant, model=turn.model,
+                                               conversation_key=turn.conversation_key, block_hashes=hashes,
+                                               block_size=b, min_tokens=threshold)
+        except ControlPlaneError as exc:
+            log.warning("registry lookup failed, no reuse this turn: %s", exc)
+            plan.verdict.label = "declined:registry_unavailable"
+            return
+        loc = found.location
+        if found.HasField("location") and loc.conversation_key == turn.conversation_key:
+            plan.next_epoch = int(loc.epoch) + 1
+        plan.verdict.tokens = plan.verified_tokens = int(found.verified_tokens)
+        if found.verdict == registry_pb2.LOOKUP_VERDICT_NOT_FOUND:
+            plan.verdict.label = "miss"
+            return
+        if found.verdict != registry_pb2.LOOKUP_VERDICT_HIT:
+            plan.verdict.label = "declined:" + _LOOKUP_DECLINES.get(found.verdict, "lookup")
+            return
+        self._choose_source(plan, loc, int(found.verified_tokens))
+
+    def _choose_source(self, plan: _Plan, loc: registry_pb2.Location, verified: int) -> None:
+        assert plan.prompt_ids is not None
+        engine = loc.engine
+        k = kvparams.reusable_tokens(verified, len(plan.prompt_ids), plan.block_size)
+        plan.verdict.tokens = k
+        key = (engine.engine_id, loc.engine_request_id)
+        local = self._pool.find(engine.engine_id)
+        reason = ""
+        if k < self._s.reuse_threshold_tokens:
+            reason = "below_threshold"
+        elif int(engine.block_size or plan.block_size) != plan.block_size:
+            reason = "block_size_mismatch"
+        elif not engine.kv_host or not engine.kv_port:
+            reason = "no_kv_endpoint"
+        elif local is not None and not local.healthy:
+            reason = "engine_unhealthy"
+        elif key in self._consumed:
+            reason = "consumed"
+        elif key in self._pulling:
+            reason = "busy"
+        if not reason:
+            try:
+                groups = [list(g.ids) for g in loc.block_ids]
+                kvparams.truncate_groups(groups, k, plan.block_size)
+            except ValueError:
+                reason = "bad_location"
+        if reason:
+            plan.verdict.label = f"declined:{reason}"
+            return
+        plan.source = kvparams.PullSource(
+            engine_id=engine.engine_id, request_id=loc.engine_request_id, host=engine.kv_host,
+            port=int(engine.kv_port), block_groups=groups, tp_size=int(engine.tp_size or 1),
+            # No expiry: vLLM compares it with D's monotonic clock; the lease manager guards lifetime instead.
+            pp_size=int(engine.pp_size or 1), dcp_size=int(engine.dcp_size or 1), expiry_time=None)
+        plan.source_key = key
+        plan.reuse_tokens = k
+        plan.verdict.label = "hit"
+
+    # -- step 2: prefill ---------------------------------------------------------------------
+    def _prefill_body(self, turn: Turn, params: dict[str, Any]) -> dict[str, Any]:
+        body = {k: v for k, v in turn.body.items()
+                if k not in ("stream_options", "max_completion_tokens", "min_tokens", "session_id")}
+        body.update(max_tokens=1, stream=False, kv_transfer_params=params)
+        return body
+
+    async def _prefill_once(self, turn: Turn, plan: _Plan, engine: EngineState,
+                            params: dict[str, Any]) -> dict[str, Any]:
+        path = "/v1/chat/completions" if turn.kind == "chat" else "/v1/completions"
+        started = time.perf_counter()
+        with self._engine_span("kvbridge.gateway.prefill", engine) as span:
+            span.set_attribute(tel.ATTR_PULLED_TOKENS, int(params.get("remote_num_tokens") or 0))
+            async with self._pool.using(engine):
+                try:
+                    data = await post_json(self._http, engine.url + path, self._prefill_body(turn, params),
+                                           timeout_s=turn.timeout_s or self._s.prefill_timeout_s,
+                                           headers=tel.trace_headers())
+                except UpstreamError as exc:
+                    if exc.transport:
+                        self._pool.mark_failed(engine, str(exc))
+                    raise
+                finally:
+                    plan.engine_seconds += time.perf_counter() - started
+        try:
+            return kvparams.check_prefill_returned(data.get("kv_transfer_params"))
+        except ValueError as exc:
+            raise UpstreamError(f"prefill on {engine.url}: {exc}") from exc
+
+    async def _prefill(self, turn: Turn, plan: _Plan, engine: EngineState) -> dict[str, Any]:
+        if plan.source is not None and plan.source_key is not None:
+            params = kvparams.reuse_prefill_params(plan.source, plan.reuse_tokens, plan.block_size)
+            self._pulling.add(plan.source_key)
+            if self._s.single_use_entries:
+                self._mark_consumed(plan.source_key)
+            try:
+                returned = await self._prefill_once(turn, plan, engine, params)
+                cached = returned.get("remote_prefill_cached_tokens")
+                if isinstance(cached, int) and cached == 0:
+                    plan.verdict.label = "declined:recomputed"  # P chose (or had) to recompute
+                return returned
+            except (UpstreamError, ClientError) as exc:
+                log.warning("prefill with D params failed; retrying without them: %s", exc)
+                self._metrics.reuse_retries.inc()
+                plan.verdict.label = "declined:prefill_failed"
+                if self._s.single_use_entries and turn.conversation_key and self._control.enabled:
+                    self._spawn(self._forget_entry(turn))
+            finally:
+                self._pulling.discard(plan.source_key)
+            with contextlib.suppress(Unavailable):  # the retry may go to another P if this one looks broken
+                engine = self._pool.choose(turn.model, PREFILL)
+        try:
+            return await self._prefill_once(turn, plan, engine, kvparams.plain_prefill_params())
+        except UpstreamError as exc:
+            raise Unavailable(Reason.UPSTREAM_FAILED, f"prefill failed: {exc}") from exc
+
+    def _mark_consumed(self, key: tuple[str, str]) -> None:
+        self._consumed[key] = None
+        self._consumed.move_to_end(key)
+        while len(self._consumed) > _MAX_CONSUMED:
+            self._consumed.popitem(last=False)
+
+    # -- step 3: decode ----------------------------------------------------------------------
+    async def _decode(self, turn: Turn, plan: _Plan, engine: EngineState, p_params: dict[str, Any]) -> TurnResult:
+        epoch = plan.next_epoch or 0
+        body = dict(turn.body)
+        body["kv_transfer_params"] = kvparams.decode_params(p_params, tenant=turn.tenant,
+                                                            conversation_key=turn.conversation_key, epoch=epoch)
+        register = (self._s.compat_registration and self._control.enabled and bool(turn.conversation_key)
+                    and not turn.stream)
+        if register:
+            body["return_token_ids"] = True
+        path = "/v1/chat/completions" if turn.kind == "chat" else "/v1/completions"
+        self._metrics.router_overhead.observe(max(0.0, time.perf_counter() - plan.started - plan.engine_seconds))
+        if turn.stream:
+            return await self._decode_stream(turn, plan, engine, path, body)
+        with self._engine_span("kvbridge.gateway.decode", engine):
+            async with self._pool.using(engine):
+                try:
+                    data = await post_json(self._http, engine.url + path, body,
+                                           timeout_s=turn.timeout_s or self._s.decode_timeout_s,
+                                           headers=tel.trace_headers())
+                except UpstreamError as exc:
+                    if exc.transport:
+                        self._pool.mark_failed(engine, str(exc))
+                    raise Unavailable(Reason.UPSTREAM_FAILED, f"decode failed: {exc}") from exc
+        self._metrics.ttft.labels(_reuse_label(plan)).observe(time.perf_counter() - plan.started)
+        retained_params = data.pop("kv_transfer_params", None)
+        if register:
+            seq = _sequence(turn, data)
+            if seq is not None:
+                self._spawn(self._register(turn, plan, engine, retained_params, seq))
+        if not turn.client_wants_token_ids:
+            _drop_token_ids(data)
+        return TurnResult(plan.verdict, body=data)
+
+    async def _decode_stream(self, turn: Turn, plan: _Plan, engine: EngineState, path: str,
+                             body: dict[str, Any]) -> TurnResult:
+        engine.outstanding += 1
+        try:
+            with self._engine_span("kvbridge.gateway.decode", engine):  # until D's response headers
+                upstream = await open_stream(self._http, engine.url + path, body,
+                                             connect_timeout_s=self._s.connect_timeout_s,
+                                             read_timeout_s=turn.timeout_s or self._s.decode_timeout_s,
+                                             headers=tel.trace_headers())
+        except UpstreamError as exc:
+            engine.outstanding -= 1
+            if exc.transport:
+                self._pool.mark_failed(engine, str(exc))
+            raise Unavailable(Reason.UPSTREAM_FAILED, f"decode failed: {exc}") from exc
+        except BaseException:
+            engine.outstanding -= 1
+            raise
+        ttft = self._metrics.ttft.labels(_reuse_label(plan))
+        return TurnResult(plan.verdict, stream=_forward(upstream, engine, lambda: ttft.observe(
+            time.perf_counter() - plan.started)))
+
+    # -- step 4: afterwards --------------------------------------------------------------------
+    def _spawn(self, coro: Any) -> None:
+        if len(self._background) >= _MAX_BACKGROUND:
+            coro.close()
+            log.warning("too much post-turn work pending; skipping one task")
+            return
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def _renew(self, turn: Turn) -> None:
+        try:
+            await self._control.keep_alive(conversations=[(turn.tenant, turn.model, turn.conversation_key)])
+        except ControlPlaneError as exc:
+            log.debug("lease renewal failed: %s", exc)
+
+    async def _forget_entry(self, turn: Turn) -> None:
+        """A failed pull may have consumed D's single-use blocks: nobody may try them again."""
+        try:
+            await self._control.delete_entry(tenant=turn.tenant, model=turn.model,
+                                             conversation_key=turn.conversation_key)
+        except ControlPlaneError as exc:
+            log.warning("could not delete a consumed entry: %s", exc)
+
+    async def _register(self, turn: Turn, plan: _Plan, engine: EngineState, params: object, seq: list[int]) -> None:
+        retained = kvparams.retained_from_decode(params, len(seq))
+        if retained is None:
+            self._metrics.registrations.labels("nothing_retained").inc()
+            return
+        if engine.engine_id and retained.engine_id != engine.engine_id:
+            log.warning("D %s reported engine id %s; not registering", engine.url, retained.engine_id)
+            self._metrics.registrations.labels("engine_mismatch").inc()
+            return
+        b = self._block_size(engine)
+        full = retained.token_count // b
+        if full == 0:
+            self._metrics.registrations.labels("too_short").inc()
+            return
+        hashes = hashchain.chain(self._secret, turn.tenant, turn.model, turn.cache_salt, b, seq[: full * b])
+        n_blocks = -(-retained.token_count // b)
+        groups = [types_pb2.BlockIds(ids=g[:n_blocks]) for g in retained.block_groups]
+        lease_id = 0
+        try:
+            lease_id = await self._control.grant_lease(
+                kind=lease_pb2.LEASE_KIND_ENTRY, tenant=turn.tenant, engine_id=retained.engine_id, model=turn.model,
+                conversation_key=turn.conversation_key, retained_tokens=retained.token_count,
+                ttl_s=self._s.entry_lease_ttl_s)
+            for attempt in range(2):
+                epoch = plan.next_epoch if plan.next_epoch and attempt == 0 else 1 + await self._control.entry_epoch(
+                    tenant=turn.tenant, model=turn.model, conversation_key=turn.conversation_key)
+                entry = registry_pb2.Entry(
+                    key=registry_pb2.EntryKey(tenant=turn.tenant, model=turn.model,
+                                              conversation_key=turn.conversation_key),
+                    engine_id=retained.engine_id, engine_request_id=retained.request_id, block_ids=groups,
+                    block_size=b, token_count=retained.token_count, block_hashes=hashes, chain_stride=1,
+                    final_block_hash=hashes[-1], lease_id=lease_id, epoch=epoch)
+                try:
+                    await self._control.register_entry(entry)
+                    self._metrics.registrations.labels("ok").inc()
+                    return
+                except ControlPlaneError as exc:
+                    if exc.reason != Reason.STALE_EPOCH.value or attempt:
+                        raise
+        except ControlPlaneError as exc:
+            log.warning("compatibility-mode registration failed: %s", exc)
+            self._metrics.registrations.labels("failed").inc()
+            if lease_id:
+                with contextlib.suppress(ControlPlaneError):
+                    await self._control.revoke_lease(lease_id)
+
+
+def _reuse_label(plan: _Plan) -> str:
+    return "hit" if plan.verdict.label == "hit" else "none"
+
+
+async def _forward(upstream: UpstreamStream, engine: EngineState,
+                   on_first_chunk: Callable[[], None]) -> AsyncIterator[bytes]:
+    """D's SSE bytes, forwarded as they arrive; closing early (client gone) closes the upstream request."""
+    started = time.monotonic()
+    first = True
+    try:
+        async for chunk in upstream.chunks():
+            if first:
+                on_first_chunk()
+                first = False
+            yield chunk
+    except httpx.HTTPError as exc:
+        log.warning("decode stream from %s broke after %.1fs: %s", engine.url, time.monotonic() - started, exc)
+        yield b'data: {"error": {"message": "upstream stream failed", "code": "UPSTREAM_FAILED"}}\n\n'
+    finally:
+        engine.outstanding -= 1
+        await upstream.aclose()
+
+
+def _sequence(turn: Turn, data: dict[str, Any]) -> list[int] | None:
+    """Prompt + generated token ids from a non-streaming response with return_token_ids."""
+    choices = data.get("choices") or []
+    if not choices or not isinstance(choices[0], dict):
+        return None
+    choice = choices[0]
+    prompt = data.get("prompt_token_ids") if turn.kind == "chat" else choice.get("prompt_token_ids")
+    out = choice.get("token_ids")
+    if not isinstance(prompt, list) or not isinstance(out, list):
+        return None
+    return [int(t) for t in prompt] + [int(t) for t in out]
+
+
+def _drop_token_ids(data: dict[str, Any]) -> None:
+    data.pop("prompt_token_ids", None)
+    for choice in data.get("choices") or []:
+        if isinstance(choice, dict):
+            choice.pop("token_ids", None)
+            choice.pop("prompt_token_ids", None)

@@ -1,0 +1,160 @@
+"""The gateway core both front doors share: auth, pools, control plane, router, background loops."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+import httpx
+from kvbridge.errors import invalid_field
+from kvbridge.lease.v1 import lease_pb2
+from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common.auth import Authenticator, Principal
+from kvbridge_services.common.telemetry import Telemetry
+
+from .config import GatewaySettings, StaticEngine
+from .control import ControlPlane, ControlPlaneError
+from .engines import DECODE, PREFILL, EnginePool
+from .metrics import GatewayMetrics
+from .requests import Limits
+from .router import TurnRouter
+
+log = logging.getLogger(__name__)
+
+# Service principals (an ingress acting for end users) name the tenant with this header / metadata key.
+TENANT_HEADER = "x-kvbridge-tenant"
+DEFAULT_TENANT = "default"
+_NODE_LEASE_TTL_S = 30.0
+
+
+class GatewayCore:
+    def __init__(self, settings: GatewaySettings, auth: Authenticator, control: ControlPlane, secret: bytes, *,
+                 telemetry: Telemetry | None = None) -> None:
+        self.settings = settings
+        self.auth = auth
+        self.control = control
+        self.telemetry = telemetry or Telemetry.disabled("kvbridge-gateway")
+        self.metrics = GatewayMetrics(self.telemetry.registry)
+        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
+        self.http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(settings.connect_timeout_s))
+        self.pool = EnginePool(self.http, health_timeout_s=settings.health_timeout_s,
+                               kv_usage_weight=settings.kv_usage_weight)
+        self.router = TurnRouter(settings, self.pool, control, self.http, self.metrics, secret,
+                                 telemetry=self.telemetry)
+        self.limits = Limits(max_messages=settings.max_messages, max_prompt_tokens=settings.max_prompt_tokens)
+        self.inflight = 0
+        self._tasks: list[asyncio.Task[None]] = []
+        self._node_leases: dict[str, int] = {}
+        for spec in settings.prefill_engines:
+            self.pool.add_static(spec.url, PREFILL, model=spec.model, engine_id=spec.engine_id)
+        for spec in settings.decode_engines:
+            self.pool.add_static(spec.url, DECODE, model=spec.model, engine_id=spec.engine_id)
+
+    def tenant_of(self, principal: Principal, requested: str | None) -> str:
+        if principal.tenant is not None:
+            return str(principal.tenant_for(requested or "", field=TENANT_HEADER))
+        tenant = requested or DEFAULT_TENANT
+        if not 1 <= len(tenant) <= 128 or not tenant.isprintable():
+            raise invalid_field(TENANT_HEADER, "must be 1..128 printable characters")
+        return tenant
+
+    def models(self) -> set[str]:
+        return {m for m in self.pool.models() if self.pool.count(m, PREFILL) or self.pool.count(m, DECODE)}
+
+    def ready(self) -> bool:
+        return any(self.pool.count(m, PREFILL) and self.pool.count(m, DECODE) for m in self.pool.models())
+
+    def update_engine_gauges(self) -> None:
+        for e in self.pool.all():
+            self.metrics.engine_healthy.labels(e.role, e.url).set(1 if e.healthy else 0)
+
+    # -- lifecycle -------------------------------------------------------------------------
+    async def start(self) -> None:
+        await self._register_static_engines()
+        await self._refresh_registry()
+        await self.pool.check_all()
+        self._tasks.append(asyncio.create_task(self._health_loop()))
+        if self.control.enabled and self.settings.engines_from_registry:
+            self._tasks.append(asyncio.create_task(self._registry_loop()))
+        if self._node_leases:
+            self._tasks.append(asyncio.create_task(self._node_lease_loop()))
+
+    async def stop(self) -> None:
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await t
+        self._tasks.clear()
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(self.router.drain(), timeout=5)
+        await self.http.aclose()
+        await self.control.close()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.health_interval_s)
+            try:
+                await self.pool.check_all()
+            except Exception:
+                log.exception("health check round failed")
+
+    async def _refresh_registry(self) -> None:
+        if not (self.control.enabled and self.settings.engines_from_registry):
+            return
+        try:
+            records = await self.control.list_engines()
+        except ControlPlaneError as exc:
+            log.warning("cannot list engines from the registry: %s", exc)
+            return
+        self.pool.sync_registry(records)
+
+    async def _registry_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.registry_refresh_s)
+            await self._refresh_registry()
+            new = [e for e in self.pool.all() if e.last_check == 0.0]
+            if new:
+                await asyncio.gather(*(self.pool.check(e) for e in new))
+
+    async def _register_static_engines(self) -> None:
+        """Stock engines given by config (compatibility mode): the gateway registers them under node leases."""
+        if not self.control.enabled:
+            return
+        cfg = self.settings
+        specs = [(s, types_pb2.ENGINE_ROLE_PREFILL) for s in cfg.prefill_engines if s.register_in_registry] + \
+                [(s, types_pb2.ENGINE_ROLE_DECODE) for s in cfg.decode_engines if s.register_in_registry]
+        for spec, role in specs:
+            await self._register_one(spec, role)
+
+    async def _register_one(self, spec: StaticEngine, role: int) -> None:
+        if not (spec.engine_id and spec.model):
+            log.warning("static engine %s needs engine_id and model to be registered", spec.url)
+            return
+        try:
+            lease_id = await self.control.grant_lease(kind=lease_pb2.LEASE_KIND_NODE, engine_id=spec.engine_id,
+                                                      ttl_s=_NODE_LEASE_TTL_S)
+            rec = types_pb2.Engine(
+                engine_id=spec.engine_id, role=role, model=spec.model, http_url=spec.url,  # type: ignore[arg-type]
+                kv_host=spec.kv_host, kv_port=spec.kv_port, dp_size=1, tp_size=1, pp_size=1, dcp_size=1,
+                block_size=spec.block_size or self.settings.default_block_size, kv_group_count=1,
+                capabilities=["bidirectional_kv_xfer"], node_lease_id=lease_id)
+            await self.control.register_engine(rec)
+            self._node_leases[spec.engine_id] = lease_id
+            log.info("registered static engine %s (%s)", spec.engine_id, spec.url)
+        except ControlPlaneError as exc:
+            log.warning("cannot register static engine %s: %s", spec.engine_id, exc)
+
+    async def _node_lease_loop(self) -> None:
+        while True:
+            await asyncio.sleep(_NODE_LEASE_TTL_S / 3)
+            try:
+                statuses = await self.control.keep_alive(lease_ids=list(self._node_leases.values()))
+            except ControlPlaneError as exc:
+                log.warning("node lease renewal failed: %s", exc)
+                continue
+            if any(not st.alive for st in statuses):
+                log.warning("a static engine's node lease ended; registering again")
+                self._node_leases.clear()
+                await self._register_static_engines()

@@ -1,0 +1,582 @@
+"""Engine simulator: a stand-in for a vLLM OpenAI server in a P/D pair (test tool).
+
+See tests/tools/README.md. Run: ``python -m tests.tools.engine_sim --role prefill --port 8100``.
+In-process: ``async with SimServer(SimConfig(...)) as sim: sim.url``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import socket
+import time
+import uuid
+import zlib
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+BOS, EOS = 0, 1
+ROLE_TOKENS = {"system": 2, "user": 3, "assistant": 4, "tool": 5}
+END_OF_MESSAGE = 6
+FIRST_WORD_TOKEN = 10
+_FNV_PRIME = 1099511628211
+_MASK = (1 << 64) - 1
+
+
+@dataclass
+class SimConfig:
+    role: str = "decode"  # "prefill" | "decode" | "both"
+    model: str = "sim-model"
+    engine_id: str = ""
+    host: str = "127.0.0.1"
+    port: int = 0
+    vocab: int = 512
+    block_size: int = 16
+    total_blocks: int = 4096
+    max_model_len: int = 8192
+    decoder_kv_blocks_ttl: float = 480.0
+    kv_lease_duration: float = 30.0
+    kv_recompute_threshold: int = 0
+    kv_load_failure_policy: str = "fail"  # "fail" | "recompute"
+    bidirectional: bool = True
+    prefill_us_per_token: float = 0.0
+    decode_us_per_token: float = 0.0
+
+
+# ---- tokenizer and "model" -------------------------------------------------------------
+
+
+def tokenize_text(text: str, vocab: int) -> list[int]:
+    ids: list[int] = []
+    for word in text.split():
+        if word.startswith("w") and word[1:].isdigit() and FIRST_WORD_TOKEN <= int(word[1:]) < vocab:
+            ids.append(int(word[1:]))
+        else:
+            ids.append(FIRST_WORD_TOKEN + zlib.crc32(word.encode()) % (vocab - FIRST_WORD_TOKEN))
+    return ids
+
+
+def render_chat(messages: list[dict[str, Any]], vocab: int, add_generation_prompt: bool = True) -> list[int]:
+    ids = [BOS]
+    for msg in messages:
+        ids.append(ROLE_TOKENS.get(str(msg.get("role")), ROLE_TOKENS["user"]))
+        content = msg.get("content") or ""
+        if isinstance(content, list):  # OpenAI content parts
+            content = " ".join(str(p.get("text", "")) for p in content if isinstance(p, dict))
+        ids.extend(tokenize_text(str(content), vocab))
+        ids.append(END_OF_MESSAGE)
+    if add_generation_prompt:
+        ids.append(ROLE_TOKENS["assistant"])
+    return ids
+
+
+def detokenize(token_id: int) -> str:
+    return f" w{token_id}"
+
+
+def _mix(state: int, token: int) -> int:
+    return ((state ^ (token + 1)) * _FNV_PRIME) & _MASK
+
+
+def greedy_tokens(kv_tokens: list[int], n: int, vocab: int) -> Iterator[int]:
+    """Greedy output as a function of the KV content (prompt as the engine 'sees' it)."""
+    state = 14695981039346656037
+    for tok in kv_tokens:
+        state = _mix(state, tok)
+    for _ in range(n):
+        nxt = FIRST_WORD_TOKEN + (state >> 17) % (vocab - FIRST_WORD_TOKEN)
+        yield nxt
+        state = _mix(state, nxt)
+
+
+# ---- KV block store ----------------------------------------------------------------------
+
+
+class KVError(Exception):
+    pass
+
+
+@dataclass
+class Held:
+    block_ids: list[int]
+    deadline: float  # perf_counter-free wall clock (time.time) deadline
+
+
+@dataclass
+class BlockStore:
+    block_size: int
+    total: int
+    blocks: dict[int, list[int]] = field(default_factory=dict)
+    held: dict[str, Held] = field(default_factory=dict)
+    _next: int = 1
+
+    def usage(self) -> float:
+        self.reap()
+        return len(self.blocks) / self.total
+
+    def store(self, tokens: list[int]) -> list[int]:
+        self.reap()
+        needed = -(-len(tokens) // self.block_size)
+        if len(self.blocks) + needed > self.total:
+            raise KVError("out of KV blocks")
+        ids = []
+        for i in range(needed):
+            bid = self._next
+            self._next += 1
+            self.blocks[bid] = tokens[i * self.block_size : (i + 1) * self.block_size]
+            ids.append(bid)
+        return ids
+
+    def hold(self, request_id: str, block_ids: list[int], ttl: float) -> float:
+        deadline = time.time() + ttl
+        self.held[request_id] = Held(block_ids, deadline)
+        return deadline
+
+    def free(self, block_ids: list[int]) -> None:
+        for bid in block_ids:
+            self.blocks.pop(bid, None)
+
+    def reap(self) -> None:
+        now = time.time()
+        for rid in [r for r, h in self.held.items() if h.deadline <= now]:
+            self.free(self.held.pop(rid).block_ids)
+
+    def read(self, request_id: str, block_ids: list[int]) -> list[int]:
+        """A NIXL READ of a held request's blocks; the read notification frees them (single use)."""
+        self.reap()
+        held = self.held.pop(request_id, None)
+        if held is None:
+            raise KVError(f"no held blocks for request {request_id}")
+        try:
+            if any(b not in held.block_ids or b not in self.blocks for b in block_ids):
+                raise KVError("block ids not held by the request")
+            out: list[int] = []
+            for bid in block_ids:
+                out.extend(self.blocks[bid])
+            return out
+        finally:
+            self.free(held.block_ids)
+
+
+# ---- the engine ------------------------------------------------------------------------
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+
+
+@dataclass
+class Stats:
+    requests: int = 0
+    remote_pulled_tokens: int = 0
+    running: int = 0
+    last_kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params_seen: list[dict[str, Any] | None] = field(default_factory=list)
+    bodies_seen: list[dict[str, Any]] = field(default_factory=list)
+
+
+class Engine:
+    def __init__(self, cfg: SimConfig) -> None:
+        self.cfg = cfg
+        self.engine_id = cfg.engine_id or f"sim-{uuid.uuid4().hex[:8]}"
+        self.kv = BlockStore(cfg.block_size, cfg.total_blocks)
+        self.stats = Stats()
+        self.fail_next = 0
+        self.http = httpx.AsyncClient(timeout=10.0)
+
+    async def pull(self, params: dict[str, Any], n_tokens: int) -> list[int]:
+        """Read ``n_tokens`` tokens' KV from the remote engine named in ``params``."""
+        expiry = params.get("remote_blocks_expiry_time")
+        if expiry is not None and float(expiry) <= time.time():
+            raise KVError("declining expired remote read")
+        groups = params.get("remote_block_ids") or []
+        ids = list(groups[0]) if groups and isinstance(groups[0], list) else list(groups)
+        need = -(-n_tokens // self.cfg.block_size)
+        if len(ids) < need:
+            raise KVError("fewer remote blocks than tokens")
+        url = f"http://{params['remote_host']}:{params['remote_port']}/sim/nixl/read"
+        try:
+            resp = await self.http.post(url, json={"request_id": params["remote_request_id"], "block_ids": ids[:need],
+                                                   "engine_id": params.get("remote_engine_id")})
+        except httpx.HTTPError as exc:
+            raise KVError(f"remote read failed: {exc}") from exc
+        if resp.status_code != 200:
+            raise KVError(f"remote read failed: {resp.text}")
+        tokens: list[int] = resp.json()["tokens"]
+        return tokens[:n_tokens]
+
+    def prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
+        if chat:
+            msgs = body.get("messages")
+            if not isinstance(msgs, list) or not msgs:
+                raise ApiError(400, "messages must be a non-empty list")
+            return render_chat(msgs, self.cfg.vocab)
+        prompt = body.get("prompt")
+        if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+            if any(not 0 <= t < self.cfg.vocab for t in prompt):
+                raise ApiError(400, "token id out of vocabulary")
+            return list(prompt)
+        if isinstance(prompt, str):
+            return [BOS, *tokenize_text(prompt, self.cfg.vocab)]
+        raise ApiError(400, "prompt must be a string or a list of token ids")
+
+    async def compute_kv(self, prompt: list[int], params: dict[str, Any] | None) -> tuple[list[int], int]:
+        """The KV content this engine computes on, and how many tokens it pulled."""
+        if not params:
+            return prompt, 0
+        if params.get("do_remote_prefill") and params.get("remote_block_ids"):
+            n = min(int(params.get("remote_num_tokens") or len(prompt)), len(prompt))
+            return await self._pull_or_recompute(prompt, params, n)
+        if params.get("do_remote_decode") and params.get("remote_block_ids") and all(
+            k in params for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+        ):
+            n = min(int(params.get("remote_num_tokens") or 0), len(prompt))
+            if n <= 0 or (self.cfg.kv_recompute_threshold and n < self.cfg.kv_recompute_threshold):
+                return prompt, 0
+            return await self._pull_or_recompute(prompt, params, n)
+        return prompt, 0
+
+    async def _pull_or_recompute(self, prompt: list[int], params: dict[str, Any], n: int) -> tuple[list[int], int]:
+        try:
+            pulled = await self.pull(params, n)
+        except KVError as exc:
+            if self.cfg.kv_load_failure_policy == "recompute":
+                return prompt, 0
+            raise ApiError(500, f"KV load failed: {exc}") from exc
+        self.stats.remote_pulled_tokens += len(pulled)
+        return pulled + prompt[len(pulled):], len(pulled)
+
+    def finish_params(self, kv: list[int], is_p: bool, request_id: str, computed: int) -> dict[str, Any] | None:
+        """What request_finished returns: P's params for D, or D's retained blocks (bidirectional)."""
+        if not is_p and not self.cfg.bidirectional:
+            return None
+        block_ids = self.kv.store(kv[:computed])
+        ttl = self.cfg.kv_lease_duration if is_p else self.cfg.decoder_kv_blocks_ttl
+        deadline = self.kv.hold(request_id, block_ids, ttl)
+        return {
+            "do_remote_prefill": is_p,
+            "do_remote_decode": not is_p,
+            "remote_block_ids": [block_ids],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": request_id,
+            "remote_host": self.cfg.host,
+            "remote_port": self.cfg.port,
+            "tp_size": 1,
+            "dcp_size": 1,
+            "pp_size": 1,
+            "remote_num_tokens": computed,
+            "remote_blocks_expiry_time": None if is_p else deadline,
+            "transfer_mode": "pull",
+        }
+
+    async def run(self, body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
+        """Validates and prefills; returns the response head and an iterator of generated steps."""
+        self.stats.requests += 1
+        self.stats.bodies_seen = [*self.stats.bodies_seen[-49:], body]
+        if self.fail_next > 0:
+            self.fail_next -= 1
+            raise ApiError(500, "injected failure")
+        model = body.get("model")
+        if model != self.cfg.model:
+            raise ApiError(404, f"The model `{model}` does not exist.")
+        params = body.get("kv_transfer_params")
+        if params is not None and not isinstance(params, dict):
+            raise ApiError(400, "kv_transfer_params must be an object")
+        self.stats.last_kv_transfer_params = params
+        self.stats.kv_transfer_params_seen = [*self.stats.kv_transfer_params_seen[-49:], params]
+        prompt = self.prompt_ids(body, chat)
+        max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or 16
+        if not isinstance(max_tokens, int) or max_tokens < 1:
+            raise ApiError(400, "max_tokens must be a positive integer")
+        if len(prompt) + max_tokens > self.cfg.max_model_len:
+            raise ApiError(400, "prompt too long")
+        is_p = bool(params and params.get("do_remote_decode"))
+        kv, pulled = await self.compute_kv(prompt, params)
+        request_id = f"{'cmpl' if not chat else 'chatcmpl'}-{uuid.uuid4().hex}"
+        head = {"request_id": request_id, "prompt": prompt, "pulled": pulled, "is_p": is_p,
+                "max_tokens": max_tokens, "params": params}
+        return head, self._generate(kv, prompt, pulled, max_tokens, head)
+
+    async def _generate(self, kv: list[int], prompt: list[int], pulled: int, max_tokens: int,
+                        head: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+        self.stats.running += 1
+        try:
+            await asyncio.sleep((len(prompt) - pulled) * self.cfg.prefill_us_per_token / 1e6)
+            seq = list(kv)
+            out: list[int] = []
+            for i, tok in enumerate(greedy_tokens(kv, max_tokens, self.cfg.vocab)):
+                if i:
+                    await asyncio.sleep(self.cfg.decode_us_per_token / 1e6)
+                out.append(tok)
+                seq.append(tok)
+                yield {"token": tok, "last": i == max_tokens - 1}
+            computed = len(seq) - 1 if not head["is_p"] else len(prompt)
+            head["final_params"] = self.finish_params(seq, head["is_p"], head["request_id"], computed) \
+                if head["params"] else None
+        finally:
+            self.stats.running -= 1
+
+
+# ---- HTTP --------------------------------------------------------------------------------
+
+
+def _error(status: int, message: str) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": "BadRequestError" if status < 500 else "InternalError",
+                                   "code": status}}, status_code=status)
+
+
+def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
+    engine = Engine(cfg)
+
+    async def read_json(request: Request) -> dict[str, Any]:
+        try:
+            body = await request.json()
+        except ValueError as exc:
+            raise ApiError(400, "malformed JSON") from exc
+        if not isinstance(body, dict):
+            raise ApiError(400, "body must be a JSON object")
+        return body
+
+    async def generate(request: Request, chat: bool) -> Response:
+        try:
+            body = await read_json(request)
+            head, steps = await engine.run(body, chat)
+        except ApiError as exc:
+            return _error(exc.status, exc.message)
+        created = int(time.time())
+        want_ids = bool(body.get("return_token_ids"))
+        obj = "chat.completion" if chat else "text_completion"
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return StreamingResponse(_sse(head, steps, chat, created, want_ids, include_usage, body["model"]),
+                                     media_type="text/event-stream")
+        tokens = [s["token"] async for s in steps]
+        text = "".join(detokenize(t) for t in tokens)
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None, "stop_reason": None}
+        if chat:
+            choice["message"] = {"role": "assistant", "content": text}
+        else:
+            choice["text"] = text
+        if want_ids:
+            choice["token_ids"] = tokens
+        resp: dict[str, Any] = {
+            "id": head["request_id"], "object": obj, "created": created, "model": body["model"],
+            "choices": [choice],
+            "usage": {"prompt_tokens": len(head["prompt"]), "completion_tokens": len(tokens),
+                      "total_tokens": len(head["prompt"]) + len(tokens),
+                      "prompt_tokens_details": {"cached_tokens": head["pulled"]}},
+            "kv_transfer_params": head.get("final_params"),
+        }
+        if want_ids:
+            if chat:
+                resp["prompt_token_ids"] = head["prompt"]
+            else:
+                choice["prompt_token_ids"] = head["prompt"]
+        if head["is_p"] and resp["kv_transfer_params"] is not None:
+            resp["kv_transfer_params"]["remote_prefill_cached_tokens"] = head["pulled"]
+        return JSONResponse(resp)
+
+    async def completions(request: Request) -> Response:
+        return await generate(request, chat=False)
+
+    async def chat_completions(request: Request) -> Response:
+        return await generate(request, chat=True)
+
+    async def tokenize(request: Request) -> Response:
+        try:
+            body = await read_json(request)
+            if "messages" in body:
+                msgs = body["messages"]
+                if not isinstance(msgs, list):
+                    raise ApiError(400, "messages must be a list")
+                ids = render_chat(msgs, cfg.vocab, bool(body.get("add_generation_prompt", True)))
+            elif isinstance(body.get("prompt"), str):
+                add_special = bool(body.get("add_special_tokens", True))
+                ids = ([BOS] if add_special else []) + tokenize_text(body["prompt"], cfg.vocab)
+            else:
+                raise ApiError(400, "need prompt or messages")
+        except ApiError as exc:
+            return _error(exc.status, exc.message)
+        return JSONResponse({"count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids})
+
+    async def models(_: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [
+            {"id": cfg.model, "object": "model", "created": 0, "owned_by": "engine-sim",
+             "max_model_len": cfg.max_model_len}]})
+
+    async def health(_: Request) -> Response:
+        return Response(status_code=200)
+
+    async def metrics(_: Request) -> Response:
+        labels = f'engine="0",model_name="{cfg.model}"'
+        lines = [
+            "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{labels}}} {engine.kv.usage()}",
+            "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{labels}}} {engine.stats.running}",
+            "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{{{labels}}} 0",
+            "# TYPE sim:remote_pulled_tokens_total counter",
+            f"sim:remote_pulled_tokens_total{{{labels}}} {engine.stats.remote_pulled_tokens}",
+        ]
+        return PlainTextResponse("\n".join(lines) + "\n")
+
+    async def nixl_read(request: Request) -> Response:
+        body = await request.json()
+        if body.get("engine_id") not in (None, engine.engine_id):
+            return _error(404, "engine id mismatch")
+        try:
+            tokens = engine.kv.read(str(body["request_id"]), [int(b) for b in body["block_ids"]])
+        except KVError as exc:
+            return _error(410, str(exc))
+        return JSONResponse({"tokens": tokens})
+
+    async def stats(_: Request) -> Response:
+        s = engine.stats
+        return JSONResponse({"engine_id": engine.engine_id, "requests": s.requests,
+                             "remote_pulled_tokens": s.remote_pulled_tokens, "running": s.running,
+                             "held_requests": sorted(engine.kv.held),
+                             "last_kv_transfer_params": s.last_kv_transfer_params,
+                             "kv_transfer_params_seen": s.kv_transfer_params_seen,
+                             "bodies_seen": s.bodies_seen})
+
+    async def control(request: Request) -> Response:
+        body = await request.json()
+        engine.fail_next = int(body.get("fail_next", engine.fail_next))
+        if body.get("expire_all"):
+            for held in engine.kv.held.values():
+                held.deadline = 0.0
+            engine.kv.reap()
+        if "decode_us_per_token" in body:
+            cfg.decode_us_per_token = float(body["decode_us_per_token"])
+        return JSONResponse({"ok": True})
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/tokenize", tokenize, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/sim/nixl/read", nixl_read, methods=["POST"]),
+        Route("/sim/stats", stats, methods=["GET"]),
+        Route("/sim/control", control, methods=["POST"]),
+    ]
+    return Starlette(routes=routes), engine
+
+
+async def _sse(head: dict[str, Any], steps: AsyncIterator[dict[str, Any]], chat: bool, created: int,
+               want_ids: bool, include_usage: bool, model: str) -> AsyncIterator[bytes]:
+    obj = "chat.completion.chunk" if chat else "text_completion"
+    n = 0
+
+    def frame(payload: dict[str, Any]) -> bytes:
+        return f"data: {json.dumps(payload)}\n\n".encode()
+
+    if chat:
+        first: dict[str, Any] = {"id": head["request_id"], "object": obj, "created": created, "model": model,
+                                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "finish_reason": None}]}
+        if want_ids:
+            first["prompt_token_ids"] = head["prompt"]
+        yield frame(first)
+    async for step in steps:
+        n += 1
+        choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if step["last"] else None}
+        if chat:
+            choice["delta"] = {"content": detokenize(step["token"])}
+        else:
+            choice["text"] = detokenize(step["token"])
+            if want_ids and n == 1:
+                choice["prompt_token_ids"] = head["prompt"]
+        if want_ids:
+            choice["token_ids"] = [step["token"]]
+        yield frame({"id": head["request_id"], "object": obj, "created": created, "model": model,
+                     "choices": [choice]})
+    if include_usage:
+        yield frame({"id": head["request_id"], "object": obj, "created": created, "model": model, "choices": [],
+                     "usage": {"prompt_tokens": len(head["prompt"]), "completion_tokens": n,
+                               "total_tokens": len(head["prompt"]) + n}})
+    yield b"data: [DONE]\n\n"
+
+
+# ---- running it --------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class SimServer:
+    """Runs a simulator in the current event loop (for tests): ``async with SimServer(cfg) as sim``."""
+
+    def __init__(self, cfg: SimConfig) -> None:
+        if not cfg.port:
+            cfg.port = free_port()
+        self.cfg = cfg
+        self.app, self.engine = build_app(cfg)
+        self._server = uvicorn.Server(uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning",
+                                                     lifespan="off"))
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.cfg.host}:{self.cfg.port}"
+
+    async def __aenter__(self) -> SimServer:
+        self._task = asyncio.create_task(self._server.serve())
+        while not self._server.started:
+            if self._task.done():
+                self._task.result()
+            await asyncio.sleep(0.01)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._server.should_exit = True
+        if self._task is not None:
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        await self.engine.http.aclose()
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m tests.tools.engine_sim",
+                                     description="vLLM OpenAI-server stand-in speaking the P/D kv_transfer_params "
+                                                 "protocol (a test tool).")
+    parser.add_argument("--role", choices=["prefill", "decode", "both"], default="decode")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--model", default="sim-model")
+    parser.add_argument("--engine-id", default="")
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--total-blocks", type=int, default=4096)
+    parser.add_argument("--vocab", type=int, default=512)
+    parser.add_argument("--decoder-kv-blocks-ttl", type=float, default=480.0)
+    parser.add_argument("--kv-recompute-threshold", type=int, default=0)
+    parser.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
+    parser.add_argument("--prefill-us-per-token", type=float, default=0.0)
+    parser.add_argument("--decode-us-per-token", type=float, default=0.0)
+    a = parser.parse_args(argv)
+    cfg = SimConfig(role=a.role, model=a.model, engine_id=a.engine_id, host=a.host, port=a.port,
+                    block_size=a.block_size, total_blocks=a.total_blocks, vocab=a.vocab,
+                    decoder_kv_blocks_ttl=a.decoder_kv_blocks_ttl, kv_recompute_threshold=a.kv_recompute_threshold,
+                    kv_load_failure_policy=a.kv_load_failure_policy, prefill_us_per_token=a.prefill_us_per_token,
+                    decode_us_per_token=a.decode_us_per_token)
+    app, _ = build_app(cfg)
+    uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+from __future__ import annotations
+
+import pytest
+from kvbridge_services.gateway import kvparams
+from kvbridge_services.gateway.router import ReuseVerdict
+
+
+def test_truncate_cuts_every_group_to_k_over_b() -> None:
+    groups = [[1, 2, 3, 4, 5], [10, 11, 12, 13, 14]]
+    assert kvparams.truncate_groups(groups, 48, 16) == [[1, 2, 3], [10, 11, 12]]
+
+
+def test_truncate_rejects_partial_blocks_and_short_groups() -> None:
+    with pytest.raises(ValueError):
+        kvparams.truncate_groups([[1, 2]], 40, 16)
+    with pytest.raises(ValueError):
+        kvparams.truncate_groups([[1, 2]], 48, 16)
+
+
+def test_reusable_tokens_floors_to_blocks_and_leaves_one_token_to_compute() -> None:
+    assert kvparams.reusable_tokens(100, 200, 16) == 96
+    assert kvparams.reusable_tokens(128, 128, 16) == 112  # a full-prompt hit keeps the last block for P
+    assert kvparams.reusable_tokens(64, 1, 16) == 0
+
+
+def test_reuse_prefill_params_use_only_the_source_record() -> None:
+    src = kvparams.PullSource(engine_id="d0", request_id="r1", host="10.0.0.5", port=5600,
+                              block_groups=[[7, 8, 9, 10]])
+    p = kvparams.reuse_prefill_params(src, 32, 16)
+    assert p["do_remote_decode"] is True and p["do_remote_prefill"] is False
+    assert p["remote_block_ids"] == [[7, 8]] and p["remote_num_tokens"] == 32
+    assert (p["remote_engine_id"], p["remote_request_id"], p["remote_host"], p["remote_port"]) == \
+        ("d0", "r1", "10.0.0.5", 5600)
+
+
+def test_strip_client_params() -> None:
+    body = {"model": "m", "kv_transfer_params": {"do_remote_prefill": True}, "conversation_id": "c", "top_p": 1}
+    assert kvparams.strip_client_params(body) == {"model": "m", "top_p": 1}
+
+
+def test_block_groups_accepts_flat_and_grouped() -> None:
+    assert kvparams.block_groups([1, 2]) == [[1, 2]]
+    assert kvparams.block_groups([[1], [2]]) == [[1], [2]]
+    with pytest.raises(ValueError):
+        kvparams.block_groups([[1], "x"])
+
+
+def test_retained_from_decode() -> None:
+    params = {"do_remote_decode": True, "remote_block_ids": [[5, 6]], "remote_engine_id": "d0",
+              "remote_request_id": "r", "remote_num_tokens": 30}
+    r = kvparams.retained_from_decode(params, 25)
+    assert r is not None and r.token_count == 25 and r.block_groups == [[5, 6]]
+    assert kvparams.retained_from_decode({"do_remote_decode": False}, 10) is None
+    assert kvparams.retained_from_decode(None, 10) is None
+
+
+def test_decode_params_carry_conversation_identity() -> None:
+    p = kvparams.decode_params({"do_remote_prefill": True}, tenant="acme", conversation_key="c1", epoch=3)
+    assert p[kvparams.TENANT_PARAM] == "acme" and p[kvparams.CONVERSATION_KEY_PARAM] == "c1"
+    assert p[kvparams.EPOCH_PARAM] == 3
+
+
+def test_verdict_header_format() -> None:
+    assert ReuseVerdict("hit", 96).header() == "hit;tokens=96"
+    assert ReuseVerdict("miss").header() == "miss;tokens=0"
+    assert ReuseVerdict("declined:expired", 64).header() == "declined:expired;tokens=64"

@@ -1,0 +1,62 @@
+from __future__ import annotations
+
+import pytest
+from kvbridge.errors import InvalidArgument
+from kvbridge_services.gateway.requests import Limits, conversation_key_of, parse_json_body, parse_turn
+
+LIMITS = Limits(max_messages=3, max_prompt_tokens=100)
+
+
+def turn(kind: str, body: dict, header: str | None = None):
+    return parse_turn(kind, body, tenant="acme", session_header=header, limits=LIMITS)  # type: ignore[arg-type]
+
+
+def test_chat_turn_strips_internal_fields_and_keeps_sampling() -> None:
+    t = turn("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
+                      "conversation_id": "c1", "kv_transfer_params": {"remote_host": "evil"}, "stream": True})
+    assert t.conversation_key == "c1" and t.stream and t.tenant == "acme"
+    assert "kv_transfer_params" not in t.body and "conversation_id" not in t.body
+    assert t.body["temperature"] == 0
+
+
+def test_conversation_key_sources_in_order() -> None:
+    assert conversation_key_of({"conversation_id": "a", "session_id": "b"}, "c") == "a"
+    assert conversation_key_of({"session_id": "b"}, "c") == "b"
+    assert conversation_key_of({}, "c") == "c"
+    assert conversation_key_of({}, None) == ""
+    with pytest.raises(InvalidArgument):
+        conversation_key_of({"conversation_id": "\u00e9"}, None)
+
+
+def test_completion_token_prompt() -> None:
+    t = turn("completion", {"model": "m", "prompt": [1, 2, 3]})
+    assert t.prompt_token_ids == [1, 2, 3]
+    assert turn("completion", {"model": "m", "prompt": "text"}).prompt_token_ids is None
+
+
+@pytest.mark.parametrize("body,field", [
+    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+    ({"model": "m", "messages": []}, "messages"),
+    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+    ({"model": "m", "messages": [{"role": "user"}], "max_tokens": -1}, "max_tokens"),
+    ({"model": "m", "messages": [{"role": "user"}], "stream": "yes"}, "stream"),
+    ({"model": "m", "messages": [{"role": "user"}], "n": 2}, "n"),
+])
+def test_bad_chat_bodies_name_the_field(body: dict, field: str) -> None:
+    with pytest.raises(InvalidArgument) as err:
+        turn("chat", body)
+    assert err.value.metadata["field"] == field
+
+
+def test_message_count_limit() -> None:
+    with pytest.raises(InvalidArgument) as err:
+        turn("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}] * 4})
+    assert err.value.reason == "TOO_LARGE"
+
+
+def test_malformed_json() -> None:
+    with pytest.raises(InvalidArgument):
+        parse_json_body(b"{nope")
+    with pytest.raises(InvalidArgument):
+        parse_json_body(b"[1]")
