@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -65,3 +65,16 @@ class ServerSettings(BaseSettings):
     max_concurrent_rpcs: int = Field(default=1024, ge=1, le=100_000)
     shutdown_grace_s: float = Field(default=5.0, ge=0, le=120)
     log_level: str = "INFO"
+    # TLS (PEM files). Cert + key: serve TLS. Client CA too: mutual TLS, clients without a cert it signed are
+    # refused during the handshake. Unset: plaintext (loopback or inside a mesh).
+    tls_cert_file: Path | None = None
+    tls_key_file: Path | None = None
+    tls_client_ca_file: Path | None = None
+
+    @model_validator(mode="after")
+    def _check_tls(self) -> ServerSettings:
+        if (self.tls_cert_file is None) != (self.tls_key_file is None):
+            raise ValueError("tls_cert_file and tls_key_file must be given together")
+        if self.tls_client_ca_file is not None and self.tls_cert_file is None:
+            raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        return self

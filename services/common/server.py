@@ -1,6 +1,7 @@
 """Builds a gRPC aio server the same way for every service.
 
-Health checking and reflection on every server, message-size caps, a bound
+Health checking and reflection on every server, a tracing + RPC-metrics
+interceptor (services/common/telemetry.py), optional TLS / mutual TLS, message-size caps, a bound
 on concurrent RPCs, and graceful shutdown: health flips to NOT_SERVING, then
 in-flight RPCs drain for the grace period, then the server stops.
 """
@@ -17,6 +18,8 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from .config import ServerSettings
+from .decode_guard import DecodeGuardInterceptor
+from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
 
@@ -30,15 +33,28 @@ class ServiceBinding:
     add_to_server: Callable[[Any, grpc.aio.Server], None]
 
 
+def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | None:
+    """TLS credentials from the settings' PEM files; None for plaintext. A client CA makes it mutual TLS."""
+    if settings.tls_cert_file is None or settings.tls_key_file is None:
+        return None
+    pair = (settings.tls_key_file.read_bytes(), settings.tls_cert_file.read_bytes())
+    client_ca = settings.tls_client_ca_file.read_bytes() if settings.tls_client_ca_file is not None else None
+    return grpc.ssl_server_credentials([pair], root_certificates=client_ca, require_client_auth=client_ca is not None)
+
+
 class GrpcServer:
-    def __init__(self, settings: ServerSettings, port: int, bindings: Sequence[ServiceBinding]) -> None:
+    def __init__(self, settings: ServerSettings, port: int, bindings: Sequence[ServiceBinding], *,
+                 telemetry: Telemetry | None = None) -> None:
         self._settings = settings
+        # Without one, spans go to the global tracer provider (a no-op unless the process set one).
+        self.telemetry = telemetry or Telemetry.disabled(bindings[0].full_name if bindings else "grpc")
         opts = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
             ("grpc.so_reuseport", 0),
         ]
-        self.server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=settings.max_concurrent_rpcs)
+        self.server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+                                      interceptors=[self.telemetry.server_interceptor(), DecodeGuardInterceptor()])
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [b.full_name for b in bindings]
@@ -49,7 +65,10 @@ class GrpcServer:
             self.server,
         )
         self._names = names
-        self.port = self.server.add_insecure_port(f"{settings.host}:{port}")
+        credentials = server_credentials(settings)
+        bind = f"{settings.host}:{port}"
+        self.port = (self.server.add_secure_port(bind, credentials) if credentials is not None
+                     else self.server.add_insecure_port(bind))
         if self.port == 0:
             raise OSError(f"cannot bind gRPC port {settings.host}:{port}")
 

@@ -12,11 +12,14 @@ from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.common.config import ServerSettings, StoreSettings
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.base import Store
+from kvbridge_services.common.telemetry import Telemetry
 
 from .app import RegistryApp
 from .config import RegistrySettings
 
 log = logging.getLogger("kvbridge_services.registry")
+# /metrics is on unless KVBRIDGE_REGISTRY_METRICS_PORT says otherwise (0 turns it off).
+DEFAULT_METRICS_PORT = 9151
 
 HELP = """\
 kvbridge metadata registry (gRPC kvbridge.registry.v1.RegistryService).
@@ -28,6 +31,10 @@ Configuration comes from the environment:
   KVBRIDGE_API_KEYS_FILE         JSON API keys (unset: insecure dev mode)
   KVBRIDGE_LOG_LEVEL             default INFO
   KVBRIDGE_REGISTRY_PORT         default 50051
+  KVBRIDGE_REGISTRY_METRICS_PORT Prometheus /metrics port (default 9151; 0: off)
+  OTEL_EXPORTER_OTLP_ENDPOINT    OTLP/gRPC trace collector, e.g. http://jaeger:4317 (unset: tracing off);
+                                 OTEL_SERVICE_NAME (default kvbridge-registry) and the other OTEL_* apply
+  KVBRIDGE_TELEMETRY_HASH_KEY_HEX key hashing tenant/conversation span attributes (share it across services)
   KVBRIDGE_REGISTRY_CHAIN_STRIDE, _MAX_BLOCKS_PER_CHAIN, _MAX_ENTRIES_PER_TENANT,
   KVBRIDGE_REGISTRY_LEASE_SERVICE_TARGET (host:port of the lease manager) ...
 """
@@ -49,6 +56,9 @@ async def _serve() -> None:
     store_settings = StoreSettings()
     server_settings = ServerSettings()
     settings = RegistrySettings()
+    if "metrics_port" not in settings.model_fields_set:
+        settings = settings.model_copy(update={"metrics_port": DEFAULT_METRICS_PORT})
+    telemetry = Telemetry.from_env("kvbridge-registry")
     store = _open_store(store_settings)
     app = RegistryApp(
         store,
@@ -57,6 +67,7 @@ async def _serve() -> None:
         keys=KeyLayout(store_settings.etcd_prefix),
         auth=Authenticator.from_file(server_settings.api_keys_file),
         store_timeout_s=store_settings.etcd_timeout_s,
+        telemetry=telemetry,
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -68,6 +79,7 @@ async def _serve() -> None:
     log.info("shutting down")
     await app.stop()
     await store.close()
+    telemetry.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,8 +10,11 @@ from kvbridge.registry.v1 import registry_pb2_grpc
 from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.keys import KeyLayout
+from kvbridge_services.common.metered_store import MeteredStore
+from kvbridge_services.common.metrics_http import MetricsEndpoint
 from kvbridge_services.common.server import GrpcServer, ServiceBinding
 from kvbridge_services.common.store.base import Store
+from kvbridge_services.common.telemetry import Telemetry
 
 from .config import RegistrySettings
 from .core import Registry
@@ -38,11 +41,17 @@ class RegistryApp:
         auth: Authenticator | None = None,
         releaser: LeaseReleaser | None = None,
         store_timeout_s: float = 5.0,
+        telemetry: Telemetry | None = None,
     ) -> None:
         self.settings = settings or RegistrySettings()
         self.server_settings = server_settings or ServerSettings()
         self.keys = keys or KeyLayout()
         self.store = store
+        self.telemetry = telemetry or Telemetry.disabled("kvbridge-registry")
+        # Everything below talks to the store through the meter (latency and errors per operation).
+        store = MeteredStore(store, self.telemetry.registry)
+        self.metrics_endpoint = MetricsEndpoint(self.telemetry.registry, self.server_settings.host,
+                                                self.settings.metrics_port)
         self._own_releaser: GrpcLeaseReleaser | None = None
         if releaser is None:
             if self.settings.lease_service_target:
@@ -62,11 +71,13 @@ class RegistryApp:
         )
         self._sweeper: asyncio.Task[None] | None = None
         self.feeder = IndexFeeder(store, self.keys, self.index, timeout_s=store_timeout_s)
-        servicer = RegistryServicer(self.registry, auth or Authenticator({}), store, self.keys)
+        servicer = RegistryServicer(self.registry, auth or Authenticator({}), store, self.keys,
+                                    telemetry=self.telemetry)
         self.server = GrpcServer(
             self.server_settings,
             self.settings.port,
             [ServiceBinding(SERVICE_NAME, servicer, registry_pb2_grpc.add_RegistryServiceServicer_to_server)],
+            telemetry=self.telemetry,
         )
 
     @property
@@ -78,6 +89,7 @@ class RegistryApp:
         self.revoker.start()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_engines(), name="registry-engine-sweep")
         await self.server.start()
+        self.metrics_endpoint.start()
 
     async def _sweep_engines(self) -> None:
         while True:
@@ -98,3 +110,5 @@ class RegistryApp:
         await self.revoker.stop()
         if self._own_releaser is not None:
             await self._own_releaser.close()
+        self.metrics_endpoint.stop()
+        await asyncio.to_thread(self.telemetry.force_flush)  # exporting blocks: off the event loop

@@ -10,6 +10,8 @@ class RegistrySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVBRIDGE_REGISTRY_", extra="ignore")
 
     port: int = Field(default=50051, ge=0, le=65535)
+    # Prometheus /metrics HTTP port; 0 = off (the composition root turns it on, see __main__).
+    metrics_port: int = Field(default=0, ge=0, le=65535)
     # Hash record: keep every chain_stride-th block hash plus the last one.
     chain_stride: int = Field(default=4, ge=1, le=1024)
     # Content-addressed lookups index every content_index_stride-th block hash (a multiple of

@@ -2,31 +2,94 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Iterator
 from typing import Any
 
 import grpc
-from kvbridge.errors import FailedPrecondition, Reason, invalid_field
+from kvbridge import telemetry as tel
+from kvbridge.errors import FailedPrecondition, KvbridgeError, Reason, invalid_field
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.common.boundary import rpc_boundary, stream_boundary
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.base import Compacted, EventType, Store
+from kvbridge_services.common.telemetry import Telemetry
+from opentelemetry import trace
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.registry import Collector
 
 from . import validation as v
 from .core import Registry
+from .index import RegistryIndex
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 _MAX_PROGRESS_S = 300.0
 _DEFAULT_PROGRESS_S = 10.0
+_ENTRY_BYTES_MAX_AGE_S = 10.0  # summing every entry's size is O(entries): at most this often
+
+
+class _IndexCollector(Collector):
+    """Index size at scrape time (scrapes run on the metrics thread: read-only, copying before iterating)."""
+
+    def __init__(self, index: RegistryIndex) -> None:
+        self._index = index
+        self._bytes = 0
+        self._bytes_at = float("-inf")
+
+    def _entry_bytes(self) -> int:
+        if time.monotonic() - self._bytes_at >= _ENTRY_BYTES_MAX_AGE_S:
+            try:
+                items = list(self._index.entries.values())
+            except RuntimeError:  # resized under us by the event loop: keep the last figure
+                return self._bytes
+            self._bytes = sum(item.entry.ByteSize() for item in items)
+            self._bytes_at = time.monotonic()
+        return self._bytes
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        yield GaugeMetricFamily("kvbridge_registry_entries", "Entries in the in-memory index",
+                                value=len(self._index.entries))
+        yield GaugeMetricFamily("kvbridge_registry_entry_bytes",
+                                "Serialized size of the indexed entries (refreshed at most every 10 s)",
+                                value=self._entry_bytes())
+        yield GaugeMetricFamily("kvbridge_registry_engines", "Registered engines in the index",
+                                value=len(self._index.engines))
+
+
+class RegistryMetrics:
+    def __init__(self, registry: CollectorRegistry, index: RegistryIndex) -> None:
+        self.lookups = Counter("kvbridge_registry_lookups_total", "LookupEntry answers by verdict",
+                               ["verdict"], registry=registry)
+        self.lookup_verified_tokens = Counter("kvbridge_registry_lookup_verified_tokens_total",
+                                              "Tokens verified by LookupEntry answers", registry=registry)
+        self.registrations = Counter("kvbridge_registry_registrations_total",
+                                     "RegisterEntry outcomes (ok, replayed, superseded, or the error reason)",
+                                     ["outcome"], registry=registry)
+        registry.register(_IndexCollector(index))
+
+
+def _verdict_name(verdict: int) -> str:
+    return registry_pb2.LookupVerdict.Name(verdict).removeprefix("LOOKUP_VERDICT_").lower()  # type: ignore[arg-type]
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
-    def __init__(self, registry: Registry, auth: Authenticator, store: Store, keys: KeyLayout) -> None:
+    def __init__(self, registry: Registry, auth: Authenticator, store: Store, keys: KeyLayout, *,
+                 telemetry: Telemetry | None = None) -> None:
         self._registry = registry
         self._auth = auth
         self._store = store
         self._keys = keys
+        self._telemetry = telemetry or Telemetry.disabled("kvbridge-registry")
+        self.metrics = RegistryMetrics(self._telemetry.registry, registry.index)
+
+    def _annotate(self, tenant: str, model: str, conversation_key: str) -> trace.Span:
+        """The RPC's server span (from the interceptor), tagged with the hashed identity."""
+        span = trace.get_current_span()
+        span.set_attributes({tel.ATTR_MODEL: model,
+                             **self._telemetry.identity(tenant=tenant, conversation_key=conversation_key)})
+        return span
 
     @rpc_boundary
     async def RegisterEngine(
@@ -63,13 +126,32 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def RegisterEntry(
         self, request: registry_pb2.RegisterEntryRequest, context: Ctx
     ) -> registry_pb2.RegisterEntryResponse:
-        return await self._registry.register_entry(self._auth.authenticate(context), request)
+        key = request.entry.key
+        span = self._annotate(key.tenant, key.model, key.conversation_key)
+        span.set_attributes({tel.ATTR_ENGINE: request.entry.engine_id, "kvbridge.entry.epoch": request.entry.epoch,
+                             "kvbridge.entry.tokens": request.entry.token_count})
+        try:
+            response = await self._registry.register_entry(self._auth.authenticate(context), request)
+        except KvbridgeError as err:
+            self.metrics.registrations.labels((err.reason or err.code.name).lower()).inc()
+            raise
+        outcome = "replayed" if response.replayed else "superseded" if response.superseded_epoch else "ok"
+        self.metrics.registrations.labels(outcome).inc()
+        return response
 
     @rpc_boundary
     async def LookupEntry(
         self, request: registry_pb2.LookupEntryRequest, context: Ctx
     ) -> registry_pb2.LookupEntryResponse:
-        return self._registry.lookup(self._auth.authenticate(context), request)
+        span = self._annotate(request.tenant, request.model, request.conversation_key)
+        response = self._registry.lookup(self._auth.authenticate(context), request)
+        verdict = _verdict_name(response.verdict)
+        self.metrics.lookups.labels(verdict).inc()
+        self.metrics.lookup_verified_tokens.inc(response.verified_tokens)
+        span.set_attributes({tel.ATTR_VERDICT: verdict, tel.ATTR_VERIFIED_TOKENS: response.verified_tokens})
+        if response.HasField("location"):
+            span.set_attribute(tel.ATTR_ENGINE, response.location.engine.engine_id)
+        return response
 
     @rpc_boundary
     async def GetEntry(
@@ -97,11 +179,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     ) -> AsyncIterator[registry_pb2.WatchEntriesResponse]:
         principal = self._auth.authenticate(context)
         v.check_tenant_field("tenant", request.tenant)
-        if request.tenant:
-            tenant: str | None = principal.tenant_for(request.tenant)
-        else:
-            principal.require_service()
-            tenant = None
+        # Empty tenant: a service principal watches every tenant, a tenant principal its own (as in other RPCs).
+        tenant: str | None = principal.tenant_for(request.tenant) if request.tenant or not principal.is_service \
+            else None
         if request.engine_id:
             v.check_id("engine_id", request.engine_id)
         if request.start_revision < 0:

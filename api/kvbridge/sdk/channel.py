@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import random
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import grpc
 
@@ -25,6 +25,11 @@ class ClientOptions:
     backoff_max_s: float = 1.0
     # PEM root certificates; None = plaintext (loopback / inside a mesh).
     root_certificates: bytes | None = None
+    # PEM client certificate chain + private key, for servers that require mutual TLS (needs root_certificates).
+    client_certificate_chain: bytes | None = None
+    client_private_key: bytes | None = None
+    # Name the server certificate must carry when it differs from the target's host (tests, IP targets).
+    tls_server_name: str | None = None
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
@@ -32,14 +37,22 @@ class ClientOptions:
 
 
 def open_channel(target: str, options: ClientOptions) -> grpc.aio.Channel:
-    opts = [
+    opts: list[tuple[str, Any]] = [
         ("grpc.max_receive_message_length", options.max_message_bytes),
         ("grpc.max_send_message_length", options.max_message_bytes),
         ("grpc.keepalive_time_ms", 30_000),
     ]
+    if (options.client_certificate_chain is None) != (options.client_private_key is None):
+        raise ValueError("client_certificate_chain and client_private_key must be given together")
     if options.root_certificates is not None:
-        creds = grpc.ssl_channel_credentials(root_certificates=options.root_certificates)
+        creds = grpc.ssl_channel_credentials(root_certificates=options.root_certificates,
+                                             private_key=options.client_private_key,
+                                             certificate_chain=options.client_certificate_chain)
+        if options.tls_server_name:
+            opts.append(("grpc.ssl_target_name_override", options.tls_server_name))
         return grpc.aio.secure_channel(target, creds, options=opts)
+    if options.client_certificate_chain is not None:
+        raise ValueError("a client certificate needs root_certificates (TLS)")
     return grpc.aio.insecure_channel(target, options=opts)
 
 
@@ -89,7 +102,7 @@ class BaseClient:
     async def close(self) -> None:
         await self._channel.close()
 
-    async def __aenter__(self) -> BaseClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
