@@ -1,0 +1,97 @@
+"""The all-in-one local stack: lease manager, registry and (optionally) gateway
+in one process, sharing one store (embedded by default, etcd when configured),
+each on its own gRPC port with the same API as when run separately.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvbridge_services.common.auth import Authenticator
+from kvbridge_services.common.config import ServerSettings, StoreSettings
+from kvbridge_services.common.keys import KeyLayout
+from kvbridge_services.common.store import Store, open_store
+from kvbridge_services.common.telemetry import Telemetry
+from kvbridge_services.gateway.app import GatewayApp
+from kvbridge_services.gateway.config import GatewaySettings
+from kvbridge_services.lease.app import LeaseApp
+from kvbridge_services.lease.policy import LeasePolicy
+from kvbridge_services.registry.app import RegistryApp
+from kvbridge_services.registry.config import RegistrySettings
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class StackConfig:
+    store: StoreSettings = field(default_factory=StoreSettings)
+    server: ServerSettings = field(default_factory=ServerSettings)
+    # Embedded store only: where its write-ahead log lives (None: memory only).
+    data_dir: Path | None = None
+    registry_port: int = 50051
+    lease_port: int = 50052
+    # None: no gateway.
+    gateway: GatewaySettings | None = None
+
+
+class Stack:
+    def __init__(self, config: StackConfig, progress: Callable[[str], None] = lambda _msg: None) -> None:
+        self.config = config
+        self._progress = progress
+        self.store: Store | None = None
+        self.lease: LeaseApp | None = None
+        self.registry: RegistryApp | None = None
+        self.gateway: GatewayApp | None = None
+
+    async def start(self, *, leader_timeout_s: float = 15.0) -> None:
+        cfg = self.config
+        keys = KeyLayout(cfg.store.etcd_prefix)
+        auth = Authenticator.from_file(cfg.server.api_keys_file)
+        where = ",".join(cfg.store.etcd_endpoints) if cfg.store.etcd_endpoints else (
+            f"embedded (WAL in {cfg.data_dir})" if cfg.data_dir else "embedded (in memory)")
+        self._progress(f"store: {where}")
+        self.store = open_store(cfg.store, data_dir=cfg.data_dir)
+        policy = LeasePolicy(port=cfg.lease_port)
+        # Each service keeps its own tracer (service.name) and metrics registry, as when run separately.
+        self.lease = LeaseApp(self.store, policy, cfg.server, auth=auth, keys=keys,
+                              telemetry=Telemetry.from_env("kvbridge-lease"))
+        await self.lease.start()
+        deadline = time.monotonic() + leader_timeout_s
+        while not self.lease.is_leader:
+            if time.monotonic() > deadline:
+                raise TimeoutError("the lease manager did not become leader in time (another leader on this store?)")
+            await asyncio.sleep(0.05)
+        self._progress(f"lease manager: {self.lease.address} (leader)")
+        reg_settings = RegistrySettings(port=cfg.registry_port, lease_service_target=self.lease.address)
+        self.registry = RegistryApp(
+            self.store, settings=reg_settings, server_settings=cfg.server, keys=keys, auth=auth,
+            store_timeout_s=cfg.store.etcd_timeout_s, telemetry=Telemetry.from_env("kvbridge-registry"),
+        )
+        await self.registry.start()
+        self._progress(f"registry: {self.registry.address}")
+        if cfg.gateway is not None:
+            gw = cfg.gateway.model_copy(
+                update={"registry_address": self.registry.address, "lease_address": self.lease.address}
+            )
+            self.gateway = GatewayApp(gw, auth=auth, server_settings=cfg.server,
+                                      telemetry=Telemetry.from_env("kvbridge-gateway"))
+            await self.gateway.start()
+            self._progress(f"gateway: {self.gateway.http_url} (HTTP)")
+
+    async def stop(self) -> None:
+        for app in (self.gateway, self.registry, self.lease):
+            if app is not None:
+                try:
+                    await app.stop()
+                except Exception:
+                    log.warning("stopping %s failed", type(app).__name__, exc_info=True)
+        if self.store is not None:
+            await self.store.close()
+        for app in (self.gateway, self.registry, self.lease):
+            if app is not None:
+                await asyncio.to_thread(app.telemetry.shutdown)  # flushing spans blocks
