@@ -4,11 +4,10 @@ live leases by kind, watch subscribers, leadership, plus the shared store and RP
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
 
 import httpx
 from google.protobuf import duration_pb2
-from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
+from kvbridge.lease.v1 import lease_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.store.memory import MemoryStore
@@ -18,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.fixtures.etcd import free_port
 
-from .harness import lease_app, wait_until
+from .harness import lease_app
 
 Samples = dict[str, float]
 GRANT = "/kvbridge.lease.v1.LeaseService/GrantLease"
@@ -38,22 +37,18 @@ async def scrape(url: str) -> Samples:
 
 
 async def scrape_until(url: str, key: str, value: float, timeout_s: float = 10.0) -> Samples:
-    async with asyncio.timeout(timeout_s):
-        while True:
-            samples = await scrape(url)
-            if samples.get(key) == value:
-                return samples
-            await asyncio.sleep(0.05)
+    deadline = asyncio.get_running_loop().time() + timeout_s
+    while True:
+        samples = await scrape(url)
+        if samples.get(key) == value or asyncio.get_running_loop().time() > deadline:
+            assert samples.get(key) == value, f"{key} stayed {samples.get(key)}, not {value}"
+            return samples
+        await asyncio.sleep(0.05)
 
 
 def entry(conv: str, ttl_s: int) -> lease_pb2.GrantLeaseRequest:
     return lease_pb2.GrantLeaseRequest(kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="eng-1", model="m",
                                        conversation_key=conv, ttl=duration_pb2.Duration(seconds=ttl_s))
-
-
-async def watch_events(stub: lease_pb2_grpc.LeaseServiceStub) -> AsyncIterator[lease_pb2.WatchLeasesResponse]:
-    async for message in stub.WatchLeases(lease_pb2.WatchLeasesRequest(engine_id="eng-1")):
-        yield message
 
 
 async def test_metrics_follow_grants_renewals_ends_and_watchers() -> None:
@@ -83,11 +78,11 @@ async def test_metrics_follow_grants_renewals_ends_and_watchers() -> None:
             assert all(s.alive for s in answer.statuses)
         assert (await scrape(url))["kvbridge_lease_renewals_total"] == before["kvbridge_lease_renewals_total"] + 3
 
-        watch = watch_events(stub)
-        first = await anext(watch)  # the subscription exists once the snapshot starts arriving
-        assert first.events
+        watch = stub.WatchLeases(lease_pb2.WatchLeasesRequest(engine_id="eng-1"))
+        first = await watch.read()  # the subscription exists once the snapshot starts arriving
+        assert isinstance(first, lease_pb2.WatchLeasesResponse) and first.events
         assert (await scrape(url))["kvbridge_lease_watch_subscribers"] == 1
-        await watch.aclose()
+        watch.cancel()
         await scrape_until(url, "kvbridge_lease_watch_subscribers", 0)
 
         # The 1 s lease was never renewed: it lapses and is counted once, as EXPIRED.

@@ -4,7 +4,6 @@ spans at a real OTLP/gRPC receiver, linked across services; /metrics of registry
 from __future__ import annotations
 
 import asyncio
-import functools
 import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
@@ -14,7 +13,6 @@ import pytest
 from kvbridge import telemetry as tel
 from kvbridge_services.common.auth import Authenticator, Principal
 from kvbridge_services.common.config import ServerSettings
-from kvbridge_services.common.server import GrpcServer
 from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.common.telemetry import Telemetry, TelemetrySettings
 from kvbridge_services.gateway.app import GatewayApp
@@ -62,18 +60,16 @@ class Observed:
 
 
 @pytest.fixture
-async def observed(monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[Observed]:
+async def observed() -> AsyncIterator[Observed]:
     receiver = OtlpReceiver()
     await receiver.start()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     settings = TelemetrySettings(hash_key_hex="ab" * 32)
     gw_tel, reg_tel, lease_tel = (Telemetry.from_env(name, env, settings=settings)
                                   for name in ("kvbridge-gateway", "kvbridge-registry", "kvbridge-lease"))
-    # LeaseApp does not take telemetry= yet: hand its GrpcServer one, as its wiring will.
-    monkeypatch.setattr("kvbridge_services.lease.app.GrpcServer", functools.partial(GrpcServer, telemetry=lease_tel))
     store = MemoryStore()
     lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
-                     ServerSettings(shutdown_grace_s=0.2))
+                     ServerSettings(shutdown_grace_s=0.2), telemetry=lease_tel)
     await lease.start()
     async with asyncio.timeout(10):
         while not lease.is_leader:  # noqa: ASYNC110 - polling another component
