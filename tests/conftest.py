@@ -12,12 +12,12 @@ from pathlib import Path
 
 import pytest
 
+from tests.fixtures.etcd import EtcdCluster, EtcdServer, etcd_binary, start_cluster, start_server
+
 # Service processes spawned by tests must not fight over the fixed production
 # metrics ports (9151/9152): tests that want /metrics pick free ports themselves.
 for _var in ("KVBRIDGE_REGISTRY_METRICS_PORT", "KVBRIDGE_LEASE_METRICS_PORT"):
     os.environ.setdefault(_var, "0")
-
-from tests.fixtures.etcd import EtcdCluster, EtcdServer, etcd_binary, start_cluster, start_server
 
 
 def require_etcd_binary() -> str:
