@@ -1,0 +1,544 @@
+"""Gateway router overhead: a turn through the gateway vs the same P/D protocol called on the engines directly.
+
+    .venv/bin/python bench/gateway_overhead.py --out bench/results/gateway
+
+Processes: a prefill and a decode engine simulator (tests/tools/engine_sim.py, a test tool; small fixed
+per-token delays so overhead dominates), one "control plane" process running the all-in-one
+``kvbridge_services.stack.Stack`` (gateway + real registry + real lease manager on the embedded in-memory
+store, gateway logging at its default INFO level into a file), and this process as the load client.
+
+Each client worker runs multi-turn conversations twice in lockstep with identical prompts: one through the
+gateway (``conversation_id`` set, so lookups, pulls and compatibility-mode registrations happen), one
+directly: prefill on P (``max_tokens=1``, ``do_remote_decode``), then decode on D with P's returned params.
+The direct path also pulls the previous turn's KV from D exactly like the gateway's hit path (an oracle
+router with no control plane), so engine work is the same on both sides and the per-turn difference is what
+the gateway adds. Order alternates per turn. ``--direct-mode plain`` drops the pull. Writes <out>.md,
+<out>_overhead.png and (with ``--profile-seconds``) <out>_profile.txt (cProfile of the control-plane process).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import cProfile
+import io
+import os
+import pstats
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.tools.engine_sim import free_port  # noqa: E402
+
+MODEL, BLOCK, SECRET_HEX = "sim-model", 16, "00112233445566778899aabbccddeeff"
+REUSE_THRESHOLD = 64  # the gateway's default reuse_threshold_tokens
+
+
+# ---- control-plane process (gateway + registry + lease manager) ---------------------------------------------
+
+
+async def _serve(args: argparse.Namespace) -> None:
+    from kvbridge_services.gateway.config import GatewaySettings, StaticEngine
+    from kvbridge_services.stack import Stack, StackConfig
+
+    def engine(url: str, engine_id: str) -> StaticEngine:
+        port = int(url.rsplit(":", 1)[1])
+        return StaticEngine(url=url, model=MODEL, engine_id=engine_id, kv_host="127.0.0.1", kv_port=port,
+                            block_size=BLOCK, register_in_registry=True)
+
+    gw = GatewaySettings(host="127.0.0.1", http_port=0, grpc_port=0, hash_secret_hex=SECRET_HEX,
+                         default_block_size=BLOCK, engines_from_registry=False,
+                         prefill_engines=[engine(args.prefill_url, "p0")],
+                         decode_engines=[engine(args.decode_url, "d0")])
+    stack = Stack(StackConfig(registry_port=0, lease_port=0, gateway=gw))
+    await stack.start()
+    assert stack.gateway is not None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    print("READY", stack.gateway.http_url, flush=True)
+    await stop.wait()
+    await stack.stop()
+
+
+def serve_main(argv: list[str]) -> None:
+    import logging
+
+    p = argparse.ArgumentParser(prog="gateway_overhead.py serve")
+    p.add_argument("--prefill-url", required=True)
+    p.add_argument("--decode-url", required=True)
+    p.add_argument("--log-level", default="INFO")
+    p.add_argument("--profile", type=Path)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    prof = cProfile.Profile() if args.profile else None
+    if prof:
+        prof.enable()
+    asyncio.run(_serve(args))
+    if prof:
+        prof.disable()
+        prof.dump_stats(args.profile)
+
+
+# ---- processes ---------------------------------------------------------------------------------------------
+
+
+def _cpu_s(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+@dataclass
+class Procs:
+    tmp: Path
+    prefill_url: str = ""
+    decode_url: str = ""
+    gateway_url: str = ""
+    sims: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    gateway: subprocess.Popen[str] | None = None
+
+    def start_sims(self, args: argparse.Namespace) -> None:
+        for role, eid in (("prefill", "p0"), ("decode", "d0")):
+            port = free_port()
+            cmd = [sys.executable, "-m", "tests.tools.engine_sim", "--role", role, "--port", str(port),
+                   "--engine-id", eid, "--model", MODEL, "--block-size", str(BLOCK), "--total-blocks", "1000000",
+                   "--decoder-kv-blocks-ttl", "120", "--prefill-us-per-token", str(args.prefill_us_per_token),
+                   "--decode-us-per-token", str(args.decode_us_per_token)]
+            log = open(self.tmp / f"sim-{eid}.log", "wb")  # noqa: SIM115 - lives as long as the process
+            self.sims.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log))
+            url = f"http://127.0.0.1:{port}"
+            if role == "prefill":
+                self.prefill_url = url
+            else:
+                self.decode_url = url
+        for url in (self.prefill_url, self.decode_url):
+            _wait_http(url + "/health")
+
+    def start_gateway(self, args: argparse.Namespace, profile: Path | None = None) -> None:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "serve", "--prefill-url", self.prefill_url,
+               "--decode-url", self.decode_url, "--log-level", args.gateway_log_level]
+        if profile:
+            cmd += ["--profile", str(profile)]
+        log = open(self.tmp / "gateway.log", "ab")  # noqa: SIM115
+        self.gateway = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+        assert self.gateway.stdout is not None
+        line = self.gateway.stdout.readline()
+        if not line.startswith("READY "):
+            raise RuntimeError(f"gateway did not start (see {self.tmp / 'gateway.log'}): {line!r}")
+        self.gateway_url = line.split()[1]
+
+    def stop_gateway(self) -> None:
+        if self.gateway is not None:
+            self.gateway.send_signal(signal.SIGTERM)
+            try:
+                self.gateway.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.gateway.kill()
+            self.gateway = None
+
+    def stop_all(self) -> None:
+        self.stop_gateway()
+        for proc in self.sims:
+            proc.terminate()
+        for proc in self.sims:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(timeout=10)
+
+    def cpu(self) -> dict[str, float]:
+        out = {"client": sum(os.times()[:2])}
+        if self.gateway is not None:
+            out["gateway+control plane"] = _cpu_s(self.gateway.pid)
+        out["prefill sim"] = _cpu_s(self.sims[0].pid)
+        out["decode sim"] = _cpu_s(self.sims[1].pid)
+        return out
+
+
+def _wait_http(url: str, timeout_s: float = 30.0) -> None:
+    import urllib.request
+
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=2) as resp:
+                if resp.status == 200:
+                    return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+        time.sleep(0.1)
+
+
+# ---- load ---------------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Pair:
+    gateway_s: float
+    direct_s: float
+    verdict: str
+    same_answer: bool
+
+
+@dataclass
+class Level:
+    concurrency: int
+    pairs: list[Pair] = field(default_factory=list)
+    errors: Counter[str] = field(default_factory=Counter)
+    load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
+    cpu_s: dict[str, float] = field(default_factory=dict)
+    router_overhead_mean_s: float = float("nan")  # the gateway's own histogram (excludes engine time)
+    seconds: float = 0.0
+
+
+class TurnFailed(Exception):
+    pass
+
+
+async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> dict[str, Any]:
+    async with http.post(url, json=body) as resp:
+        data: dict[str, Any] = await resp.json(content_type=None)
+        if resp.status != 200:
+            raise TurnFailed(f"{url.rsplit('/', 3)[-3]} {resp.status}")
+        return data
+
+
+async def gateway_turn(http: aiohttp.ClientSession, gw: str, msgs: list[dict[str, str]], conv: str,
+                       max_tokens: int) -> tuple[str, str]:
+    body = {"model": MODEL, "messages": msgs, "max_tokens": max_tokens, "conversation_id": conv}
+    async with http.post(gw + "/v1/chat/completions", json=body) as resp:
+        data = await resp.json(content_type=None)
+        if resp.status != 200:
+            raise TurnFailed(f"gateway {resp.status}")
+        verdict = resp.headers.get("x-kvbridge-reuse", "").split(";")[0]
+    return str(data["choices"][0]["message"]["content"]), verdict
+
+
+async def direct_turn(http: aiohttp.ClientSession, p_url: str, d_url: str, msgs: list[dict[str, str]],
+                      max_tokens: int, retained: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
+    """Prefill on P (max_tokens=1, do_remote_decode; pulling D's retained prefix if any), then decode on D."""
+    params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
+    if retained:
+        k = int(retained.get("remote_num_tokens") or 0) // BLOCK * BLOCK
+        if k >= REUSE_THRESHOLD:
+            params.update({key: retained[key] for key in ("remote_engine_id", "remote_request_id", "remote_host",
+                                                          "remote_port", "tp_size", "pp_size", "dcp_size")})
+            params["remote_block_ids"] = [g[: k // BLOCK] for g in retained["remote_block_ids"]]
+            params["remote_num_tokens"] = k
+    p = await _post(http, p_url + "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 1,
+                                                           "stream": False, "kv_transfer_params": params})
+    d = await _post(http, d_url + "/v1/chat/completions", {"model": MODEL, "messages": msgs,
+                                                           "max_tokens": max_tokens,
+                                                           "kv_transfer_params": p["kv_transfer_params"]})
+    return str(d["choices"][0]["message"]["content"]), d.get("kv_transfer_params")
+
+
+async def worker(idx: int, level: Level, procs: Procs, args: argparse.Namespace, record_from: float,
+                 stop_at: float) -> None:
+    timeout = aiohttp.ClientTimeout(total=60)
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
+        conv_n = 0
+        while time.monotonic() < stop_at:
+            conv = f"c{level.concurrency}-{idx}-{conv_n}-{os.getpid()}"
+            first = " ".join(f"w{(idx * 13 + conv_n * 7 + i) % 500 + 10}" for i in range(args.prompt_words))
+            msgs = [{"role": "user", "content": first}]
+            retained: dict[str, Any] | None = None
+            conv_n += 1
+            for turn in range(args.turns):
+                if time.monotonic() >= stop_at:
+                    return
+                try:
+                    t_gw = t_direct = 0.0
+                    for leg in ((0, 1) if (turn + idx) % 2 == 0 else (1, 0)):
+                        started = time.perf_counter()
+                        if leg == 0:
+                            gw_answer, verdict = await gateway_turn(http, procs.gateway_url, msgs, conv,
+                                                                    args.max_tokens)
+                            t_gw = time.perf_counter() - started
+                        else:
+                            answer, retained = await direct_turn(http, procs.prefill_url, procs.decode_url, msgs,
+                                                                 args.max_tokens,
+                                                                 retained if args.direct_mode == "pull" else None)
+                            t_direct = time.perf_counter() - started
+                except (TimeoutError, TurnFailed, aiohttp.ClientError, KeyError, TypeError) as exc:
+                    level.errors[str(exc) if isinstance(exc, TurnFailed) else type(exc).__name__] += 1
+                    break
+                if time.monotonic() >= record_from:
+                    level.pairs.append(Pair(t_gw, t_direct, verdict, gw_answer == answer))
+                msgs = [*msgs, {"role": "assistant", "content": answer},
+                        {"role": "user", "content": f"w{turn + 11} w{idx % 400 + 10} and tell me more about it"}]
+                await asyncio.sleep(args.think_ms / 1000)
+
+
+async def _router_overhead(gw: str) -> tuple[float, float]:
+    """(sum, count) of the gateway's kvbridge_gateway_router_overhead_seconds histogram."""
+    async with aiohttp.ClientSession() as http, http.get(gw + "/metrics") as resp:
+        text = await resp.text()
+    vals: dict[str, float] = {}
+    for line in text.splitlines():
+        for suffix in ("_sum", "_count"):
+            name = "kvbridge_gateway_router_overhead_seconds" + suffix
+            if line.startswith(name + " ") or line.startswith(name + "{"):
+                vals[suffix] = vals.get(suffix, 0.0) + float(line.rsplit(" ", 1)[1])
+    return vals.get("_sum", 0.0), vals.get("_count", 0.0)
+
+
+async def run_level(procs: Procs, concurrency: int, seconds: float, args: argparse.Namespace) -> Level:
+    level = Level(concurrency)
+    level.load_before = os.getloadavg()
+    start = time.monotonic()
+    record_from, stop_at = start + args.warmup_s, start + args.warmup_s + seconds
+    tasks = [asyncio.create_task(worker(i, level, procs, args, record_from, stop_at)) for i in range(concurrency)]
+    metrics_at_start: tuple[float, float] | None = None
+    cpu0: dict[str, float] = {}
+    while not all(t.done() for t in tasks):
+        await asyncio.sleep(1.0)
+        now = time.monotonic()
+        if metrics_at_start is None and now >= record_from:
+            metrics_at_start, cpu0 = await _router_overhead(procs.gateway_url), procs.cpu()
+        if metrics_at_start is not None and int(now - start) % 5 == 0:
+            added = [p.gateway_s - p.direct_s for p in level.pairs]
+            print(f"  [{concurrency:>2} conv] t={now - start:5.1f}s pairs={len(level.pairs):5d} "
+                  f"added p50={pct(added, 0.5) * 1e3:6.2f} ms errors={sum(level.errors.values())} "
+                  f"load={os.getloadavg()[0]:.1f}", flush=True)
+    for t in tasks:
+        t.result()
+    level.seconds = time.monotonic() - record_from
+    level.load_after = os.getloadavg()
+    if metrics_at_start is not None:
+        cpu1 = procs.cpu()
+        level.cpu_s = {k: cpu1[k] - cpu0[k] for k in cpu1}
+        s1, c1 = await _router_overhead(procs.gateway_url)
+        if c1 > metrics_at_start[1]:
+            level.router_overhead_mean_s = (s1 - metrics_at_start[0]) / (c1 - metrics_at_start[1])
+    return level
+
+
+def pct(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+# ---- report -------------------------------------------------------------------------------------------------
+
+
+def _ms(x: float) -> str:
+    return f"{x * 1e3:.2f}"
+
+
+_PACKAGES = ("httpx", "httpcore", "anyio", "h11", "grpc", "google/protobuf", "uvicorn", "starlette",
+             "opentelemetry", "prometheus_client", "logging", "asyncio", "selectors", "json", "kvbridge_services",
+             "kvbridge")
+
+
+def by_package(path: Path) -> list[tuple[str, float]]:
+    """Own (tottime) seconds per package: which libraries the process spends its CPU in."""
+    stats = pstats.Stats(str(path))
+    totals: dict[str, float] = {}
+    for (filename, _line, func), (_cc, _nc, tottime, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
+        where = "builtins/C (socket send, epoll, ...)" if filename == "~" else "other"
+        for pkg in _PACKAGES:
+            if f"/{pkg}/" in filename or filename.endswith(f"/{pkg}.py") or (pkg == "kvbridge" and "/api/kvbridge/"
+                                                                             in filename):
+                where = pkg
+                break
+        if filename == "~" and ("epoll" in func or "select" in func):
+            where = "epoll wait (idle)"
+        totals[where] = totals.get(where, 0.0) + tottime
+    return sorted(totals.items(), key=lambda kv: -kv[1])
+
+
+def profile_summary(path: Path, top: int = 25) -> str:
+    out = io.StringIO()
+    total = sum(t for _, t in by_package(path))
+    out.write("Own time by package (cProfile tottime):\n")
+    for name, secs in by_package(path):
+        out.write(f"  {name:<40} {secs:7.2f} s  {100 * secs / total:5.1f} %\n")
+    out.write("\n")
+    stats = pstats.Stats(str(path), stream=out)
+    stats.strip_dirs().sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
+    return out.getvalue()
+
+
+def write_report(levels: list[Level], args: argparse.Namespace, out: Path, command: str,
+                 profile_text: str | None) -> None:
+    rows = ["| figure | " + " | ".join(f"{lv.concurrency} conversation{'s' if lv.concurrency > 1 else ''}"
+                                       for lv in levels) + " |",
+            "| --- |" + " --- |" * len(levels)]
+
+    def row(name: str, fn: Any) -> None:
+        rows.append(f"| {name} | " + " | ".join(fn(lv) for lv in levels) + " |")
+
+    def added(lv: Level) -> list[float]:
+        return [p.gateway_s - p.direct_s for p in lv.pairs]
+
+    row("turn pairs measured (after warm-up)", lambda lv: f"{len(lv.pairs)} in {lv.seconds:.0f} s")
+    row("errors", lambda lv: str(sum(lv.errors.values())) + (f" {dict(lv.errors)}" if lv.errors else ""))
+    row("gateway p50 / p99 (ms)", lambda lv: " / ".join(_ms(pct([p.gateway_s for p in lv.pairs], q))
+                                                         for q in (0.5, 0.99)))
+    row("direct p50 / p99 (ms)", lambda lv: " / ".join(_ms(pct([p.direct_s for p in lv.pairs], q))
+                                                        for q in (0.5, 0.99)))
+    row("**added per turn (paired) p50 / p99 (ms)**",
+        lambda lv: "**" + " / ".join(_ms(pct(added(lv), q)) for q in (0.5, 0.99)) + "**")
+    row("p50(gateway) - p50(direct) (ms)",
+        lambda lv: _ms(pct([p.gateway_s for p in lv.pairs], 0.5) - pct([p.direct_s for p in lv.pairs], 0.5)))
+    row("added p50, reuse hits only (ms)",
+        lambda lv: _ms(pct([p.gateway_s - p.direct_s for p in lv.pairs if p.verdict == "hit"], 0.5)))
+    row("gateway's own router-overhead metric, mean (ms)", lambda lv: _ms(lv.router_overhead_mean_s))
+    row("target p50 added ≤ 2 ms", lambda lv: "met" if pct(added(lv), 0.5) <= 0.002 else "**not met**")
+    row("reuse verdicts (gateway)", lambda lv: ", ".join(f"{k}: {v}" for k, v in
+                                                         sorted(Counter(p.verdict for p in lv.pairs).items())))
+    row("same answer gateway vs direct", lambda lv: f"{sum(p.same_answer for p in lv.pairs)}/{len(lv.pairs)}")
+    for name in ("gateway+control plane", "prefill sim", "decode sim", "client"):
+        row(f"CPU ms per turn pair: {name}",
+            lambda lv, n=name: f"{lv.cpu_s.get(n, float('nan')) * 1e3 / max(1, len(lv.pairs)):.2f}")
+    row("load average (1 min) before → after", lambda lv: f"{lv.load_before[0]:.2f} → {lv.load_after[0]:.2f}")
+
+    pull_note = ", pulling the previous turn from D like a gateway hit" if args.direct_mode == "pull" else ""
+    lines = [
+        "# Gateway router overhead vs calling the engines directly",
+        "",
+        f"Command: `{command}`",
+        "",
+        f"Setup: engine simulators (test tool) for one prefill and one decode engine, each in its own process, "
+        f"{args.prefill_us_per_token} us/prompt token (TTFT) and {args.decode_us_per_token} us/output token, "
+        f"{args.max_tokens} output tokens; gateway + registry + lease manager (kvbridge_services.stack.Stack, "
+        f"embedded in-memory store, gateway log level {args.gateway_log_level}) in one process; this load client "
+        f"(aiohttp) in a fourth. Conversations of {args.turns} turns starting from {args.prompt_words} words, "
+        f"{args.think_ms} ms think time; each turn is sent through the gateway (`conversation_id` set: lookup, "
+        f"pull, compatibility-mode registration) and directly ({args.direct_mode} mode: prefill max_tokens=1 + "
+        f"do_remote_decode{pull_note}, then decode with P's params), alternating which goes first, "
+        f"with identical prompts. "
+        f"Warm-up {args.warmup_s} s per level not counted. Machine: 2 cores shared with other engineers' work "
+        f"(load averages below).",
+        "",
+        *rows,
+        "",
+        "Added per turn = gateway latency - direct latency of the same turn pair (client-measured, end to end).",
+        "The gateway's own metric (kvbridge_gateway_router_overhead_seconds) is its time per turn outside the "
+        "prefill call up to sending the decode (tokenize round trip and lookup included), so it omits the extra "
+        "client→gateway hop and the response relay.",
+        "",
+        "![latency CDFs and added latency](gateway_overhead.png)",
+    ]
+    if profile_text is not None:
+        lines += ["", f"Profile: cProfile of the gateway+control-plane process during a {args.profile_seconds:.0f} s "
+                  f"run at {max(args.levels)} conversations (not part of the figures above); full listing in "
+                  f"`{out.name}_profile.txt`.", "", "```", profile_text.split("\n\n", 1)[0], "```"]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+def plot(levels: list[Level], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(levels) + 1, figsize=(5 * (len(levels) + 1), 4))
+    for ax, lv in zip(axes, levels, strict=False):
+        for label, vals in (("gateway", [p.gateway_s for p in lv.pairs]), ("direct", [p.direct_s for p in lv.pairs])):
+            xs = sorted(v * 1e3 for v in vals)
+            ax.plot(xs, [(i + 1) / len(xs) for i in range(len(xs))], label=label)
+        ax.set_xscale("log")
+        ax.set_title(f"turn latency, {lv.concurrency} concurrent conversation(s)")
+        ax.set_xlabel("ms")
+        ax.set_ylabel("CDF")
+        ax.legend()
+        ax.grid(alpha=0.3)
+    ax = axes[-1]
+    ax.boxplot([[(p.gateway_s - p.direct_s) * 1e3 for p in lv.pairs] for lv in levels], showfliers=False,
+               whis=(1, 99))
+    ax.set_xticks(range(1, len(levels) + 1), [f"{lv.concurrency} conv" for lv in levels])
+    ax.axhline(2.0, color="red", linestyle="--", label="target p50 ≤ 2 ms")
+    ax.set_title("added latency per turn (gateway - direct), whiskers p1/p99")
+    ax.set_ylabel("ms")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+# ---- main ---------------------------------------------------------------------------------------------------
+
+
+async def bench(args: argparse.Namespace, procs: Procs) -> tuple[list[Level], Path | None]:
+    levels = []
+    for conc in args.levels:
+        print(f"level: {conc} concurrent conversation(s), {args.seconds:.0f} s (+{args.warmup_s:.0f} s warm-up)",
+              flush=True)
+        lv = await run_level(procs, conc, args.seconds, args)
+        added = [p.gateway_s - p.direct_s for p in lv.pairs]
+        print(f"  done: {len(lv.pairs)} pairs, added p50 {_ms(pct(added, 0.5))} ms p99 {_ms(pct(added, 0.99))} ms",
+              flush=True)
+        levels.append(lv)
+    prof_path = None
+    if args.profile_seconds > 0:
+        prof_path = procs.tmp / "gateway.prof"
+        print(f"profile: restarting the gateway under cProfile, {args.profile_seconds:.0f} s at "
+              f"{max(args.levels)} conversations", flush=True)
+        procs.stop_gateway()
+        procs.start_gateway(args, profile=prof_path)
+        await run_level(procs, max(args.levels), args.profile_seconds, args)
+        procs.stop_gateway()
+    return levels, prof_path
+
+
+def main() -> None:
+    if len(sys.argv) > 1 and sys.argv[1] == "serve":
+        serve_main(sys.argv[2:])
+        return
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32],
+                   help="concurrent conversations per level (default 1,32)")
+    p.add_argument("--seconds", type=float, default=45.0, help="measured seconds per level")
+    p.add_argument("--warmup-s", type=float, default=5.0)
+    p.add_argument("--profile-seconds", type=float, default=20.0, help="0: no profiled run")
+    p.add_argument("--turns", type=int, default=6)
+    p.add_argument("--prompt-words", type=int, default=150)
+    p.add_argument("--max-tokens", type=int, default=8)
+    p.add_argument("--think-ms", type=float, default=20.0)
+    p.add_argument("--prefill-us-per-token", type=float, default=2.0)
+    p.add_argument("--decode-us-per-token", type=float, default=100.0)
+    p.add_argument("--direct-mode", choices=["pull", "plain"], default="pull")
+    p.add_argument("--gateway-log-level", default="INFO", help="the gateway's default is INFO (a line per turn)")
+    p.add_argument("--out", type=Path, default=Path("bench/results/gateway"))
+    p.add_argument("--logs-dir", type=Path, help="keep process logs here (default: a temporary directory)")
+    args = p.parse_args()
+    command = "python bench/gateway_overhead.py " + " ".join(sys.argv[1:])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gw-overhead-") as tmp:
+        procs = Procs(args.logs_dir or Path(tmp))
+        try:
+            procs.start_sims(args)
+            procs.start_gateway(args)
+            print(f"sims: P {procs.prefill_url}, D {procs.decode_url}; gateway {procs.gateway_url}", flush=True)
+            levels, prof_path = asyncio.run(bench(args, procs))
+        finally:
+            procs.stop_all()
+        profile_text = None
+        if prof_path is not None and prof_path.exists():
+            profile_text = profile_summary(prof_path)
+            Path(f"{args.out}_profile.txt").write_text(profile_text)
+    plot(levels, args.out.parent / f"{args.out.name}_overhead.png")
+    write_report(levels, args, args.out, command, profile_text)
+    print(f"wrote {args.out}.md, {args.out}_overhead.png" + (f", {args.out}_profile.txt" if profile_text else ""))
+
+
+if __name__ == "__main__":
+    main()
