@@ -320,7 +320,7 @@ class TurnRouter:
 
     # -- step 3: decode ----------------------------------------------------------------------
     async def _decode(self, turn: Turn, plan: _Plan, engine: EngineState, p_params: dict[str, Any]) -> TurnResult:
-        epoch = plan.next_epoch or 0
+        epoch = _epoch_for(plan)
         body = dict(turn.body)
         body["kv_transfer_params"] = kvparams.decode_params(p_params, tenant=turn.tenant,
                                                             conversation_key=turn.conversation_key, epoch=epoch)
@@ -420,28 +420,40 @@ class TurnRouter:
                 kind=lease_pb2.LEASE_KIND_ENTRY, tenant=turn.tenant, engine_id=retained.engine_id, model=turn.model,
                 conversation_key=turn.conversation_key, retained_tokens=retained.token_count,
                 ttl_s=self._s.entry_lease_ttl_s)
-            for attempt in range(2):
-                epoch = plan.next_epoch if plan.next_epoch and attempt == 0 else 1 + await self._control.entry_epoch(
-                    tenant=turn.tenant, model=turn.model, conversation_key=turn.conversation_key)
-                entry = registry_pb2.Entry(
-                    key=registry_pb2.EntryKey(tenant=turn.tenant, model=turn.model,
-                                              conversation_key=turn.conversation_key),
-                    engine_id=retained.engine_id, engine_request_id=retained.request_id, block_ids=groups,
-                    block_size=b, token_count=retained.token_count, block_hashes=hashes, chain_stride=1,
-                    final_block_hash=hashes[-1], lease_id=lease_id, epoch=epoch)
-                try:
-                    await self._control.register_entry(entry)
-                    self._metrics.registrations.labels("ok").inc()
-                    return
-                except ControlPlaneError as exc:
-                    if exc.reason != Reason.STALE_EPOCH.value or attempt:
-                        raise
+            entry = registry_pb2.Entry(
+                key=registry_pb2.EntryKey(tenant=turn.tenant, model=turn.model,
+                                          conversation_key=turn.conversation_key),
+                engine_id=retained.engine_id, engine_request_id=retained.request_id, block_ids=groups,
+                block_size=b, token_count=retained.token_count, block_hashes=hashes, chain_stride=1,
+                final_block_hash=hashes[-1], lease_id=lease_id, epoch=_epoch_for(plan))
+            try:
+                await self._control.register_entry(entry)
+                self._metrics.registrations.labels("ok").inc()
+                return
+            except ControlPlaneError as exc:
+                if exc.reason != Reason.STALE_EPOCH.value:
+                    raise
+                # A later turn's state is already registered: it wins; ours is dropped and its lease freed.
+                log.info("registration superseded by a newer epoch: %s", exc)
+                self._metrics.registrations.labels("superseded").inc()
+                with contextlib.suppress(ControlPlaneError):
+                    await self._control.revoke_lease(lease_id)
         except ControlPlaneError as exc:
             log.warning("compatibility-mode registration failed: %s", exc)
             self._metrics.registrations.labels("failed").inc()
             if lease_id:
                 with contextlib.suppress(ControlPlaneError):
                     await self._control.revoke_lease(lease_id)
+
+
+def _epoch_for(plan: _Plan) -> int:
+    """Epochs are microseconds of wall time, and above the one the lookup saw.
+
+    Time-based epochs order a conversation's turns across gateway replicas and
+    across a registration that lands after the next turn's lookup (reading the
+    stored epoch and adding one would let an older turn's state supersede a newer one).
+    """
+    return max(plan.next_epoch or 0, time.time_ns() // 1_000)
 
 
 def _reuse_label(plan: _Plan) -> str:
