@@ -1,0 +1,46 @@
+"""The class vLLM loads: ``kv_connector: KvbridgeConnector``,
+``kv_connector_module_path: kvbridge_connector.connector``.
+
+A ``NixlPullConnector`` whose scheduler and worker halves are kvbridge's
+subclasses; every other method is vLLM's.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from kvbridge_connector.scheduler import KvbridgeConnectorScheduler
+from kvbridge_connector.settings import ConnectorSettings
+from kvbridge_connector.worker import KvbridgeConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlBaseConnector, NixlPullConnector
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# vLLM versions this connector is tested against (tests/unit/connector/test_vllm_surface.py).
+TESTED_VLLM_VERSIONS = ("0.32.0",)
+
+
+class KvbridgeConnector(NixlPullConnector):
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig) -> None:
+        # Skip NixlPullConnector.__init__: it would build the stock halves (and a NIXL agent).
+        NixlBaseConnector.__init__(self, vllm_config, role, kv_cache_config)
+        extra = self.kv_transfer_config.kv_connector_extra_config or {}
+        self.settings = ConnectorSettings.from_extra_config(extra)
+        if role == KVConnectorRole.SCHEDULER:
+            self.connector_scheduler = KvbridgeConnectorScheduler(
+                vllm_config, self.engine_id, kv_cache_config, self.settings)
+            self.connector_worker = None
+        elif role == KVConnectorRole.WORKER:
+            self.connector_scheduler = None
+            self.connector_worker = KvbridgeConnectorWorker(
+                vllm_config, self.engine_id, kv_cache_config, self.settings)
+
+    def bind_gpu_block_pool(self, gpu_block_pool: BlockPool) -> None:
+        """vLLM hands the scheduler's block pool over: used for the free-KV watermark."""
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if isinstance(self.connector_scheduler, KvbridgeConnectorScheduler):
+            self.connector_scheduler.bind_block_pool(gpu_block_pool)

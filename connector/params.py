@@ -1,0 +1,53 @@
+"""The kvbridge fields the gateway passes inside vLLM's ``kv_transfer_params``.
+
+vLLM forwards ``kv_transfer_params`` from the HTTP request to the connector
+untouched, so the gateway adds these next to vLLM's own fields on the decode
+request. They are validated here; a request with missing or bad fields is
+served normally, only not registered.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+CONVERSATION_KEY = "kvbridge_conversation_key"
+TENANT = "kvbridge_tenant"
+EPOCH = "kvbridge_epoch"
+# Optional: overrides the served model name used in the hash chain and entry key.
+MODEL = "kvbridge_model"
+
+# Added by the connector to D's returned params once it retains blocks under kvbridge.
+RETAINED = "kvbridge_retained"
+
+_CONVERSATION_KEY_RE = re.compile(r"[ -~]{1,256}")
+_TENANT_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+_MODEL_MAX = 256
+_EPOCH_MAX = 2**63 - 1
+
+
+@dataclass(frozen=True, slots=True)
+class ConversationRef:
+    tenant: str
+    model: str
+    conversation_key: str
+    epoch: int
+
+
+def parse_conversation(params: Mapping[str, Any] | None, default_model: str) -> ConversationRef | None:
+    """The conversation a decode request belongs to, or None when not (validly) given."""
+    if not params:
+        return None
+    key, tenant, epoch = params.get(CONVERSATION_KEY), params.get(TENANT), params.get(EPOCH)
+    model = params.get(MODEL) or default_model
+    if not isinstance(key, str) or not _CONVERSATION_KEY_RE.fullmatch(key):
+        return None
+    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
+        return None
+    if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 < epoch <= _EPOCH_MAX:
+        return None
+    if not isinstance(model, str) or not 0 < len(model) <= _MODEL_MAX:
+        return None
+    return ConversationRef(tenant=tenant, model=model, conversation_key=key, epoch=epoch)

@@ -1,0 +1,73 @@
+"""Prefill side: the outcome of each pull from a decode engine (tokens, bytes, time or failure).
+
+Reported as one log line per pull plus running totals; byte/time histograms also
+come from vLLM's own NIXL metrics (``vllm:nixl_bytes_transferred``,
+``vllm:nixl_xfer_time_seconds``) on the prefill engine's ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import OrderedDict
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+log = logging.getLogger(f"vllm.{__name__}")
+
+_MAX_IN_FLIGHT = 4096
+
+
+def bytes_per_token(kv_cache_config: KVCacheConfig, block_size: int) -> int:
+    """KV bytes one token occupies across every layer of every group."""
+    total = 0
+    for group in kv_cache_config.kv_cache_groups:
+        spec: Any = group.kv_cache_spec
+        total += int(spec.page_size_bytes) * len(group.layer_names)
+    return total // max(block_size, 1)
+
+
+@dataclass(slots=True)
+class _Pull:
+    tokens: int
+    source_engine: str
+    started: float
+
+
+class PullReporter:
+    def __init__(self, bytes_per_token: int) -> None:
+        self._bytes_per_token = bytes_per_token
+        self._in_flight: OrderedDict[str, _Pull] = OrderedDict()
+        self.succeeded = 0
+        self.failed = 0
+        self.tokens_pulled = 0
+        self.bytes_pulled = 0
+
+    def start(self, request_id: str, tokens: int, source_engine: str) -> None:
+        if request_id in self._in_flight:
+            return
+        self._in_flight[request_id] = _Pull(tokens, source_engine, time.perf_counter())
+        while len(self._in_flight) > _MAX_IN_FLIGHT:  # aborted before finishing: forget the oldest
+            self._in_flight.popitem(last=False)
+
+    def finish(self, request_id: str, *, failed: bool) -> None:
+        pull = self._in_flight.pop(request_id, None)
+        if pull is None:
+            return
+        elapsed_ms = (time.perf_counter() - pull.started) * 1e3
+        if failed:
+            self.failed += 1
+            log.warning("kvbridge pull failed: request %s, %d tokens from %s after %.1f ms; recomputing",
+                        request_id, pull.tokens, pull.source_engine, elapsed_ms)
+            return
+        size = pull.tokens * self._bytes_per_token
+        self.succeeded += 1
+        self.tokens_pulled += pull.tokens
+        self.bytes_pulled += size
+        # Time from scheduling to completion (includes a first NIXL handshake with that engine).
+        log.info("kvbridge pull: request %s pulled %d tokens (%d bytes) from %s in %.1f ms (%.1f MB/s)",
+                 request_id, pull.tokens, size, pull.source_engine, elapsed_ms,
+                 size / max(elapsed_ms, 1e-3) / 1e3)

@@ -1,0 +1,175 @@
+"""Scheduler half: retains decode KV under kvbridge leases; checks what prefill pulls.
+
+Extends vLLM's ``NixlPullConnectorScheduler``; overrides only ``request_finished``,
+``build_connector_meta``, ``update_connector_output`` and
+``get_num_new_matched_tokens`` and always calls the parent first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING, Any
+
+from kvbridge.types.v1 import types_pb2
+from kvbridge_connector import control_plane as cp
+from kvbridge_connector.params import RETAINED, parse_conversation
+from kvbridge_connector.pulls import PullReporter, bytes_per_token
+from kvbridge_connector.retention import RetentionTable
+from kvbridge_connector.settings import ConnectorSettings
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+# Under "vllm." so vLLM's logging config formats and shows these records.
+log = logging.getLogger(f"vllm.{__name__}")
+
+# Attribute names added to NixlConnectorMetadata for the worker half.
+META_HOLD = "kvbridge_hold"
+META_RELEASE = "kvbridge_release"
+
+
+def engine_record(vllm_config: VllmConfig, engine_id: str, settings: ConnectorSettings, host: str, port: int,
+                  kv_groups: int, total_blocks: int) -> types_pb2.Engine:
+    parallel = vllm_config.parallel_config
+    kv_role = vllm_config.kv_transfer_config.kv_role if vllm_config.kv_transfer_config else "kv_both"
+    role = {"kv_consumer": types_pb2.ENGINE_ROLE_DECODE, "kv_producer": types_pb2.ENGINE_ROLE_PREFILL}.get(
+        str(kv_role), types_pb2.ENGINE_ROLE_BOTH)
+    return types_pb2.Engine(
+        engine_id=engine_id, role=role, model=served_model(vllm_config, settings),
+        http_url=settings.http_url, kv_host=host, kv_port=port,
+        dp_rank=parallel.data_parallel_index, dp_size=parallel.data_parallel_size,
+        tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size,
+        dcp_size=parallel.decode_context_parallel_size, block_size=vllm_config.cache_config.block_size,
+        kv_group_count=kv_groups, total_kv_blocks=total_blocks,
+        capabilities=["bidirectional_kv_xfer", "kvbridge_connector"],
+    )
+
+
+def served_model(vllm_config: VllmConfig, settings: ConnectorSettings) -> str:
+    if settings.model:
+        return settings.model
+    name = vllm_config.model_config.served_model_name
+    return str(name[0] if isinstance(name, (list, tuple)) else name)
+
+
+class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig,
+                 settings: ConnectorSettings, control_plane: cp.ControlPlane | None = None) -> None:
+        super().__init__(vllm_config, engine_id, kv_cache_config)
+        self.settings = settings
+        kv_transfer = vllm_config.kv_transfer_config
+        self.is_decode = kv_transfer is not None and kv_transfer.kv_role == "kv_consumer"
+        self.model_name = served_model(vllm_config, settings)
+        self.retention = RetentionTable(
+            time.perf_counter, settings.fallback_ttl_s, settings.max_retained_entries, settings.free_kv_watermark,
+        )
+        self._block_pool: BlockPool | None = None
+        # Requests the worker must start holding (sent with the next metadata).
+        self._hold_ids: set[str] = set()
+        self.control_plane = control_plane
+        # Both roles register (the gateway routes by the registry); only decode engines retain entries.
+        if self.control_plane is None and settings.control_plane_enabled:
+            self.control_plane = cp.ControlPlane(settings, engine_record(
+                vllm_config, engine_id, settings, self.side_channel_host, self.side_channel_port,
+                len(kv_cache_config.kv_cache_groups), kv_cache_config.num_blocks,
+            ))
+            self.control_plane.start()
+        self.pulls = PullReporter(bytes_per_token(kv_cache_config, vllm_config.cache_config.block_size))
+
+    # ---- vLLM hooks ----------------------------------------------------
+    def bind_block_pool(self, block_pool: BlockPool) -> None:
+        self._block_pool = block_pool
+
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
+            # One read-back attempt per request. vLLM 0.32.0 re-arms a *failed* read-back (e.g. D died)
+            # here, but never starts the transfer again, so the request waits forever; recompute instead.
+            return 0, False
+        count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
+        if count > 0 and params and params.get("do_remote_decode") and not self.is_decode:
+            # Prefill pulling back from a decode engine (the gateway verified and truncated the
+            # params); vLLM may ask twice for one request, the first ask starts the clock.
+            self.pulls.start(request.request_id, count, str(params.get("remote_engine_id")))
+        return count, is_async
+
+    def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
+        delay_free, params = super().request_finished(request, block_ids)
+        if not (self.is_decode and delay_free and params and self.control_plane is not None):
+            return delay_free, params
+        conversation = parse_conversation(request.kv_transfer_params, self.model_name)
+        if conversation is None:
+            return delay_free, params  # stock single-use behaviour
+        request_id = request.request_id
+        blocks = tuple(tuple(int(b) for b in group) for group in params["remote_block_ids"])
+        token_count = int(params["remote_num_tokens"])
+        deadline = self.retention.retain(request_id, sum(len(g) for g in blocks), token_count, conversation)
+        # Replace the fixed decoder_kv_blocks_ttl with our (extendable) hold deadline.
+        self._reqs_need_send[request_id] = deadline
+        self._hold_ids.add(request_id)
+        params["remote_blocks_expiry_time"] = None  # the lease, not a fixed time, bounds reuse
+        params[RETAINED] = True
+        self.control_plane.submit(cp.RegisterEntry(
+            request_id=request_id, conversation=conversation, block_ids=blocks,
+            token_ids=tuple(request.all_token_ids[:token_count]), cache_salt=request.cache_salt or "",
+        ))
+        return delay_free, params
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
+        self._apply_control_plane_events()
+        free, total = self._kv_free_blocks()
+        decisions = self.retention.step(free, total)
+        for request_id, deadline in decisions.deadlines.items():
+            self._reqs_need_send[request_id] = deadline
+        if self.control_plane is not None:
+            for lease_id, reason in decisions.revoke:
+                self.control_plane.submit(cp.RevokeLease(lease_id, reason))
+        meta = super().build_connector_meta(scheduler_output)
+        setattr(meta, META_HOLD, self._hold_ids)
+        setattr(meta, META_RELEASE, decisions.release)
+        self._hold_ids = set()
+        if decisions.release:
+            log.info("kvbridge: releasing retained KV of %d request(s)", len(decisions.release))
+        return meta
+
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        super().update_connector_output(connector_output)
+        for request_id in connector_output.finished_sending or ():
+            self.retention.freed(request_id)
+        failed = set(getattr(connector_output, "failed_recving", None) or ())
+        for request_id in connector_output.finished_recving or ():
+            self.pulls.finish(request_id, failed=request_id in failed)
+
+    def shutdown(self) -> None:
+        if self.control_plane is not None:
+            self.control_plane.stop()
+        super().shutdown()  # type: ignore[no-untyped-call]
+
+    # ---- internals -----------------------------------------------------
+    def _apply_control_plane_events(self) -> None:
+        if self.control_plane is None:
+            return
+        for event in self.control_plane.drain():
+            if isinstance(event, cp.LeaseBound):
+                self.retention.bind_lease(event.request_id, event.lease_id)
+            elif isinstance(event, cp.LeaseAlive):
+                self.retention.lease_alive(event.lease_id)
+            elif isinstance(event, cp.LeaseEnded):
+                self.retention.lease_ended(event.lease_id)
+            elif isinstance(event, cp.LeaseSnapshot):
+                self.retention.snapshot(event.live_lease_ids)
+            elif isinstance(event, cp.Connection):
+                self.retention.set_connected(event.up)
+
+    def _kv_free_blocks(self) -> tuple[int | None, int | None]:
+        if self._block_pool is None:
+            return None, None
+        return int(self._block_pool.get_num_free_blocks()), int(self._block_pool.num_gpu_blocks)

@@ -1,0 +1,69 @@
+"""Connector settings, read from ``kv_connector_extra_config`` (then env) once at start."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+ENV_HASH_SECRET = "KVBRIDGE_HASH_SECRET"
+ENV_API_KEY = "KVBRIDGE_API_KEY"
+
+
+def _float(extra: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
+    value = float(extra.get(name, default))
+    if not low <= value <= high:
+        raise ValueError(f"kv_connector_extra_config.{name}={value} is outside [{low}, {high}]")
+    return value
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectorSettings:
+    # gRPC target of the registry; empty disables the control plane (stock TTL behaviour).
+    registry_target: str = ""
+    # gRPC target of the lease manager; defaults to registry_target.
+    lease_target: str = ""
+    api_key: str | None = None
+    hash_secret: bytes | None = None
+    # Served model name for entry keys and hash chains ("" = vLLM's served model name).
+    model: str = ""
+    # HTTP URL this engine serves on (registered so the gateway can reach it).
+    http_url: str = ""
+    # Bound on how long retained blocks live without a confirmed live lease.
+    fallback_ttl_s: float = 120.0
+    entry_lease_ttl_s: float = 60.0
+    node_lease_ttl_s: float = 15.0
+    # Evict retained entries (oldest idle first) while free KV is below this fraction.
+    free_kv_watermark: float = 0.2
+    rpc_deadline_s: float = 2.0
+    queue_size: int = 1024
+    max_retained_entries: int = 4096
+    # Run NIXL without its busy progress thread (~1 core per idle worker on CPU).
+    nixl_progress_thread: bool = True
+
+    @property
+    def control_plane_enabled(self) -> bool:
+        return bool(self.registry_target)
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any], env: Mapping[str, str] | None = None) -> ConnectorSettings:
+        env = os.environ if env is None else env
+        secret_text = extra.get("kvbridge_hash_secret") or env.get(ENV_HASH_SECRET) or ""
+        registry = str(extra.get("kvbridge_registry", ""))
+        return cls(
+            registry_target=registry,
+            lease_target=str(extra.get("kvbridge_lease", "") or registry),
+            api_key=str(extra.get("kvbridge_api_key") or env.get(ENV_API_KEY) or "") or None,
+            hash_secret=str(secret_text).encode() if secret_text else None,
+            model=str(extra.get("kvbridge_model", "")),
+            http_url=str(extra.get("kvbridge_http_url", "")),
+            fallback_ttl_s=_float(extra, "kvbridge_fallback_ttl_s", 120.0, 1.0, 3600.0),
+            entry_lease_ttl_s=_float(extra, "kvbridge_entry_lease_ttl_s", 60.0, 1.0, 3600.0),
+            node_lease_ttl_s=_float(extra, "kvbridge_node_lease_ttl_s", 15.0, 1.0, 600.0),
+            free_kv_watermark=_float(extra, "kvbridge_free_kv_watermark", 0.2, 0.0, 0.95),
+            rpc_deadline_s=_float(extra, "kvbridge_rpc_deadline_s", 2.0, 0.05, 60.0),
+            queue_size=int(_float(extra, "kvbridge_queue_size", 1024, 16, 65536)),
+            max_retained_entries=int(_float(extra, "kvbridge_max_retained_entries", 4096, 1, 1_000_000)),
+            nixl_progress_thread=bool(extra.get("kvbridge_nixl_progress_thread", True)),
+        )

@@ -1,0 +1,79 @@
+"""Worker half: a prefill's read notification does not free lease-held blocks.
+
+Extends vLLM's ``NixlPullConnectorWorker``. The scheduler names the requests to
+hold (``kvbridge_hold``) and to release (``kvbridge_release``) in the connector
+metadata; hold deadlines travel in vLLM's own ``reqs_to_send``.
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import TYPE_CHECKING
+
+from kvbridge_connector.scheduler import META_HOLD, META_RELEASE
+from kvbridge_connector.settings import ConnectorSettings
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+# Under "vllm." so vLLM's logging config formats and shows these records.
+log = logging.getLogger(f"vllm.{__name__}")
+
+
+@contextmanager
+def _nixl_progress_thread(enabled: bool) -> Iterator[None]:
+    """Build the NIXL agent with or without its progress thread.
+
+    vLLM builds the agent config inside the worker constructor from the module-level
+    ``nixl_agent_config``; wrap it for the duration of our constructor only.
+    """
+    original = getattr(base_worker, "nixl_agent_config", None)
+    if enabled or original is None:
+        yield
+        return
+    setattr(base_worker, "nixl_agent_config", functools.partial(original, enable_prog_thread=False))  # noqa: B010
+    try:
+        yield
+    finally:
+        setattr(base_worker, "nixl_agent_config", original)  # noqa: B010
+
+
+class KvbridgeConnectorWorker(NixlPullConnectorWorker):
+    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig,
+                 settings: ConnectorSettings) -> None:
+        with _nixl_progress_thread(settings.nixl_progress_thread):
+            super().__init__(vllm_config, engine_id, kv_cache_config)
+        if not settings.nixl_progress_thread:
+            log.info("kvbridge: NIXL agent runs without its progress thread")
+        self._kvbridge_held: set[str] = set()
+
+    def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        super().start_load_kv(metadata)
+        hold: set[str] = getattr(metadata, META_HOLD, set())
+        release: set[str] = getattr(metadata, META_RELEASE, set())
+        self._kvbridge_held.update(hold)
+        for request_id in release:
+            self._kvbridge_held.discard(request_id)
+            if request_id in self._reqs_to_send:
+                self._reqs_to_send[request_id] = 0.0  # reaped (freed) in this step's get_finished
+
+    def _get_new_notifs(self) -> set[str]:
+        """Read notifications for held requests keep the blocks (multi-use while the lease lives)."""
+        held_deadlines = {r: self._reqs_to_send[r] for r in self._kvbridge_held if r in self._reqs_to_send}
+        notified = super()._get_new_notifs()
+        for request_id in notified & held_deadlines.keys():
+            self._reqs_to_send[request_id] = held_deadlines[request_id]
+            self._reqs_to_process.add(request_id)
+            log.debug("kvbridge: %s was read by a prefill; still held by its lease", request_id)
+        return notified - held_deadlines.keys()
+
+    def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
+        super()._reap_expired_send_leases(done_sending)
+        self._kvbridge_held.difference_update(done_sending)

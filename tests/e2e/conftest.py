@@ -1,0 +1,83 @@
+"""Real vLLM CPU engines (1 prefill + 1 decode, NIXL over loopback) for e2e tests.
+
+Engines start once per configuration per session (an ``EnginePool`` keeps one
+pair alive, this machine fits no more) and are stopped at session end. Logs:
+``<basetemp>/vllm-logs/<config>/{prefill,decode}.log``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.fixtures.control_plane_procs import ControlPlaneProcs, run_control_plane
+from tests.fixtures.tiny_model import build
+from tests.fixtures.vllm_engines import EnginePool, PDEngines
+
+
+def _require_vllm() -> None:
+    try:
+        import nixl._api  # noqa: F401
+        import vllm  # noqa: F401
+    except ImportError as exc:
+        pytest.skip(f"vLLM/NIXL not installed: {exc}")
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build(tmp_path_factory.mktemp("tiny-model"))
+
+
+@pytest.fixture(scope="session")
+def engine_pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePool]:
+    _require_vllm()
+    log_root = tmp_path_factory.mktemp("vllm-logs")
+    pool = EnginePool(tiny_model_dir, log_root)
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+@pytest.fixture
+def pd_engines(engine_pool: EnginePool) -> PDEngines:
+    """Stock NixlConnector on both engines (bidirectional, recompute on P)."""
+    return engine_pool.get("stock")
+
+
+HASH_SECRET = "e2e-hash-secret-0123456789abcdef"
+# Short TTLs so lease behaviour shows within a test: stock D would free after OLD_TTL_S.
+OLD_TTL_S = 10
+ENTRY_LEASE_TTL_S = 15
+
+
+@pytest.fixture(scope="session")
+def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProcs]:
+    """etcd + registry + lease manager processes, shared by the session."""
+    from tests.fixtures.etcd import etcd_binary
+
+    if etcd_binary() is None:
+        pytest.skip("etcd binary not found")
+    with run_control_plane(tmp_path_factory.mktemp("control-plane")) as procs:
+        yield procs
+
+
+def kvbridge_overrides(procs: ControlPlaneProcs, **extra: object) -> tuple[dict[str, Any], dict[str, Any]]:
+    """EngineSpec overrides: the kvbridge connector on P and D, both registered with the control plane."""
+    # NIXL progress thread stays on: without it an idle engine never progresses UCX TCP, so a
+    # peer's READ hung here (engines only poll NIXL while they have requests).
+    common: dict[str, Any] = {"kvbridge_registry": procs.registry_target, "kvbridge_lease": procs.lease_target,
+                              "kvbridge_hash_secret": HASH_SECRET, "kvbridge_model": "tiny"}
+    decode_extra = dict(common, decoder_kv_blocks_ttl=OLD_TTL_S,
+                        kvbridge_fallback_ttl_s=OLD_TTL_S, kvbridge_entry_lease_ttl_s=ENTRY_LEASE_TTL_S, **extra)
+    connector = {"kv_connector": "KvbridgeConnector", "kv_connector_module_path": "kvbridge_connector.connector"}
+    return dict(connector, extra_config=common), dict(connector, extra_config=decode_extra)
+
+
+@pytest.fixture
+def kvbridge_pd(engine_pool: EnginePool, control_plane: ControlPlaneProcs) -> PDEngines:
+    prefill, decode = kvbridge_overrides(control_plane)
+    return engine_pool.get("kvbridge", prefill, decode)

@@ -1,0 +1,81 @@
+"""The gateway in compatibility mode over real vLLM CPU engines (1P1D, stock NixlConnector, greedy).
+
+Turn 2+ pulls D's KV (P's own remote_prefill_cached_tokens shows it) and answers exactly as the
+same conversation sent with reuse disabled. Engines come from the shared ``pd_engines`` fixture.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+from kvbridge_services.common.auth import Authenticator
+from kvbridge_services.common.config import ServerSettings
+from kvbridge_services.common.store.memory import MemoryStore
+from kvbridge_services.gateway.app import GatewayApp
+from kvbridge_services.gateway.config import GatewaySettings, StaticEngine
+from kvbridge_services.lease.app import LeaseApp
+from kvbridge_services.lease.policy import LeasePolicy
+from kvbridge_services.registry.app import RegistryApp
+from kvbridge_services.registry.config import RegistrySettings
+
+from tests.fixtures.vllm_engines import BLOCK_SIZE, PDEngines
+
+pytestmark = [pytest.mark.e2e, pytest.mark.slow]
+MODEL = "tiny"
+
+
+async def _gateway(pd: PDEngines, *, reuse: bool) -> AsyncIterator[GatewayApp]:
+    store = MemoryStore()
+    lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5), ServerSettings())
+    await lease.start()
+    registry = RegistryApp(store, settings=RegistrySettings(port=0, lease_service_target=lease.address))
+    await registry.start()
+
+    def spec(e: object, eid: str, port: int, url: str) -> StaticEngine:
+        return StaticEngine(url=url, model=MODEL, engine_id=eid, kv_host="127.0.0.1", kv_port=port,
+                            block_size=BLOCK_SIZE, register_in_registry=True)
+
+    settings = GatewaySettings(
+        http_port=0, grpc_port=0, registry_address=registry.address, lease_address=lease.address,
+        hash_secret_hex="ab" * 16, default_block_size=BLOCK_SIZE, reuse_enabled=reuse, engines_from_registry=False,
+        prefill_engines=[spec(pd.prefill, pd.prefill.engine_id, pd.prefill.side_channel_port, pd.prefill.url)],
+        decode_engines=[spec(pd.decode, pd.decode.engine_id, pd.decode.side_channel_port, pd.decode.url)])
+    gw = GatewayApp(settings, auth=Authenticator({}))
+    await gw.start()
+    try:
+        yield gw
+    finally:
+        await gw.stop()
+        await registry.stop(0.1)
+        await lease.stop(0.1)
+        await store.close()
+
+
+async def _conversation(gw: GatewayApp, conv: str, turns: int) -> list[tuple[str, list[int]]]:
+    rng = random.Random(5)
+    prompt = [rng.randrange(10, 500) for _ in range(200)]
+    out = []
+    async with httpx.AsyncClient(base_url=gw.http_url, timeout=600) as c:
+        for _ in range(turns):
+            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 24,
+                                                      "temperature": 0, "conversation_id": conv,
+                                                      "return_token_ids": True})
+            assert r.status_code == 200, r.text
+            await gw.core.router.drain()
+            ids = r.json()["choices"][0]["token_ids"]
+            out.append((r.headers["x-kvbridge-reuse"], ids))
+            prompt = prompt + ids + [rng.randrange(10, 500) for _ in range(20)]
+    return out
+
+
+async def test_gateway_reuses_decode_kv_and_answers_equal_no_reuse(pd_engines: PDEngines) -> None:
+    async for gw in _gateway(pd_engines, reuse=True):
+        with_reuse = await _conversation(gw, "e2e-1", 3)
+    async for gw in _gateway(pd_engines, reuse=False):
+        without = await _conversation(gw, "e2e-2", 3)
+    assert with_reuse[0][0].startswith("miss")
+    assert all(v.startswith("hit;") for v, _ in with_reuse[1:]), with_reuse
+    assert [ids for _, ids in with_reuse] == [ids for _, ids in without]

@@ -1,0 +1,146 @@
+"""Scheduler-side retention rules, without engines (fake clock)."""
+
+from __future__ import annotations
+
+from kvbridge_connector.params import ConversationRef
+from kvbridge_connector.retention import RetentionTable
+
+CONV = ConversationRef(tenant="acme", model="tiny", conversation_key="c1", epoch=1)
+TTL = 100.0
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_table(clock: FakeClock, max_entries: int = 100, watermark: float = 0.2) -> RetentionTable:
+    return RetentionTable(clock, fallback_ttl_s=TTL, max_entries=max_entries, free_kv_watermark=watermark)
+
+
+def test_retain_sets_a_bounded_fallback_deadline() -> None:
+    clock = FakeClock()
+    table = make_table(clock)
+    assert table.retain("r1", num_blocks=4, token_count=100, conversation=CONV) == 1000.0 + TTL
+    assert "r1" in table and table.retained_blocks() == 4
+
+
+def test_unconfirmed_entry_is_never_extended() -> None:
+    """Control plane unreachable: no lease, no extension; the worker frees at the fallback deadline."""
+    clock = FakeClock()
+    table = make_table(clock)
+    table.retain("r1", 4, 100, CONV)
+    for _ in range(10):
+        clock.now += TTL / 4
+        decisions = table.step(None, None)
+        assert decisions.deadlines == {} and decisions.release == set()
+
+
+def test_live_lease_keeps_extending_the_hold_past_the_fallback_ttl() -> None:
+    clock = FakeClock()
+    table = make_table(clock)
+    table.retain("r1", 4, 100, CONV)
+    table.set_connected(True)
+    table.bind_lease("r1", 7)
+    sent: list[float] = []
+    for _ in range(12):  # 3x the fallback TTL
+        clock.now += TTL / 4
+        sent.extend(table.step(None, None).deadlines.values())
+    assert sent, "the worker must be told about extensions"
+    assert max(sent) >= clock.now + TTL / 2
+
+
+def test_disconnect_stops_extensions() -> None:
+    clock = FakeClock()
+    table = make_table(clock)
+    table.retain("r1", 4, 100, CONV)
+    table.set_connected(True)
+    table.bind_lease("r1", 7)
+    clock.now += TTL
+    table.step(None, None)
+    table.set_connected(False)
+    last = table.get("r1")
+    assert last is not None
+    frozen = last.hold_deadline
+    clock.now += 10 * TTL
+    table.step(None, None)
+    assert table.get("r1").hold_deadline == frozen  # type: ignore[union-attr]
+
+
+def test_ended_lease_releases_now_and_freed_forgets() -> None:
+    clock = FakeClock()
+    table = make_table(clock)
+    table.retain("r1", 4, 100, CONV)
+    table.bind_lease("r1", 7)
+    table.lease_ended(7)
+    decisions = table.step(None, None)
+    assert decisions.release == {"r1"} and decisions.revoke == []
+    table.freed("r1")
+    assert "r1" not in table
+
+
+def test_lease_ended_before_grant_arrived_releases_on_bind() -> None:
+    clock = FakeClock()
+    table = make_table(clock)
+    table.retain("r1", 4, 100, CONV)
+    table.lease_ended(7)
+    table.bind_lease("r1", 7)
+    assert table.step(None, None).release == {"r1"}
+
+
+def test_grant_for_already_freed_entry_is_revoked() -> None:
+    clock = FakeClock()
+    table = make_table(clock)
+    table.retain("r1", 4, 100, CONV)
+    table.freed("r1")
+    table.bind_lease("r1", 9)
+    assert table.step(None, None).revoke == [(9, "REVOKE_REASON_EXPIRED")]
+
+
+def test_freed_by_fallback_deadline_revokes_live_lease() -> None:
+    clock = FakeClock()
+    table = make_table(clock)
+    table.retain("r1", 4, 100, CONV)
+    table.bind_lease("r1", 7)
+    table.freed("r1")  # the worker reaped it at the deadline
+    assert table.step(None, None).revoke == [(7, "REVOKE_REASON_EXPIRED")]
+
+
+def test_snapshot_frees_entries_whose_lease_is_missing() -> None:
+    clock = FakeClock()
+    table = make_table(clock)
+    table.retain("r1", 4, 100, CONV)
+    table.retain("r2", 4, 100, CONV)
+    table.retain("r3", 4, 100, CONV)  # grant still in flight: kept
+    table.bind_lease("r1", 1)
+    table.bind_lease("r2", 2)
+    table.snapshot({2})
+    assert table.step(None, None).release == {"r1"}
+
+
+def test_watermark_evicts_oldest_idle_first_and_revokes() -> None:
+    clock = FakeClock()
+    table = make_table(clock, watermark=0.2)
+    for index, name in enumerate(["old", "mid", "new"]):
+        table.retain(name, 10, 320, CONV)
+        table.bind_lease(name, index + 1)
+        clock.now += 1
+    table.lease_alive(1)  # "old" was just renewed: now the most recently used
+    # 100 blocks, 12 free: need 20 free -> evict 10 blocks' worth = one entry ("mid").
+    decisions = table.step(free_blocks=12, total_blocks=100)
+    assert decisions.release == {"mid"}
+    assert decisions.revoke == [(2, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")]
+    # Next step, before the worker freed "mid": its blocks already count as freed.
+    assert table.step(free_blocks=12, total_blocks=100).release == set()
+
+
+def test_entry_cap_evicts() -> None:
+    clock = FakeClock()
+    table = make_table(clock, max_entries=2)
+    for name in ["a", "b", "c"]:
+        table.retain(name, 1, 32, None)
+        clock.now += 1
+    assert table.step(None, None).release == {"a"}
