@@ -133,28 +133,36 @@ class EnginePool:
 
     # -- health --------------------------------------------------------------------------
     async def check(self, engine: EngineState) -> None:
+        """Health is vLLM's /health alone; models and KV usage are best-effort extras that a slow
+        /metrics (common on a loaded CPU host) must not turn into an outage."""
         timeout = self._health_timeout_s
         try:
             resp = await self._http.get(f"{engine.url}/health", timeout=timeout)
             healthy = resp.status_code == 200
-            if healthy and not engine.models:
-                models = await self._http.get(f"{engine.url}/v1/models", timeout=timeout)
-                if models.status_code == 200:
-                    engine.models = {str(m.get("id")) for m in models.json().get("data", [])[:64]
-                                     if isinstance(m, dict)}
-            if healthy:
-                metrics = await self._http.get(f"{engine.url}/metrics", timeout=timeout)
-                if metrics.status_code == 200:
-                    match = _KV_USAGE.search(metrics.text)
-                    if match:
-                        engine.kv_usage = min(1.0, max(0.0, float(match.group(1))))
-        except (httpx.HTTPError, ValueError) as exc:
+        except httpx.HTTPError as exc:
             healthy = False
             log.debug("health check of %s failed: %s", engine.url, exc)
+        if healthy:
+            await self._refresh_load_info(engine, timeout)
         if healthy != engine.healthy:
             log.info("engine %s (%s) is now %s", engine.url, engine.role, "healthy" if healthy else "UNHEALTHY")
         engine.healthy = healthy
         engine.last_check = time.monotonic()
+
+    async def _refresh_load_info(self, engine: EngineState, timeout: float) -> None:
+        try:
+            if not engine.models:
+                models = await self._http.get(f"{engine.url}/v1/models", timeout=timeout)
+                if models.status_code == 200:
+                    engine.models = {str(m.get("id")) for m in models.json().get("data", [])[:64]
+                                     if isinstance(m, dict)}
+            metrics = await self._http.get(f"{engine.url}/metrics", timeout=timeout)
+            if metrics.status_code == 200:
+                match = _KV_USAGE.search(metrics.text)
+                if match:
+                    engine.kv_usage = min(1.0, max(0.0, float(match.group(1))))
+        except (httpx.HTTPError, ValueError) as exc:
+            log.debug("load info of %s unavailable: %s", engine.url, exc)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(e) for e in self.all()))
