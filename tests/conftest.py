@@ -48,3 +48,9 @@ def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
         yield cluster
     finally:
         cluster.close()
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Run the e2e tests last: their vLLM engines are shared for the rest of the session and
+    spin both cores of this machine, which would starve every timing-bounded test after them."""
+    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)

@@ -16,6 +16,9 @@ from kvbridge.types.v1 import types_pb2
 
 log = logging.getLogger(__name__)
 
+# An engine marked down is re-probed on demand at most this often.
+_REPROBE_AFTER_S = 0.5
+
 PREFILL, DECODE = "prefill", "decode"
 _KV_USAGE = re.compile(r"^vllm:(?:gpu_)?kv_cache_usage_perc(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.MULTILINE)
 MAX_ENGINES = 4096  # cap of the pool table
@@ -116,6 +119,20 @@ class EnginePool:
         if not candidates:
             raise Unavailable(Reason.NO_ENGINE_AVAILABLE, f"no healthy {role} engine serves model {model!r}")
         return min(candidates, key=lambda s: (s.outstanding + self._kv_usage_weight * s.kv_usage, s.url))
+
+    async def choose_live(self, model: str, role: str, *, exclude: frozenset[str] = frozenset()) -> EngineState:
+        """``choose``, but when every candidate is marked down, probe them once now before answering 503:
+        a missed periodic check (a stalled host, a restart) should cost one probe, not the request."""
+        try:
+            return self.choose(model, role, exclude=exclude)
+        except Unavailable:
+            stale = [s for s in self._engines.values()
+                     if s.role == role and not s.healthy and s.url not in exclude
+                     and (not s.model or s.serves(model)) and time.monotonic() - s.last_check > _REPROBE_AFTER_S]
+            if not stale:
+                raise
+            await asyncio.gather(*(self.check(s) for s in stale))
+            return self.choose(model, role, exclude=exclude)
 
     @contextlib.asynccontextmanager
     async def using(self, engine: EngineState) -> AsyncIterator[EngineState]:

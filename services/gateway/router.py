@@ -105,8 +105,8 @@ class TurnRouter:
                  **self._telemetry.identity(tenant=turn.tenant, conversation_key=turn.conversation_key)}
         with self._tracer.start_as_current_span("kvbridge.gateway.turn", attributes=attrs) as span:
             plan = _Plan()
-            prefill = self._pool.choose(turn.model, PREFILL)
-            decode = self._pool.choose(turn.model, DECODE)
+            prefill = await self._pool.choose_live(turn.model, PREFILL)
+            decode = await self._pool.choose_live(turn.model, DECODE)
             if turn.conversation_key and self._control.enabled:
                 self._spawn(self._renew(turn))
             plan = await self._plan(turn, prefill, plan)
@@ -306,7 +306,7 @@ class TurnRouter:
             finally:
                 self._pulling.discard(plan.source_key)
             with contextlib.suppress(Unavailable):  # the retry may go to another P if this one looks broken
-                engine = self._pool.choose(turn.model, PREFILL)
+                engine = await self._pool.choose_live(turn.model, PREFILL)
         try:
             return await self._prefill_once(turn, plan, engine, kvparams.plain_prefill_params())
         except UpstreamError as exc:

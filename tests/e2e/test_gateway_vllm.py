@@ -29,7 +29,8 @@ MODEL = "tiny"
 
 async def _gateway(pd: PDEngines, *, reuse: bool) -> AsyncIterator[GatewayApp]:
     store = MemoryStore()
-    lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5), ServerSettings())
+    # Generous leader TTL and health timeout: the engines spin both cores of a CI machine.
+    lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=15, leader_refresh_s=1), ServerSettings())
     await lease.start()
     registry = RegistryApp(store, settings=RegistrySettings(port=0, lease_service_target=lease.address))
     await registry.start()
@@ -41,6 +42,7 @@ async def _gateway(pd: PDEngines, *, reuse: bool) -> AsyncIterator[GatewayApp]:
     settings = GatewaySettings(
         http_port=0, grpc_port=0, registry_address=registry.address, lease_address=lease.address,
         hash_secret_hex="ab" * 16, default_block_size=BLOCK_SIZE, reuse_enabled=reuse, engines_from_registry=False,
+        health_timeout_s=10, control_timeout_s=10,
         prefill_engines=[spec(pd.prefill, pd.prefill.engine_id, pd.prefill.side_channel_port, pd.prefill.url)],
         decode_engines=[spec(pd.decode, pd.decode.engine_id, pd.decode.side_channel_port, pd.decode.url)])
     gw = GatewayApp(settings, auth=Authenticator({}))
