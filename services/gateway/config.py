@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Annotated
 
 from pydantic import BaseModel, Field, field_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
 class StaticEngine(BaseModel):
@@ -67,8 +68,9 @@ class GatewaySettings(BaseSettings):
     hash_secret_hex: str = ""
 
     # Engine pools: static config plus engines registered in the registry.
-    prefill_engines: list[StaticEngine] = Field(default_factory=list)
-    decode_engines: list[StaticEngine] = Field(default_factory=list)
+    # NoDecode: the validator below accepts JSON *or* a comma-separated URL list from the env.
+    prefill_engines: Annotated[list[StaticEngine], NoDecode] = Field(default_factory=list)
+    decode_engines: Annotated[list[StaticEngine], NoDecode] = Field(default_factory=list)
     engines_from_registry: bool = True
     registry_refresh_s: float = Field(default=5.0, gt=0, le=600)
     health_interval_s: float = Field(default=2.0, gt=0, le=600)

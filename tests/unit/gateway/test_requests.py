@@ -60,3 +60,13 @@ def test_malformed_json() -> None:
         parse_json_body(b"{nope")
     with pytest.raises(InvalidArgument):
         parse_json_body(b"[1]")
+
+
+def test_engine_pools_from_env_accept_url_lists_and_json(monkeypatch: pytest.MonkeyPatch) -> None:
+    from kvbridge_services.gateway.config import GatewaySettings
+
+    monkeypatch.setenv("KVBRIDGE_GATEWAY_PREFILL_ENGINES", "http://p1:8000, http://p2:8000/")
+    monkeypatch.setenv("KVBRIDGE_GATEWAY_DECODE_ENGINES", '[{"url": "http://d1:8000", "model": "m"}]')
+    settings = GatewaySettings()
+    assert [e.url for e in settings.prefill_engines] == ["http://p1:8000", "http://p2:8000"]
+    assert settings.decode_engines[0].model == "m"
