@@ -300,7 +300,8 @@ class TurnRouter:
             except (UpstreamError, ClientError) as exc:
                 log.warning("prefill with D params failed; retrying without them: %s", exc)
                 self._metrics.reuse_retries.inc()
-                plan.verdict.label = "declined:prefill_failed"
+                timed_out = isinstance(exc, UpstreamError) and exc.timed_out
+                plan.verdict.label = "declined:prefill_timeout" if timed_out else "declined:prefill_failed"
                 if self._s.single_use_entries and turn.conversation_key and self._control.enabled:
                     self._spawn(self._forget_entry(turn))
             finally:

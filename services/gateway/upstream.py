@@ -14,11 +14,13 @@ import httpx
 class UpstreamError(Exception):
     """An engine failed (transport error, timeout, 5xx) or answered something unusable."""
 
-    def __init__(self, message: str, *, status: int = 502, body: Any = None, transport: bool = False) -> None:
+    def __init__(self, message: str, *, status: int = 502, body: Any = None, transport: bool = False,
+                 timed_out: bool = False) -> None:
         super().__init__(message)
         self.status = status
         self.body = body
         self.transport = transport
+        self.timed_out = timed_out
 
 
 class ClientError(Exception):
@@ -47,7 +49,8 @@ async def post_json(http: httpx.AsyncClient, url: str, body: dict[str, Any], *, 
         async with asyncio.timeout(timeout_s):
             resp = await http.post(url, json=body, timeout=timeout_s, headers=headers)
     except (httpx.HTTPError, TimeoutError) as exc:
-        raise UpstreamError(f"{url}: {type(exc).__name__}: {exc}", transport=True) from exc
+        timed_out = isinstance(exc, TimeoutError | httpx.TimeoutException)
+        raise UpstreamError(f"{url}: {type(exc).__name__}: {exc}", transport=True, timed_out=timed_out) from exc
     if 400 <= resp.status_code < 500:
         raise ClientError(resp.status_code, _body_of(resp))
     if resp.status_code != 200:

@@ -44,3 +44,19 @@ async def test_a_pool_marked_down_is_probed_before_refusing() -> None:
     engine.last_check = 0.0
     with pytest.raises(Unavailable):
         await pool.choose_live("tiny", DECODE)
+
+
+async def test_upstream_timeouts_are_told_apart_from_other_failures() -> None:
+    from kvbridge_services.gateway.upstream import UpstreamError, post_json
+
+    def slow(request: httpx.Request) -> httpx.Response:
+        raise httpx.ReadTimeout("engine too slow", request=request)
+
+    def broken(request: httpx.Request) -> httpx.Response:
+        raise httpx.ConnectError("refused", request=request)
+
+    for handler, timed_out in ((slow, True), (broken, False)):
+        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+            with pytest.raises(UpstreamError) as err:
+                await post_json(http, "http://p:1/v1/completions", {}, timeout_s=1.0)
+        assert err.value.transport and err.value.timed_out is timed_out
