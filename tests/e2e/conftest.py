@@ -78,6 +78,11 @@ def kvbridge_overrides(procs: ControlPlaneProcs, **extra: object) -> tuple[dict[
 
 
 @pytest.fixture
-def kvbridge_pd(engine_pool: EnginePool, control_plane: ControlPlaneProcs) -> PDEngines:
+def kvbridge_pd(engine_pool: EnginePool, request: pytest.FixtureRequest) -> PDEngines:
+    """kvbridge engines, registered with the control plane. Other engines are stopped BEFORE the control
+    plane starts: engines spin both cores, and a control plane started beside them took minutes."""
+    if not engine_pool.holds("kvbridge"):
+        engine_pool.close()
+    control_plane: ControlPlaneProcs = request.getfixturevalue("control_plane")
     prefill, decode = kvbridge_overrides(control_plane)
     return engine_pool.get("kvbridge", prefill, decode)
