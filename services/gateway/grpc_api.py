@@ -85,13 +85,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                                        ("tool_call_id", m.tool_call_id)) if v} for m in request.messages]
         for m in messages:
             m.setdefault("content", "")
-        body: dict[str, Any] = {"model": request.model, "messages": messages, "stream": True,
-                                "stream_options": {"include_usage": True}, "return_token_ids": True,
-                                **_sampling(request.sampling)}
-        if request.conversation_id:
-            body["conversation_id"] = request.conversation_id
-        if request.cache_salt:
-            body["cache_salt"] = request.cache_salt
+        body = _streaming_body(request, messages=messages)
         async for verdict, ev, first in self._run("chat", body, request, context):
             msg = gateway_pb2.CreateChatCompletionResponse(id=str(ev.get("id", "")), model=str(ev.get("model", "")))
             if first:
@@ -111,13 +105,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         if request.prompt and request.prompt_token_ids:
             raise invalid_field("prompt", "give either prompt or prompt_token_ids")
         prompt: Any = list(request.prompt_token_ids) if request.prompt_token_ids else request.prompt
-        body: dict[str, Any] = {"model": request.model, "prompt": prompt, "stream": True,
-                                "stream_options": {"include_usage": True}, "return_token_ids": True,
-                                **_sampling(request.sampling)}
-        if request.conversation_id:
-            body["conversation_id"] = request.conversation_id
-        if request.cache_salt:
-            body["cache_salt"] = request.cache_salt
+        body = _streaming_body(request, prompt=prompt)
         async for verdict, ev, first in self._run("completion", body, request, context):
             msg = gateway_pb2.CreateCompletionResponse(id=str(ev.get("id", "")), model=str(ev.get("model", "")))
             if first:
@@ -160,6 +148,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         except ControlPlaneError as exc:
             raise Unavailable(Reason.STORE_UNAVAILABLE, f"registry unavailable: {exc}") from exc
         return gateway_pb2.CloseConversationResponse(released=True)
+
+
+def _streaming_body(request: Any, **fields: Any) -> dict[str, Any]:
+    """The OpenAI-style body both gRPC RPCs hand to the shared core: always streamed, with usage and
+    token ids, plus the request's sampling, conversation id and cache salt when set."""
+    body: dict[str, Any] = {"model": request.model, **fields, "stream": True,
+                            "stream_options": {"include_usage": True}, "return_token_ids": True,
+                            **_sampling(request.sampling)}
+    if request.conversation_id:
+        body["conversation_id"] = request.conversation_id
+    if request.cache_salt:
+        body["cache_salt"] = request.cache_salt
+    return body
 
 
 def _usage(msg: Any, ev: dict[str, Any]) -> None:
