@@ -3,9 +3,10 @@
     .venv/bin/python bench/gateway_overhead.py --out bench/results/gateway
 
 Processes: a prefill and a decode engine simulator (tests/tools/engine_sim.py, a test tool; small fixed
-per-token delays so overhead dominates), one "control plane" process running the all-in-one
-``kvbridge_services.stack.Stack`` (gateway + real registry + real lease manager on the embedded in-memory
-store, gateway logging at its default INFO level into a file), and this process as the load client.
+per-token delays so overhead dominates), the gateway in its own process and the real registry + lease
+manager (embedded in-memory store) in another, as deployed (``--layout all-in-one`` runs all three in one
+``kvbridge_services.stack.Stack`` process instead); gateway logging at its default INFO level into a file;
+this process is the load client.
 
 Each client worker runs multi-turn conversations twice in lockstep with identical prompts: one through the
 gateway (``conversation_id`` set, so lookups, pulls and compatibility-mode registrations happen), one
@@ -50,6 +51,9 @@ REUSE_THRESHOLD = 64  # the gateway's default reuse_threshold_tokens
 
 
 async def _serve(args: argparse.Namespace) -> None:
+    """One bench process: ``all`` (gateway + registry + lease manager), ``control`` (registry + lease
+    manager) or ``gateway`` (the gateway alone, talking gRPC to a ``control`` process)."""
+    from kvbridge_services.gateway.app import GatewayApp
     from kvbridge_services.gateway.config import GatewaySettings, StaticEngine
     from kvbridge_services.stack import Stack, StackConfig
 
@@ -58,18 +62,31 @@ async def _serve(args: argparse.Namespace) -> None:
         return StaticEngine(url=url, model=MODEL, engine_id=engine_id, kv_host="127.0.0.1", kv_port=port,
                             block_size=BLOCK, register_in_registry=True)
 
-    gw = GatewaySettings(host="127.0.0.1", http_port=0, grpc_port=0, hash_secret_hex=SECRET_HEX,
-                         default_block_size=BLOCK, engines_from_registry=False,
-                         prefill_engines=[engine(args.prefill_url, "p0")],
-                         decode_engines=[engine(args.decode_url, "d0")])
-    stack = Stack(StackConfig(registry_port=0, lease_port=0, gateway=gw))
-    await stack.start()
-    assert stack.gateway is not None
+    def gateway_settings(**update: str) -> GatewaySettings:
+        return GatewaySettings(host="127.0.0.1", http_port=0, grpc_port=0, hash_secret_hex=SECRET_HEX,
+                               default_block_size=BLOCK, engines_from_registry=False,
+                               prefill_engines=[engine(args.prefill_url, "p0")],
+                               decode_engines=[engine(args.decode_url, "d0")], **update)
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    print("READY", stack.gateway.http_url, flush=True)
+    if args.role == "gateway":
+        app = GatewayApp(gateway_settings(registry_address=args.registry, lease_address=args.lease))
+        await app.start()
+        print("READY", app.http_url, flush=True)
+        await stop.wait()
+        await app.stop()
+        return
+    gw = gateway_settings() if args.role == "all" else None
+    stack = Stack(StackConfig(registry_port=0, lease_port=0, gateway=gw))
+    await stack.start()
+    assert stack.registry is not None and stack.lease is not None
+    if stack.gateway is not None:
+        print("READY", stack.gateway.http_url, flush=True)
+    else:
+        print("READY", stack.registry.address, stack.lease.address, flush=True)
     await stop.wait()
     await stack.stop()
 
@@ -80,13 +97,21 @@ def serve_main(argv: list[str]) -> None:
     p = argparse.ArgumentParser(prog="gateway_overhead.py serve")
     p.add_argument("--prefill-url", required=True)
     p.add_argument("--decode-url", required=True)
+    p.add_argument("--role", choices=["all", "control", "gateway"], default="all")
+    p.add_argument("--registry", default="", help="role gateway: the control process's registry address")
+    p.add_argument("--lease", default="", help="role gateway: the control process's lease manager address")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--uvloop", action="store_true")
     p.add_argument("--profile", type=Path)
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prof = cProfile.Profile() if args.profile else None
     if prof:
         prof.enable()
+    if args.uvloop:
+        import uvloop
+
+        uvloop.install()
     asyncio.run(_serve(args))
     if prof:
         prof.disable()
@@ -109,6 +134,8 @@ class Procs:
     gateway_url: str = ""
     sims: list[subprocess.Popen[bytes]] = field(default_factory=list)
     gateway: subprocess.Popen[str] | None = None
+    control: subprocess.Popen[str] | None = None
+    control_addresses: tuple[str, str] = ("", "")
 
     def start_sims(self, args: argparse.Namespace) -> None:
         for role, eid in (("prefill", "p0"), ("decode", "d0")):
@@ -127,18 +154,34 @@ class Procs:
         for url in (self.prefill_url, self.decode_url):
             _wait_http(url + "/health")
 
-    def start_gateway(self, args: argparse.Namespace, profile: Path | None = None) -> None:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "serve", "--prefill-url", self.prefill_url,
-               "--decode-url", self.decode_url, "--log-level", args.gateway_log_level]
+    def _start_serve(self, args: argparse.Namespace, role: str, log_name: str, extra: list[str],
+                     profile: Path | None) -> tuple[subprocess.Popen[str], list[str]]:
+        cmd = [sys.executable, str(Path(__file__).resolve()), "serve", "--role", role, "--prefill-url",
+               self.prefill_url, "--decode-url", self.decode_url, "--log-level", args.gateway_log_level, *extra]
+        if args.uvloop:
+            cmd.append("--uvloop")
         if profile:
             cmd += ["--profile", str(profile)]
-        log = open(self.tmp / "gateway.log", "ab")  # noqa: SIM115
-        self.gateway = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
-        assert self.gateway.stdout is not None
-        line = self.gateway.stdout.readline()
+        log = open(self.tmp / log_name, "ab")  # noqa: SIM115 - lives as long as the process
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+        assert proc.stdout is not None
+        line = proc.stdout.readline()
         if not line.startswith("READY "):
-            raise RuntimeError(f"gateway did not start (see {self.tmp / 'gateway.log'}): {line!r}")
-        self.gateway_url = line.split()[1]
+            raise RuntimeError(f"{role} process did not start (see {self.tmp / log_name}): {line!r}")
+        return proc, line.split()[1:]
+
+    def start_gateway(self, args: argparse.Namespace, profile: Path | None = None) -> None:
+        """``--layout split`` (the production shape): registry + lease manager in one process, the gateway
+        in another. ``all-in-one``: everything in one process (``kvbridge up``)."""
+        if args.layout == "all-in-one":
+            self.gateway, (self.gateway_url,) = self._start_serve(args, "all", "gateway.log", [], profile)
+            return
+        if self.control is None:
+            self.control, (registry, lease) = self._start_serve(args, "control", "control.log", [], None)
+            self.control_addresses = (registry, lease)
+        registry, lease = self.control_addresses
+        self.gateway, (self.gateway_url,) = self._start_serve(
+            args, "gateway", "gateway.log", ["--registry", registry, "--lease", lease], profile)
 
     def stop_gateway(self) -> None:
         if self.gateway is not None:
@@ -151,6 +194,11 @@ class Procs:
 
     def stop_all(self) -> None:
         self.stop_gateway()
+        if self.control is not None:
+            self.control.send_signal(signal.SIGTERM)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.control.wait(timeout=30)
+            self.control = None
         for proc in self.sims:
             proc.terminate()
         for proc in self.sims:
@@ -160,7 +208,9 @@ class Procs:
     def cpu(self) -> dict[str, float]:
         out = {"client": sum(os.times()[:2])}
         if self.gateway is not None:
-            out["gateway+control plane"] = _cpu_s(self.gateway.pid)
+            out["gateway" if self.control is not None else "gateway+control plane"] = _cpu_s(self.gateway.pid)
+        if self.control is not None:
+            out["control plane"] = _cpu_s(self.control.pid)
         out["prefill sim"] = _cpu_s(self.sims[0].pid)
         out["decode sim"] = _cpu_s(self.sims[1].pid)
         return out
@@ -405,11 +455,17 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
     row("reuse verdicts (gateway)", lambda lv: ", ".join(f"{k}: {v}" for k, v in
                                                          sorted(Counter(p.verdict for p in lv.pairs).items())))
     row("same answer gateway vs direct", lambda lv: f"{sum(p.same_answer for p in lv.pairs)}/{len(lv.pairs)}")
-    for name in ("gateway+control plane", "prefill sim", "decode sim", "client"):
+    for name in ("gateway+control plane", "gateway", "control plane", "prefill sim", "decode sim", "client"):
+        if not any(name in lv.cpu_s for lv in levels):
+            continue
         row(f"CPU ms per turn pair: {name}",
             lambda lv, n=name: f"{lv.cpu_s.get(n, float('nan')) * 1e3 / max(1, len(lv.pairs)):.2f}")
     row("load average (1 min) before → after", lambda lv: f"{lv.load_before[0]:.2f} → {lv.load_after[0]:.2f}")
 
+    layout = ("gateway + registry + lease manager in one process (kvbridge_services.stack.Stack, embedded "
+              "in-memory store)" if args.layout == "all-in-one" else
+              "the gateway in its own process, registry + lease manager (Stack without gateway, embedded "
+              "in-memory store) in another, talking gRPC over loopback as in production")
     pull_note = ", pulling the previous turn from D like a gateway hit" if args.direct_mode == "pull" else ""
     lines = [
         "# Gateway router overhead vs calling the engines directly",
@@ -418,9 +474,9 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
         "",
         f"Setup: engine simulators (test tool) for one prefill and one decode engine, each in its own process, "
         f"{args.prefill_us_per_token} us/prompt token (TTFT) and {args.decode_us_per_token} us/output token, "
-        f"{args.max_tokens} output tokens; gateway + registry + lease manager (kvbridge_services.stack.Stack, "
-        f"embedded in-memory store, gateway log level {args.gateway_log_level}) in one process; this load client "
-        f"(aiohttp) in a fourth. Conversations of {args.turns} turns starting from {args.prompt_words} words, "
+        f"{args.max_tokens} output tokens; {layout}, gateway log level {args.gateway_log_level}"
+        f"{', on uvloop' if args.uvloop else ''}; this load client (aiohttp) in its own process. "
+        f"Conversations of {args.turns} turns starting from {args.prompt_words} words, "
         f"{args.think_ms} ms think time; each turn is sent through the gateway (`conversation_id` set: lookup, "
         f"pull, compatibility-mode registration) and directly ({args.direct_mode} mode: prefill max_tokens=1 + "
         f"do_remote_decode{pull_note}, then decode with P's params), alternating which goes first, "
@@ -438,7 +494,7 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
         "![latency CDFs and added latency](gateway_overhead.png)",
     ]
     if profile_text is not None:
-        lines += ["", f"Profile: cProfile of the gateway+control-plane process during a {args.profile_seconds:.0f} s "
+        lines += ["", f"Profile: cProfile of the gateway process during a {args.profile_seconds:.0f} s "
                   f"run at {max(args.levels)} conversations (not part of the figures above); full listing in "
                   f"`{out.name}_profile.txt`.", "", "```", profile_text.split("\n\n", 1)[0], "```"]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
@@ -516,6 +572,10 @@ def main() -> None:
     p.add_argument("--prefill-us-per-token", type=float, default=2.0)
     p.add_argument("--decode-us-per-token", type=float, default=100.0)
     p.add_argument("--direct-mode", choices=["pull", "plain"], default="pull")
+    p.add_argument("--uvloop", action="store_true", help="run the kvbridge processes on uvloop (the services "
+                   "themselves use the default asyncio loop)")
+    p.add_argument("--layout", choices=["split", "all-in-one"], default="split",
+                   help="split: gateway and control plane in separate processes (production shape)")
     p.add_argument("--gateway-log-level", default="INFO", help="the gateway's default is INFO (a line per turn)")
     p.add_argument("--out", type=Path, default=Path("bench/results/gateway"))
     p.add_argument("--logs-dir", type=Path, help="keep process logs here (default: a temporary directory)")

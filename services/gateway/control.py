@@ -198,6 +198,14 @@ class ControlPlane:
         except grpc.RpcError as exc:
             raise self._wrap(exc, "RevokeLease") from exc
 
+    def open_keep_alive(self, *, timeout_s: float) -> grpc.aio.StreamStreamCall[
+            lease_pb2.KeepAliveRequest, lease_pb2.KeepAliveResponse]:
+        """A KeepAlive stream the caller keeps open (deadline ``timeout_s``) and must cancel. Untraced:
+        it outlives any one turn."""
+        call: grpc.aio.StreamStreamCall[lease_pb2.KeepAliveRequest, lease_pb2.KeepAliveResponse] = \
+            self._lse().KeepAlive(timeout=timeout_s, metadata=self._metadata)
+        return call
+
     @_traced(_LEASE + "KeepAlive")
     async def keep_alive(self, *, lease_ids: Sequence[int] = (),
                          conversations: Sequence[tuple[str, str, str]] = ()) -> list[lease_pb2.LeaseStatus]:

@@ -10,9 +10,10 @@ import time
 from collections.abc import AsyncIterator, Iterable
 from dataclasses import dataclass, field
 
-import httpx
 from kvbridge.errors import Reason, Unavailable
 from kvbridge.types.v1 import types_pb2
+
+from .upstream import TRANSPORT_ERRORS, EngineHttp
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +58,7 @@ def _role_names(role: int) -> tuple[str, ...]:
 
 
 class EnginePool:
-    def __init__(self, http: httpx.AsyncClient, *, health_timeout_s: float, kv_usage_weight: float) -> None:
+    def __init__(self, http: EngineHttp, *, health_timeout_s: float, kv_usage_weight: float) -> None:
         self._http = http
         self._engines: dict[tuple[str, str], EngineState] = {}
         self._health_timeout_s = health_timeout_s
@@ -154,9 +155,9 @@ class EnginePool:
         /metrics (common on a loaded CPU host) must not turn into an outage."""
         timeout = self._health_timeout_s
         try:
-            resp = await self._http.get(f"{engine.url}/health", timeout=timeout)
-            healthy = resp.status_code == 200
-        except httpx.HTTPError as exc:
+            resp = await self._http.get(f"{engine.url}/health", timeout_s=timeout)
+            healthy = resp.status == 200
+        except TRANSPORT_ERRORS as exc:
             healthy = False
             log.debug("health check of %s failed: %s", engine.url, exc)
         if healthy:
@@ -169,17 +170,19 @@ class EnginePool:
     async def _refresh_load_info(self, engine: EngineState, timeout: float) -> None:
         try:
             if not engine.models:
-                models = await self._http.get(f"{engine.url}/v1/models", timeout=timeout)
-                if models.status_code == 200:
+                models = await self._http.get(f"{engine.url}/v1/models", timeout_s=timeout)
+                if models.status == 200:
                     engine.models = {str(m.get("id")) for m in models.json().get("data", [])[:64]
                                      if isinstance(m, dict)}
-            metrics = await self._http.get(f"{engine.url}/metrics", timeout=timeout)
-            if metrics.status_code == 200:
+            metrics = await self._http.get(f"{engine.url}/metrics", timeout_s=timeout)
+            if metrics.status == 200:
                 match = _KV_USAGE.search(metrics.text)
                 if match:
                     engine.kv_usage = min(1.0, max(0.0, float(match.group(1))))
-        except (httpx.HTTPError, ValueError) as exc:
+        except TRANSPORT_ERRORS as exc:
             log.debug("load info of %s unavailable: %s", engine.url, exc)
+        except ValueError as exc:
+            log.debug("load info of %s unreadable: %s", engine.url, exc)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(self.check(e) for e in self.all()))

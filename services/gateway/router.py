@@ -16,7 +16,6 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
 from kvbridge import hashchain
 from kvbridge import telemetry as tel
 from kvbridge.errors import NotFound, Reason, Unavailable
@@ -31,8 +30,9 @@ from .config import GatewaySettings
 from .control import ControlPlane, ControlPlaneError
 from .engines import DECODE, PREFILL, EnginePool, EngineState
 from .metrics import GatewayMetrics
+from .renewer import ConversationRenewer
 from .requests import Turn
-from .upstream import ClientError, UpstreamError, UpstreamStream, open_stream, post_json
+from .upstream import TRANSPORT_ERRORS, ClientError, EngineHttp, UpstreamError, UpstreamStream
 
 log = logging.getLogger(__name__)
 
@@ -83,7 +83,7 @@ class _Plan:
 
 class TurnRouter:
     def __init__(self, settings: GatewaySettings, pool: EnginePool, control: ControlPlane,
-                 http: httpx.AsyncClient, metrics: GatewayMetrics, secret: bytes, *,
+                 http: EngineHttp, metrics: GatewayMetrics, secret: bytes, *,
                  telemetry: Telemetry | None = None) -> None:
         self._s = settings
         self._telemetry = telemetry or Telemetry.disabled("kvbridge-gateway")
@@ -96,6 +96,7 @@ class TurnRouter:
         self._pulling: set[tuple[str, str]] = set()
         self._consumed: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
+        self._renewer = ConversationRenewer(control)
 
     # -- public ------------------------------------------------------------------------
     async def run(self, turn: Turn) -> TurnResult:
@@ -108,7 +109,7 @@ class TurnRouter:
             prefill = await self._pool.choose_live(turn.model, PREFILL)
             decode = await self._pool.choose_live(turn.model, DECODE)
             if turn.conversation_key and self._control.enabled:
-                self._spawn(self._renew(turn))
+                self._renewer.touch(turn.tenant, turn.model, turn.conversation_key)
             plan = await self._plan(turn, prefill, plan)
             p_params = await self._prefill(turn, plan, prefill)
             self._record_verdict(span, plan, prefill, decode)
@@ -136,6 +137,11 @@ class TurnRouter:
         """Waits for post-turn work (registrations, renewals); for tests and shutdown."""
         while self._background:
             await asyncio.gather(*list(self._background), return_exceptions=True)
+        await self._renewer.flush()
+
+    async def close(self) -> None:
+        await self.drain()
+        await self._renewer.stop()
 
     # -- step 1: tokens, hashes, lookup --------------------------------------------------
     def _block_size(self, engine: EngineState) -> int:
@@ -157,7 +163,7 @@ class TurnRouter:
                    "add_special_tokens": turn.body.get("add_special_tokens", True)}
         with self._engine_span("kvbridge.gateway.tokenize", engine) as span:
             async with self._pool.using(engine):
-                data = await post_json(self._http, f"{engine.url}/tokenize", req,
+                data = await self._http.post_json(f"{engine.url}/tokenize", req,
                                        timeout_s=self._s.tokenize_timeout_s, headers=tel.trace_headers())
             tokens = data.get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
@@ -271,7 +277,7 @@ class TurnRouter:
             span.set_attribute(tel.ATTR_PULLED_TOKENS, int(params.get("remote_num_tokens") or 0))
             async with self._pool.using(engine):
                 try:
-                    data = await post_json(self._http, engine.url + path, self._prefill_body(turn, params),
+                    data = await self._http.post_json(engine.url + path, self._prefill_body(turn, params),
                                            timeout_s=turn.timeout_s or self._s.prefill_timeout_s,
                                            headers=tel.trace_headers())
                 except UpstreamError as exc:
@@ -336,7 +342,7 @@ class TurnRouter:
         with self._engine_span("kvbridge.gateway.decode", engine):
             async with self._pool.using(engine):
                 try:
-                    data = await post_json(self._http, engine.url + path, body,
+                    data = await self._http.post_json(engine.url + path, body,
                                            timeout_s=turn.timeout_s or self._s.decode_timeout_s,
                                            headers=tel.trace_headers())
                 except UpstreamError as exc:
@@ -358,7 +364,7 @@ class TurnRouter:
         engine.outstanding += 1
         try:
             with self._engine_span("kvbridge.gateway.decode", engine):  # until D's response headers
-                upstream = await open_stream(self._http, engine.url + path, body,
+                upstream = await self._http.open_stream(engine.url + path, body,
                                              connect_timeout_s=self._s.connect_timeout_s,
                                              read_timeout_s=turn.timeout_s or self._s.decode_timeout_s,
                                              headers=tel.trace_headers())
@@ -383,12 +389,6 @@ class TurnRouter:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
-
-    async def _renew(self, turn: Turn) -> None:
-        try:
-            await self._control.keep_alive(conversations=[(turn.tenant, turn.model, turn.conversation_key)])
-        except ControlPlaneError as exc:
-            log.debug("lease renewal failed: %s", exc)
 
     async def _forget_entry(self, turn: Turn) -> None:
         """A failed pull may have consumed D's single-use blocks: nobody may try them again."""
@@ -472,7 +472,7 @@ async def _forward(upstream: UpstreamStream, engine: EngineState,
                 on_first_chunk()
                 first = False
             yield chunk
-    except httpx.HTTPError as exc:
+    except TRANSPORT_ERRORS as exc:
         log.warning("decode stream from %s broke after %.1fs: %s", engine.url, time.monotonic() - started, exc)
         yield b'data: {"error": {"message": "upstream stream failed", "code": "UPSTREAM_FAILED"}}\n\n'
     finally:

@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import logging
 
-import httpx
 from kvbridge.errors import invalid_field
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.types.v1 import types_pb2
@@ -19,6 +18,7 @@ from .engines import DECODE, PREFILL, EnginePool
 from .metrics import GatewayMetrics
 from .requests import Limits
 from .router import TurnRouter
+from .upstream import EngineHttp
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +36,7 @@ class GatewayCore:
         self.control = control
         self.telemetry = telemetry or Telemetry.disabled("kvbridge-gateway")
         self.metrics = GatewayMetrics(self.telemetry.registry)
-        limits = httpx.Limits(max_connections=None, max_keepalive_connections=256)
-        self.http = httpx.AsyncClient(limits=limits, timeout=httpx.Timeout(settings.connect_timeout_s))
+        self.http = EngineHttp(connect_timeout_s=settings.connect_timeout_s)
         self.pool = EnginePool(self.http, health_timeout_s=settings.health_timeout_s,
                                kv_usage_weight=settings.kv_usage_weight)
         self.router = TurnRouter(settings, self.pool, control, self.http, self.metrics, secret,
@@ -88,7 +87,7 @@ class GatewayCore:
                 await t
         self._tasks.clear()
         with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(self.router.drain(), timeout=5)
+            await asyncio.wait_for(self.router.close(), timeout=5)
         await self.http.aclose()
         await self.control.close()
 

@@ -1,62 +1,116 @@
-"""Engine pool health: /health decides, load info is best effort, a down pool is re-probed on demand."""
+"""Engine pool health: /health decides, load info is best effort, a down pool is re-probed on demand.
+
+The engines are small aiohttp servers on loopback: the gateway's real HTTP client talks to them.
+"""
 
 from __future__ import annotations
 
-import httpx
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
 import pytest
+from aiohttp import web
 from kvbridge.errors import Unavailable
 from kvbridge_services.gateway.engines import DECODE, EnginePool
+from kvbridge_services.gateway.upstream import EngineHttp, UpstreamError
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
-def _pool(handler: httpx.MockTransport) -> EnginePool:
-    return EnginePool(httpx.AsyncClient(transport=handler), health_timeout_s=1.0, kv_usage_weight=4.0)
+@asynccontextmanager
+async def _engine(handler: Handler) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+@asynccontextmanager
+async def _pool(handler: Handler) -> AsyncIterator[tuple[EnginePool, str]]:
+    http = EngineHttp(connect_timeout_s=1.0)
+    async with _engine(handler) as url:
+        try:
+            yield EnginePool(http, health_timeout_s=0.5, kv_usage_weight=4.0), url
+        finally:
+            await http.aclose()
 
 
 async def test_slow_metrics_do_not_mark_an_engine_down() -> None:
-    def handle(request: httpx.Request) -> httpx.Response:
-        if request.url.path == "/metrics":
-            raise httpx.ReadTimeout("metrics too slow", request=request)
-        if request.url.path == "/v1/models":
-            return httpx.Response(200, json={"data": [{"id": "tiny"}]})
-        return httpx.Response(200)
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if request.path == "/metrics":
+            await asyncio.sleep(1.5)  # past the health deadline
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "tiny"}]})
+        return web.Response(status=200)
 
-    pool = _pool(httpx.MockTransport(handle))
-    engine = pool.add_static("http://d:1", DECODE)
-    await pool.check(engine)
-    assert engine.healthy
-    assert pool.choose("tiny", DECODE) is engine
+    async with _pool(handle) as (pool, url):
+        engine = pool.add_static(url, DECODE)
+        await pool.check(engine)
+        assert engine.healthy
+        assert pool.choose("tiny", DECODE) is engine
 
 
 async def test_a_pool_marked_down_is_probed_before_refusing() -> None:
     up = {"ok": True}
 
-    def handle(request: httpx.Request) -> httpx.Response:
-        return httpx.Response(200 if up["ok"] else 503, json={"data": [{"id": "tiny"}]})
+    async def handle(request: web.Request) -> web.StreamResponse:
+        return web.json_response({"data": [{"id": "tiny"}]}, status=200 if up["ok"] else 503)
 
-    pool = _pool(httpx.MockTransport(handle))
-    engine = pool.add_static("http://d:1", DECODE, model="tiny")
-    pool.mark_failed(engine, "transport error")  # e.g. a stall missed the periodic check
-    assert (await pool.choose_live("tiny", DECODE)) is engine
-    assert engine.healthy
+    async with _pool(handle) as (pool, url):
+        engine = pool.add_static(url, DECODE, model="tiny")
+        pool.mark_failed(engine, "transport error")  # e.g. a stall missed the periodic check
+        assert (await pool.choose_live("tiny", DECODE)) is engine
+        assert engine.healthy
 
-    up["ok"] = False
-    pool.mark_failed(engine, "down for real")
-    engine.last_check = 0.0
-    with pytest.raises(Unavailable):
-        await pool.choose_live("tiny", DECODE)
+        up["ok"] = False
+        pool.mark_failed(engine, "down for real")
+        engine.last_check = 0.0
+        with pytest.raises(Unavailable):
+            await pool.choose_live("tiny", DECODE)
 
 
 async def test_upstream_timeouts_are_told_apart_from_other_failures() -> None:
-    from kvbridge_services.gateway.upstream import UpstreamError, post_json
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await asyncio.sleep(1.5)
+        return web.Response()
 
-    def slow(request: httpx.Request) -> httpx.Response:
-        raise httpx.ReadTimeout("engine too slow", request=request)
-
-    def broken(request: httpx.Request) -> httpx.Response:
-        raise httpx.ConnectError("refused", request=request)
-
-    for handler, timed_out in ((slow, True), (broken, False)):
-        async with httpx.AsyncClient(transport=httpx.MockTransport(handler)) as http:
+    http = EngineHttp(connect_timeout_s=1.0)
+    try:
+        async with _engine(slow) as url:
             with pytest.raises(UpstreamError) as err:
-                await post_json(http, "http://p:1/v1/completions", {}, timeout_s=1.0)
-        assert err.value.transport and err.value.timed_out is timed_out
+                await http.post_json(f"{url}/v1/completions", {}, timeout_s=0.3)
+            assert err.value.transport and err.value.timed_out
+        # The server is gone now: connection refused is a transport failure, not a timeout.
+        with pytest.raises(UpstreamError) as err:
+            await http.post_json(f"{url}/v1/completions", {}, timeout_s=1.0)
+        assert err.value.transport and not err.value.timed_out
+    finally:
+        await http.aclose()
+
+
+async def test_engine_4xx_is_the_clients_fault_and_5xx_is_an_upstream_failure() -> None:
+    from kvbridge_services.gateway.upstream import ClientError
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        status = 400 if request.path == "/bad" else 500
+        return web.json_response({"error": {"message": request.path}}, status=status)
+
+    http = EngineHttp(connect_timeout_s=1.0)
+    try:
+        async with _engine(handle) as url:
+            with pytest.raises(ClientError) as client_err:
+                await http.post_json(f"{url}/bad", {}, timeout_s=1.0)
+            assert client_err.value.status == 400 and client_err.value.body["error"]["message"] == "/bad"
+            with pytest.raises(UpstreamError) as up_err:
+                await http.open_stream(f"{url}/broken", {}, connect_timeout_s=1.0, read_timeout_s=1.0)
+            assert up_err.value.status == 500 and not up_err.value.transport
+    finally:
+        await http.aclose()

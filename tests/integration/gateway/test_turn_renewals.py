@@ -1,0 +1,68 @@
+"""Per-turn conversation renewals: one long-lived KeepAlive stream keeps a conversation's lease alive."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+from kvbridge.errors import NotFound
+from kvbridge.sdk import LeaseClient, RegistryClient
+from kvbridge_services.common.config import ServerSettings
+from kvbridge_services.gateway.renewer import ConversationRenewer
+from kvbridge_services.lease.app import LeaseApp
+from kvbridge_services.lease.policy import LeasePolicy
+
+from tests.fixtures.gateway_stack import LONG, MODEL, running_stack, turn
+
+TTL_S = 1.5
+
+
+async def test_touches_keep_a_conversation_lease_alive_over_one_stream() -> None:
+    async with running_stack(entry_lease_ttl_s=TTL_S) as stack:
+        assert stack.registry is not None and stack.lease is not None
+        await turn(stack, [{"role": "user", "content": LONG}], conv="renewed")
+        await turn(stack, [{"role": "user", "content": LONG}], conv="idle")
+        async with RegistryClient(stack.registry.address) as reg, LeaseClient(stack.lease.address) as leases:
+            renewed = (await reg.get_entry("acme", MODEL, "renewed")).lease_id
+            idle = (await reg.get_entry("acme", MODEL, "idle")).lease_id
+            renewer = ConversationRenewer(stack.gateway.core.control)
+            try:
+                for _ in range(int(3 * TTL_S / 0.3)):  # three TTLs, a touch every 0.3 s
+                    renewer.touch("acme", MODEL, "renewed")
+                    await asyncio.sleep(0.3)
+                await renewer.flush()
+                assert (await leases.get(renewed)).lease_id == renewed
+                with pytest.raises(NotFound):
+                    await leases.get(idle)  # nobody renewed it: expired after its TTL
+                assert renewer.streams_opened == 1 and renewer.sent >= 10
+            finally:
+                await renewer.stop()
+            await asyncio.sleep(2 * TTL_S)
+            with pytest.raises(NotFound):
+                await leases.get(renewed)  # renewals stopped: the lease ends like any other
+
+
+async def test_the_renewer_reopens_its_stream_after_the_lease_manager_restarts() -> None:
+    async with running_stack() as stack:
+        assert stack.lease is not None
+        renewer = ConversationRenewer(stack.gateway.core.control)
+        try:
+            renewer.touch("acme", MODEL, "c1")
+            await renewer.flush()
+            assert renewer.streams_opened == 1
+            port = int(stack.lease.address.rsplit(":", 1)[1])
+            await stack.lease.stop()
+            renewer.touch("acme", MODEL, "c1")  # written into a dead stream or refused: best effort
+            await asyncio.sleep(0.5)
+            restarted = LeaseApp(stack.lease.store, LeasePolicy(port=port, leader_ttl_s=2, leader_refresh_s=0.5),
+                                 ServerSettings(shutdown_grace_s=0.2))
+            await restarted.start()
+            try:
+                async with asyncio.timeout(20):
+                    while renewer.streams_opened < 2 or renewer.sent < 3:
+                        renewer.touch("acme", MODEL, "c1")
+                        await asyncio.sleep(0.2)
+            finally:
+                await restarted.stop()
+        finally:
+            await renewer.stop()
