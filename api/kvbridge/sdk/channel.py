@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+from collections.abc import AsyncGenerator, Iterator
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -12,13 +13,19 @@ import grpc
 from kvbridge.errors import KvbridgeError, Reason, from_rpc_error
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
+# Metadata key naming the tenant a service principal acts for (read by the gateway).
+TENANT_METADATA_KEY = "x-kvbridge-tenant"
 
 
 @dataclass(frozen=True, slots=True)
 class ClientOptions:
     api_key: str | None = None
+    # Service principals only: the tenant to act for. A tenant API key implies its tenant; leave None.
+    tenant: str | None = None
     # Per-attempt deadline of a unary call, seconds.
     timeout_s: float = 5.0
+    # Per-attempt deadline of a whole server-streaming call (one generation), seconds.
+    stream_timeout_s: float = 600.0
     # Attempts for UNAVAILABLE (including the first).
     max_attempts: int = 4
     backoff_initial_s: float = 0.05
@@ -33,7 +40,21 @@ class ClientOptions:
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
-        return (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+        md: tuple[tuple[str, str], ...] = (("authorization", f"Bearer {self.api_key}"),) if self.api_key else ()
+        if self.tenant:
+            md += ((TENANT_METADATA_KEY, self.tenant),)
+        return md
+
+
+def backoff_delays(options: ClientOptions) -> Iterator[float]:
+    """Sleeps between the attempts of one call: jittered (x0.5..1.5) exponential, capped at backoff_max_s.
+
+    Yields ``max_attempts - 1`` delays; exhausting it means no attempt is left.
+    """
+    delay = options.backoff_initial_s
+    for _ in range(options.max_attempts - 1):
+        yield min(delay * (0.5 + random.random()), options.backoff_max_s)
+        delay = min(delay * 2, options.backoff_max_s)
 
 
 def open_channel(target: str, options: ClientOptions) -> grpc.aio.Channel:
@@ -83,21 +104,49 @@ class BaseClient:
         """Calls ``method`` of the bound stub; retries UNAVAILABLE with jittered
         exponential backoff, following NOT_LEADER redirects."""
         opts = self.options
-        delay = opts.backoff_initial_s
-        for attempt in range(1, opts.max_attempts + 1):
+        delays = backoff_delays(opts)
+        while True:
             # Looked up per attempt: a redirect rebinds the stub.
             fn = getattr(self._stub(), method)
             try:
                 return await fn(request, timeout=timeout_s or opts.timeout_s, metadata=opts.metadata())
             except grpc.RpcError as exc:
+                await self._before_retry(from_rpc_error(exc), delays)
+
+    async def _server_stream(
+        self, method: str, request: Any, *, timeout_s: float | None = None
+    ) -> AsyncGenerator[Any, None]:
+        """Yields the messages of a server-streaming ``method``. UNAVAILABLE is retried like a unary call,
+        but only until the first message arrived: after that a retry could repeat side effects (a second
+        generation), so the typed error is raised instead. Closing the iterator cancels the call."""
+        opts = self.options
+        delays = backoff_delays(opts)
+        while True:
+            call = getattr(self._stub(), method)(
+                request, timeout=timeout_s or opts.stream_timeout_s, metadata=opts.metadata())
+            received = False
+            try:
+                async for message in call:
+                    received = True
+                    yield message
+                return
+            except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
-                if err.code is not grpc.StatusCode.UNAVAILABLE or attempt >= opts.max_attempts:
+                if received:
                     raise err from None
-                if err.reason == Reason.NOT_LEADER.value:
-                    self._redirect(err.metadata.get("leader", ""))
-            await asyncio.sleep(delay * (0.5 + random.random()))
-            delay = min(delay * 2, opts.backoff_max_s)
-        raise AssertionError("unreachable")
+                await self._before_retry(err, delays)
+            finally:
+                call.cancel()
+
+    async def _before_retry(self, err: KvbridgeError, delays: Iterator[float]) -> None:
+        """Raises ``err`` unless it is UNAVAILABLE with attempts left; then follows a NOT_LEADER redirect
+        and sleeps the backoff delay."""
+        delay = next(delays, None) if err.code is grpc.StatusCode.UNAVAILABLE else None
+        if delay is None:
+            raise err from None
+        if err.reason == Reason.NOT_LEADER.value:
+            self._redirect(err.metadata.get("leader", ""))
+        await asyncio.sleep(delay)
 
     async def close(self) -> None:
         await self._channel.close()
@@ -109,4 +158,4 @@ class BaseClient:
         await self.close()
 
 
-__all__ = ["BaseClient", "ClientOptions", "KvbridgeError", "open_channel"]
+__all__ = ["BaseClient", "ClientOptions", "KvbridgeError", "TENANT_METADATA_KEY", "backoff_delays", "open_channel"]

@@ -22,6 +22,8 @@ log = logging.getLogger(__name__)
 
 # Ids per KeepAlive message the heartbeater sends (servers cap this).
 KEEPALIVE_BATCH = 1000
+# Floor of the renewal interval however short the leases' TTL.
+MIN_INTERVAL_S = 0.05
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -104,9 +106,12 @@ class Heartbeater:
     """Keeps many leases alive over ONE KeepAlive stream.
 
     Add lease ids (or conversations, for SDK users who know only those); every
-    ``interval_s`` the heartbeater renews them all in batches. When the server
-    reports a lease gone, it stops renewing it and calls ``on_lost``. A broken
-    stream is re-opened with backoff; nothing waits forever.
+    ``interval_s`` (or a third of the shortest TTL the server reports, if less)
+    the heartbeater renews them all in batches. A lease id the server reports
+    gone is dropped and reported to ``on_lost``. A conversation stays registered
+    until removed: it may have no lease yet (before its first turn finished) or
+    get a new one with its next turn; ``on_lost`` hears when a lease it had ends.
+    A broken stream is re-opened with backoff; nothing waits forever.
     """
 
     def __init__(
@@ -121,9 +126,24 @@ class Heartbeater:
         self._on_lost = on_lost
         self._lease_ids: set[int] = set()
         self._conversations: dict[tuple[str, str, str], pb.ConversationRef] = {}
+        self._alive_conversations: set[tuple[str, str, str]] = set()
+        self._shortest_ttl_s: float | None = None
         self._task: asyncio.Task[None] | None = None
         self._wake = asyncio.Event()
         self.rounds = 0
+        # KeepAlive streams opened so far (1 unless the stream broke and was re-opened).
+        self.streams_opened = 0
+
+    @property
+    def running(self) -> bool:
+        return self._task is not None
+
+    @property
+    def interval_s(self) -> float:
+        """The pause between renewal rounds now."""
+        if self._shortest_ttl_s is None:
+            return self._interval_s
+        return max(min(self._interval_s, self._shortest_ttl_s / 3), MIN_INTERVAL_S)
 
     def add_lease(self, lease_id: int) -> None:
         self._lease_ids.add(lease_id)
@@ -137,6 +157,7 @@ class Heartbeater:
 
     def remove_conversation(self, tenant: str, model: str, conversation_key: str) -> None:
         self._conversations.pop((tenant, model, conversation_key), None)
+        self._alive_conversations.discard((tenant, model, conversation_key))
 
     def renew_now(self) -> None:
         self._wake.set()
@@ -177,6 +198,7 @@ class Heartbeater:
 
     async def _stream_once(self) -> None:
         call = self._client._lease.KeepAlive(metadata=self._client.options.metadata())
+        self.streams_opened += 1
         try:
             while True:
                 for req in self._batches():
@@ -188,17 +210,33 @@ class Heartbeater:
                 self.rounds += 1
                 self._wake.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._wake.wait(), self._interval_s)
+                    await asyncio.wait_for(self._wake.wait(), self.interval_s)
+        except grpc.RpcError as exc:
+            raise from_rpc_error(exc) from None
         finally:
             call.cancel()
 
     def _handle(self, resp: pb.KeepAliveResponse) -> None:
         for status in resp.statuses:
             if status.alive:
-                continue
+                ttl_s = status.ttl.ToNanoseconds() / 1e9
+                if ttl_s > 0 and (self._shortest_ttl_s is None or ttl_s < self._shortest_ttl_s):
+                    self._shortest_ttl_s = ttl_s
             if status.HasField("conversation"):
                 c = status.conversation
-                self._conversations.pop((c.tenant, c.model, c.conversation_key), None)
+                key = (c.tenant, c.model, c.conversation_key)
+                if key not in self._conversations:
+                    # The server reports the tenant it resolved; a ref sent with tenant "" is filed under "".
+                    key = ("", c.model, c.conversation_key)
+                if status.alive:
+                    if key in self._conversations:
+                        self._alive_conversations.add(key)
+                    continue
+                if key not in self._alive_conversations:
+                    continue  # no lease yet (or still none): nothing was lost
+                self._alive_conversations.discard(key)
+            elif status.alive:
+                continue
             else:
                 self._lease_ids.discard(status.lease_id)
             if self._on_lost is not None:

@@ -4,32 +4,9 @@ from __future__ import annotations
 
 import httpx
 
+from tests.fixtures.gateway_stack import LONG, chat, reference, turn
+
 from .conftest import MODEL, Stack
-
-LONG = " ".join(f"word{i}" for i in range(120))  # ~120 tokens: above the 64-token threshold
-
-
-def chat(messages: list[dict], conv: str | None = "conv-1", **extra: object) -> dict:
-    body: dict = {"model": MODEL, "messages": messages, "max_tokens": 8, **extra}
-    if conv:
-        body["conversation_id"] = conv
-    return body
-
-
-async def reference(stack: Stack, messages: list[dict], max_tokens: int = 8) -> str:
-    """The answer computed with no reuse at all: straight to D, no kv_transfer_params."""
-    async with httpx.AsyncClient() as c:
-        r = await c.post(stack.decode.url + "/v1/chat/completions",
-                         json={"model": MODEL, "messages": messages, "max_tokens": max_tokens})
-    return str(r.json()["choices"][0]["message"]["content"])
-
-
-async def turn(stack: Stack, messages: list[dict], conv: str | None = "conv-1",
-               client: httpx.AsyncClient | None = None, **extra: object) -> tuple[str, str]:
-    r = await (client or stack.client).post("/v1/chat/completions", json=chat(messages, conv, **extra))
-    assert r.status_code == 200, r.text
-    await stack.settle()
-    return str(r.json()["choices"][0]["message"]["content"]), r.headers["x-kvbridge-reuse"]
 
 
 async def test_multi_turn_reuses_decode_kv_and_answers_equal(stack: Stack) -> None:
