@@ -138,6 +138,8 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         model = request.model
         if len(model) > 256 or not (model.isascii() and model.isprintable()) or " " in model:
             raise invalid_field("model", "must be 1..256 printable ASCII characters without spaces")
+        await self._core.router.settle_conversation(tenant, model, request.conversation_id,
+                                                    timeout_s=self._core.settings.control_timeout_s)
         try:
             epoch = await self._core.control.entry_epoch(tenant=tenant, model=request.model,
                                                          conversation_key=request.conversation_id)

@@ -36,8 +36,8 @@ def error_response(err: KvbridgeError) -> JSONResponse:
     status = _HTTP_STATUS.get(err.code, 500)
     if err.reason == Reason.TOO_LARGE.value:
         status = 413
-    elif err.reason == Reason.UPSTREAM_FAILED.value:
-        status = 502
+    elif err.reason == Reason.UPSTREAM_FAILED.value and err.code is not grpc.StatusCode.DEADLINE_EXCEEDED:
+        status = 502  # an engine failed; one that timed out keeps 504
     body = {"error": {"message": err.message, "type": err.code.name.lower(), "code": err.reason or None,
                       "param": err.metadata.get("field")}}
     return JSONResponse(body, status_code=status)

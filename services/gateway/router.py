@@ -18,7 +18,7 @@ from typing import Any
 
 from kvbridge import hashchain
 from kvbridge import telemetry as tel
-from kvbridge.errors import NotFound, Reason, Unavailable
+from kvbridge.errors import DeadlineExceeded, KvbridgeError, NotFound, Reason, Unavailable
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
@@ -97,6 +97,7 @@ class TurnRouter:
         self._consumed: OrderedDict[tuple[str, str], None] = OrderedDict()
         self._background: set[asyncio.Task[None]] = set()
         self._renewer = ConversationRenewer(control)
+        self._pending_by_conversation: dict[tuple[str, str, str], set[asyncio.Task[None]]] = {}
 
     # -- public ------------------------------------------------------------------------
     async def run(self, turn: Turn) -> TurnResult:
@@ -309,7 +310,7 @@ class TurnRouter:
                 timed_out = isinstance(exc, UpstreamError) and exc.timed_out
                 plan.verdict.label = "declined:prefill_timeout" if timed_out else "declined:prefill_failed"
                 if self._s.single_use_entries and turn.conversation_key and self._control.enabled:
-                    self._spawn(self._forget_entry(turn))
+                    self._spawn(self._forget_entry(turn), turn)
             finally:
                 self._pulling.discard(plan.source_key)
             with contextlib.suppress(Unavailable):  # the retry may go to another P if this one looks broken
@@ -317,7 +318,7 @@ class TurnRouter:
         try:
             return await self._prefill_once(turn, plan, engine, kvparams.plain_prefill_params())
         except UpstreamError as exc:
-            raise Unavailable(Reason.UPSTREAM_FAILED, f"prefill failed: {exc}") from exc
+            raise _upstream_failure("prefill", exc) from exc
 
     def _mark_consumed(self, key: tuple[str, str]) -> None:
         self._consumed[key] = None
@@ -348,13 +349,13 @@ class TurnRouter:
                 except UpstreamError as exc:
                     if exc.transport:
                         self._pool.mark_failed(engine, str(exc))
-                    raise Unavailable(Reason.UPSTREAM_FAILED, f"decode failed: {exc}") from exc
+                    raise _upstream_failure("decode", exc) from exc
         self._metrics.ttft.labels(_reuse_label(plan)).observe(time.perf_counter() - plan.started)
         retained_params = data.pop("kv_transfer_params", None)
         if register:
             seq = _sequence(turn, data)
             if seq is not None:
-                self._spawn(self._register(turn, plan, engine, retained_params, seq))
+                self._spawn(self._register(turn, plan, engine, retained_params, seq), turn)
         if not turn.client_wants_token_ids:
             _drop_token_ids(data)
         return TurnResult(plan.verdict, body=data)
@@ -372,7 +373,7 @@ class TurnRouter:
             engine.outstanding -= 1
             if exc.transport:
                 self._pool.mark_failed(engine, str(exc))
-            raise Unavailable(Reason.UPSTREAM_FAILED, f"decode failed: {exc}") from exc
+            raise _upstream_failure("decode", exc) from exc
         except BaseException:
             engine.outstanding -= 1
             raise
@@ -381,7 +382,7 @@ class TurnRouter:
             time.perf_counter() - plan.started)))
 
     # -- step 4: afterwards --------------------------------------------------------------------
-    def _spawn(self, coro: Any) -> None:
+    def _spawn(self, coro: Any, turn: Turn) -> None:
         if len(self._background) >= _MAX_BACKGROUND:
             coro.close()
             log.warning("too much post-turn work pending; skipping one task")
@@ -389,6 +390,24 @@ class TurnRouter:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        key = (turn.tenant, turn.model, turn.conversation_key)
+        self._pending_by_conversation.setdefault(key, set()).add(task)
+        task.add_done_callback(lambda t: self._forget_pending(key, t))
+
+    def _forget_pending(self, key: tuple[str, str, str], task: asyncio.Task[None]) -> None:
+        tasks = self._pending_by_conversation.get(key)
+        if tasks is not None:
+            tasks.discard(task)
+            if not tasks:
+                del self._pending_by_conversation[key]
+
+    async def settle_conversation(self, tenant: str, model: str, conversation_key: str, *,
+                                  timeout_s: float) -> None:
+        """Waits (bounded) for this conversation's post-turn work, so that closing it right after a turn
+        also releases what that turn is still registering."""
+        tasks = list(self._pending_by_conversation.get((tenant, model, conversation_key), ()))
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
 
     async def _forget_entry(self, turn: Turn) -> None:
         """A failed pull may have consumed D's single-use blocks: nobody may try them again."""
@@ -478,6 +497,13 @@ async def _forward(upstream: UpstreamStream, engine: EngineState,
     finally:
         engine.outstanding -= 1
         await upstream.aclose()
+
+
+def _upstream_failure(step: str, exc: UpstreamError) -> KvbridgeError:
+    """An engine past its deadline is DEADLINE_EXCEEDED (HTTP 504); any other failure UNAVAILABLE (502)."""
+    if exc.timed_out:
+        return DeadlineExceeded(Reason.UPSTREAM_FAILED, f"{step} timed out: {exc}")
+    return Unavailable(Reason.UPSTREAM_FAILED, f"{step} failed: {exc}")
 
 
 def _sequence(turn: Turn, data: dict[str, Any]) -> list[int] | None:

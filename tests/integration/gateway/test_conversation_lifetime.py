@@ -1,4 +1,4 @@
-"""Per-turn conversation renewals: one long-lived KeepAlive stream keeps a conversation's lease alive."""
+"""Conversation lifetime at the gateway: per-turn renewals over one long-lived KeepAlive stream, and closing."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import asyncio
 
 import pytest
 from kvbridge.errors import NotFound
-from kvbridge.sdk import LeaseClient, RegistryClient
+from kvbridge.sdk import ClientOptions, GatewayClient, LeaseClient, RegistryClient
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.gateway.renewer import ConversationRenewer
 from kvbridge_services.lease.app import LeaseApp
@@ -66,3 +66,26 @@ async def test_the_renewer_reopens_its_stream_after_the_lease_manager_restarts()
                 await restarted.stop()
         finally:
             await renewer.stop()
+
+
+async def test_closing_right_after_a_turn_also_releases_what_that_turn_is_registering() -> None:
+    async with running_stack() as stack:
+        assert stack.registry is not None
+        control = stack.gateway.core.control
+        grant = control.grant_lease
+
+        async def slow_grant(**kwargs: object) -> int:
+            await asyncio.sleep(0.5)  # the turn's background registration is still running at close time
+            return await grant(**kwargs)  # type: ignore[arg-type]
+
+        control.grant_lease = slow_grant  # type: ignore[method-assign]
+        r = await stack.client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 8,
+            "conversation_id": "closing"})
+        assert r.status_code == 200, r.text
+        async with GatewayClient(stack.gateway.grpc_address, ClientOptions(api_key="key-acme")) as gw:
+            assert await gw.close_conversation(model=MODEL, conversation_id="closing")
+        await stack.settle()
+        async with RegistryClient(stack.registry.address) as reg:
+            with pytest.raises(NotFound):
+                await reg.get_entry("acme", MODEL, "closing")
