@@ -3,6 +3,9 @@
 The scheduler loop only ``submit``s commands (non-blocking, bounded queue: a full
 queue drops the command and logs) and ``drain``s events each step. Every RPC has
 a deadline; streams reconnect with capped backoff. Nothing here can stall vLLM.
+Entry registrations are traced (when tracing is on): the span starts when the scheduler
+queued the command, continues the turn's trace carried in the command, and its RPCs send
+that context on in gRPC metadata so the registry's and lease manager's spans join it.
 """
 
 from __future__ import annotations
@@ -21,12 +24,16 @@ from kvbridge import hashchain
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.types.v1 import types_pb2
+from kvbridge_connector import tracing
 from kvbridge_connector.params import ConversationRef
 from kvbridge_connector.settings import ConnectorSettings
+from kvbridge_connector.tracing import Carrier, ConnectorTracer
 
 # Under "vllm." so vLLM's logging config formats and shows these records.
 log = logging.getLogger(f"vllm.{__name__}")
 
+_GRANT_LEASE = "kvbridge.lease.v1.LeaseService/GrantLease"
+_REGISTER_ENTRY = "kvbridge.registry.v1.RegistryService/RegisterEntry"
 _BACKOFF_INITIAL_S = 0.2
 _BACKOFF_MAX_S = 5.0
 
@@ -39,6 +46,9 @@ class RegisterEntry:
     block_ids: tuple[tuple[int, ...], ...]
     token_ids: tuple[int, ...]  # the retained tokens (len == token_count)
     cache_salt: str
+    # The turn's trace context and when the scheduler queued this (Unix ns), for the registration span.
+    parent: Carrier = ()
+    submitted_ns: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -88,9 +98,11 @@ def _duration(seconds: float) -> duration_pb2.Duration:
 class ControlPlane:
     """Owns the gRPC channels and an asyncio loop on one daemon thread."""
 
-    def __init__(self, settings: ConnectorSettings, engine: types_pb2.Engine) -> None:
+    def __init__(self, settings: ConnectorSettings, engine: types_pb2.Engine,
+                 tracer: ConnectorTracer | None = None) -> None:
         self._settings = settings
         self._engine = engine
+        self._tracer = tracer or ConnectorTracer(engine_id=engine.engine_id)
         self._commands: queue.Queue[Command] = queue.Queue(maxsize=settings.queue_size)
         self._events: queue.Queue[Event] = queue.Queue(maxsize=settings.queue_size * 4)
         self._stop = threading.Event()
@@ -167,6 +179,12 @@ class ControlPlane:
 
     async def _unary(self, method: Any, request: Any) -> Any:
         return await method(request, timeout=self._settings.rpc_deadline_s, metadata=self._metadata)
+
+    async def _traced_unary(self, name: str, method: Any, request: Any) -> Any:
+        """An RPC under a CLIENT span (a no-op when tracing is off) whose context goes out in the metadata."""
+        with self._tracer.rpc(name):
+            metadata = self._metadata + self._tracer.rpc_metadata()
+            return await method(request, timeout=self._settings.rpc_deadline_s, metadata=metadata)
 
     async def _sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
@@ -263,6 +281,17 @@ class ControlPlane:
                 log.warning("kvbridge: %s failed: %s", type(command).__name__, _describe(exc))
 
     async def _register_entry(self, command: RegisterEntry) -> None:
+        with self._tracer.registration(
+            command.request_id, command.conversation, blocks=sum(len(g) for g in command.block_ids),
+            tokens=len(command.token_ids), parent=command.parent, submitted_ns=command.submitted_ns,
+        ) as span:
+            lease_id = await self._grant_and_register(command)
+            span.set(tracing.ATTR_LEASE_ID, lease_id)
+            span.set(tracing.ATTR_OUTCOME, "registered")
+        self._emit(LeaseBound(command.request_id, lease_id))
+
+    async def _grant_and_register(self, command: RegisterEntry) -> int:
+        """GrantLease then RegisterEntry; the lease id. A failed RegisterEntry revokes the fresh lease."""
         conv = command.conversation
         block_size = self._engine.block_size
         hashes = hashchain.chain(
@@ -270,7 +299,7 @@ class ControlPlane:
             command.token_ids,
         )
         idempotency = f"{self._engine.engine_id}:{command.request_id}"[:128]
-        grant = await self._unary(self._lease.GrantLease, lease_pb2.GrantLeaseRequest(
+        grant = await self._traced_unary(_GRANT_LEASE, self._lease.GrantLease, lease_pb2.GrantLeaseRequest(
             kind=lease_pb2.LEASE_KIND_ENTRY, tenant=conv.tenant, engine_id=self._engine.engine_id,
             model=conv.model, conversation_key=conv.conversation_key, retained_tokens=len(command.token_ids),
             ttl=_duration(self._settings.entry_lease_ttl_s), request_id=_idempotency_key(idempotency),
@@ -284,13 +313,14 @@ class ControlPlane:
             lease_id=lease_id, epoch=conv.epoch,
         )
         try:
-            await self._unary(self._registry.RegisterEntry, registry_pb2.RegisterEntryRequest(
-                request_id=_idempotency_key(idempotency), entry=entry))
+            await self._traced_unary(_REGISTER_ENTRY, self._registry.RegisterEntry,
+                                     registry_pb2.RegisterEntryRequest(request_id=_idempotency_key(idempotency),
+                                                                       entry=entry))
         except grpc.aio.AioRpcError:
             # No entry points at the lease: end it so nothing holds blocks for nobody.
             await self._revoke(RevokeLease(lease_id, "REVOKE_REASON_EXPIRED"))
             raise
-        self._emit(LeaseBound(command.request_id, lease_id))
+        return int(lease_id)
 
     async def _revoke(self, command: RevokeLease) -> None:
         await self._unary(self._lease.RevokeLease, lease_pb2.RevokeLeaseRequest(

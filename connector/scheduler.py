@@ -2,13 +2,16 @@
 
 Extends vLLM's ``NixlPullConnectorScheduler``; overrides only ``request_finished``,
 ``build_connector_meta``, ``update_connector_output`` and
-``get_num_new_matched_tokens`` and always calls the parent first.
+``get_num_new_matched_tokens`` and always calls the parent first (except for a
+read-back already attempted once, see ``get_num_new_matched_tokens``). Spans (when
+tracing is on): D's registrations (``control_plane``), P's pulls and declines.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
 from kvbridge.types.v1 import types_pb2
@@ -17,6 +20,7 @@ from kvbridge_connector.params import RETAINED, parse_conversation
 from kvbridge_connector.pulls import PullReporter, bytes_per_token
 from kvbridge_connector.retention import RetentionTable
 from kvbridge_connector.settings import ConnectorSettings
+from kvbridge_connector.tracing import ConnectorTracer
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_scheduler import NixlPullConnectorScheduler
 
 if TYPE_CHECKING:
@@ -34,6 +38,8 @@ log = logging.getLogger(f"vllm.{__name__}")
 # Attribute names added to NixlConnectorMetadata for the worker half.
 META_HOLD = "kvbridge_hold"
 META_RELEASE = "kvbridge_release"
+# Bound on the requests whose pull decision was already traced (vLLM may ask again while a request waits).
+_MAX_DECIDED = 4096
 
 
 def engine_record(vllm_config: VllmConfig, engine_id: str, settings: ConnectorSettings, host: str, port: int,
@@ -74,13 +80,16 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         self._block_pool: BlockPool | None = None
         # Requests the worker must start holding (sent with the next metadata).
         self._hold_ids: set[str] = set()
+        self.tracer = ConnectorTracer.from_settings(settings, engine_id)
+        self._decided: OrderedDict[str, None] = OrderedDict()
+        self._kv_groups = max(1, len(kv_cache_config.kv_cache_groups))
         self.control_plane = control_plane
         # Both roles register (the gateway routes by the registry); only decode engines retain entries.
         if self.control_plane is None and settings.control_plane_enabled:
             self.control_plane = cp.ControlPlane(settings, engine_record(
                 vllm_config, engine_id, settings, self.side_channel_host, self.side_channel_port,
                 len(kv_cache_config.kv_cache_groups), kv_cache_config.num_blocks,
-            ))
+            ), self.tracer)
             self.control_plane.start()
         self.pulls = PullReporter(bytes_per_token(kv_cache_config, vllm_config.cache_config.block_size))
 
@@ -90,15 +99,23 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
+        offered = bool(params and params.get("do_remote_decode") and params.get("remote_block_ids")
+                       and not self.is_decode)
         if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
             # One read-back attempt per request. vLLM 0.32.0 re-arms a *failed* read-back (e.g. D died)
             # here, but never starts the transfer again, so the request waits forever; recompute instead.
+            if offered:
+                self._trace_decline(request, num_computed_tokens, "read_back_already_attempted")
             return 0, False
         count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
-        if count > 0 and params and params.get("do_remote_decode") and not self.is_decode:
+        if count > 0 and offered and params:
             # Prefill pulling back from a decode engine (the gateway verified and truncated the
             # params); vLLM may ask twice for one request, the first ask starts the clock.
-            self.pulls.start(request.request_id, count, str(params.get("remote_engine_id")))
+            blocks = -(-count // max(self.block_size, 1)) * self._kv_groups
+            self.pulls.start(request.request_id, count, str(params.get("remote_engine_id")), blocks=blocks,
+                             parent=self.tracer.parent_of(request))
+        elif offered:
+            self._trace_decline(request, num_computed_tokens)
         return count, is_async
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
@@ -120,6 +137,7 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         self.control_plane.submit(cp.RegisterEntry(
             request_id=request_id, conversation=conversation, block_ids=blocks,
             token_ids=tuple(request.all_token_ids[:token_count]), cache_salt=request.cache_salt or "",
+            parent=self.tracer.parent_of(request), submitted_ns=time.time_ns() if self.tracer.enabled else 0,
         ))
         return delay_free, params
 
@@ -146,11 +164,14 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             self.retention.freed(request_id)
         failed = set(getattr(connector_output, "failed_recving", None) or ())
         for request_id in connector_output.finished_recving or ():
-            self.pulls.finish(request_id, failed=request_id in failed)
+            pull = self.pulls.finish(request_id, failed=request_id in failed)
+            if pull is not None:
+                self.tracer.pull_finished(pull)
 
     def shutdown(self) -> None:
         if self.control_plane is not None:
             self.control_plane.stop()
+        self.tracer.shutdown()
         super().shutdown()  # type: ignore[no-untyped-call]
 
     # ---- internals -----------------------------------------------------
@@ -168,6 +189,35 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
                 self.retention.snapshot(event.live_lease_ids)
             elif isinstance(event, cp.Connection):
                 self.retention.set_connected(event.up)
+
+    def _decline_reason(self, request: Request, num_computed_tokens: int) -> str:
+        """Why vLLM's parent answered 0 for blocks D offered (mirrors its checks in 0.32.0)."""
+        params = request.kv_transfer_params or {}
+        if not all(k in params for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")):
+            return "incomplete_params"
+        offered = min(int(params.get("remote_num_tokens") or 0), request.num_prompt_tokens)
+        if offered <= 0:
+            return "nothing_offered"
+        if offered <= num_computed_tokens:
+            return "local_prefix_cache"
+        return "below_recompute_threshold"
+
+    def _trace_decline(self, request: Request, num_computed_tokens: int, reason: str = "") -> None:
+        """One span per request and decision kind, however often vLLM asks while the request waits."""
+        if not self.tracer.enabled:
+            return
+        try:
+            reason = reason or self._decline_reason(request, num_computed_tokens)
+            key = f"{request.request_id}:{reason}"
+            if key in self._decided:
+                return
+            self._decided[key] = None
+            while len(self._decided) > _MAX_DECIDED:
+                self._decided.popitem(last=False)
+            params = request.kv_transfer_params or {}
+            self.tracer.pull_declined(request, reason, int(params.get("remote_num_tokens") or 0))
+        except Exception:  # noqa: BLE001 - tracing must never break the scheduler
+            self.tracer.failed("pull decline")
 
     def _kv_free_blocks(self) -> tuple[int | None, int | None]:
         if self._block_pool is None:

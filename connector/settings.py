@@ -4,11 +4,36 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+
+from kvbridge import telemetry
 
 ENV_HASH_SECRET = "KVBRIDGE_HASH_SECRET"
 ENV_API_KEY = "KVBRIDGE_API_KEY"
+# Same variable as the services' TelemetrySettings.hash_key_hex: one key, so a conversation hashes alike everywhere.
+ENV_TELEMETRY_HASH_KEY = "KVBRIDGE_TELEMETRY_HASH_KEY_HEX"
+DEFAULT_SERVICE_NAME = "kvbridge-connector"
+
+
+def _hash_key(text: str) -> bytes | None:
+    if not text:
+        return None
+    key = bytes.fromhex(text)
+    if not 16 <= len(key) <= 64:
+        raise ValueError("kvbridge_telemetry_hash_key_hex must decode to 16..64 bytes")
+    return key
+
+
+def _otlp_endpoint(extra: Mapping[str, Any], env: Mapping[str, str]) -> str | None:
+    """Where connector spans go: the extra-config key, else the standard OTEL_* variables; None = tracing off."""
+    explicit = str(extra.get("kvbridge_otlp_endpoint", "") or "")
+    if explicit:
+        return explicit
+    if not telemetry.otlp_traces_configured(env):
+        return None
+    # "" = the exporter's default (it also reads OTEL_EXPORTER_OTLP_* headers, TLS and timeout itself).
+    return env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or env.get("OTEL_EXPORTER_OTLP_ENDPOINT") or ""
 
 
 def _float(extra: Mapping[str, Any], name: str, default: float, low: float, high: float) -> float:
@@ -41,6 +66,15 @@ class ConnectorSettings:
     max_retained_entries: int = 4096
     # Run NIXL without its busy progress thread (~1 core per idle worker on CPU).
     nixl_progress_thread: bool = True
+    # OTLP/gRPC endpoint for connector spans; None: tracing off ("" = the exporter's default endpoint).
+    otlp_endpoint: str | None = None
+    service_name: str = DEFAULT_SERVICE_NAME
+    # Key hashing tenant / conversation span attributes; None: a random per-process key.
+    telemetry_hash_key: bytes | None = field(default=None, repr=False)
+
+    @property
+    def tracing_enabled(self) -> bool:
+        return self.otlp_endpoint is not None
 
     @property
     def control_plane_enabled(self) -> bool:
@@ -66,4 +100,8 @@ class ConnectorSettings:
             queue_size=int(_float(extra, "kvbridge_queue_size", 1024, 16, 65536)),
             max_retained_entries=int(_float(extra, "kvbridge_max_retained_entries", 4096, 1, 1_000_000)),
             nixl_progress_thread=bool(extra.get("kvbridge_nixl_progress_thread", True)),
+            otlp_endpoint=_otlp_endpoint(extra, env),
+            service_name=env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME,
+            telemetry_hash_key=_hash_key(
+                str(extra.get("kvbridge_telemetry_hash_key_hex") or env.get(ENV_TELEMETRY_HASH_KEY) or "")),
         )

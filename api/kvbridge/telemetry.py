@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import hmac
+import re
 from collections.abc import Iterator, Mapping, MutableMapping
 from typing import Any
 
@@ -27,6 +28,10 @@ except ImportError:  # pragma: no cover - exercised only where opentelemetry-api
 
 TRACEPARENT = "traceparent"
 TRACESTATE = "tracestate"
+# The key under which the gateway puts its turn's ``traceparent`` into vLLM's kv_transfer_params,
+# so the kvbridge connector in the engine can parent its spans on the turn (vLLM 0.32 only carries
+# HTTP trace headers to the scheduler when its own tracing, --otlp-traces-endpoint, is on).
+KV_PARAMS_TRACEPARENT = "kvbridge_traceparent"
 # Span attribute names shared by every component (values hashed where noted).
 ATTR_TENANT = "kvbridge.tenant.hash"
 ATTR_CONVERSATION = "kvbridge.conversation.hash"
@@ -39,6 +44,7 @@ ATTR_PULL_SECONDS = "kvbridge.pull.seconds"
 ATTR_VERDICT = "kvbridge.reuse.verdict"
 ATTR_REASON = "kvbridge.reuse.reason"
 
+_TRACEPARENT_RE = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 _HASH_HEX_CHARS = 16  # 64 bits: enough to tell conversations apart in a trace backend
 
 
@@ -96,22 +102,63 @@ def metadata_carrier(metadata: Any) -> dict[str, str]:
 
 @contextlib.contextmanager
 def start_span(name: str, *, tracer: Any = None, parent: Mapping[str, str] | None = None,
-               attributes: Mapping[str, Any] | None = None, kind: str = "internal") -> Iterator[Any]:
+               attributes: Mapping[str, Any] | None = None, kind: str = "internal",
+               start_time_ns: int | None = None) -> Iterator[Any]:
     """A span as the current span, or a no-op when OpenTelemetry is absent.
 
     ``parent``: a carrier (e.g. the ``traceparent`` a gateway put into kv_transfer_params
     or request headers) to continue that trace; otherwise the current context is the parent.
     ``kind``: internal | server | client | producer | consumer.
+    ``start_time_ns``: Unix-epoch start when the work began before this call (e.g. queued).
     """
     if _otel_trace is None:
         yield None
         return
     tracer = tracer or _otel_trace.get_tracer("kvbridge")
     ctx = extract(parent) if parent else None
-    span_kind = getattr(_otel_trace.SpanKind, kind.upper(), _otel_trace.SpanKind.INTERNAL)
-    with tracer.start_as_current_span(name, context=ctx, kind=span_kind,
+    with tracer.start_as_current_span(name, context=ctx, kind=_span_kind(kind), start_time=start_time_ns,
                                       attributes=dict(attributes or {})) as span:
         yield span
+
+
+def record_span(name: str, *, start_time_ns: int, end_time_ns: int, tracer: Any = None,
+                parent: Mapping[str, str] | None = None, attributes: Mapping[str, Any] | None = None,
+                kind: str = "internal", error: str = "") -> None:
+    """A finished span for work timed elsewhere (e.g. a transfer whose end is reported a step later).
+
+    ``error``: non-empty marks the span failed with that description. No-op without OpenTelemetry.
+    """
+    if _otel_trace is None:
+        return
+    tracer = tracer or _otel_trace.get_tracer("kvbridge")
+    span = tracer.start_span(name, context=extract(parent) if parent else None, kind=_span_kind(kind),
+                             attributes=dict(attributes or {}), start_time=start_time_ns)
+    if error:
+        span.set_status(_otel_trace.Status(_otel_trace.StatusCode.ERROR, error))
+    span.end(end_time=max(end_time_ns, start_time_ns))
+
+
+def _span_kind(kind: str) -> Any:
+    assert _otel_trace is not None
+    return getattr(_otel_trace.SpanKind, kind.upper(), _otel_trace.SpanKind.INTERNAL)
+
+
+def traceparent_carrier(value: object) -> dict[str, str]:
+    """``{"traceparent": value}`` for a well-formed W3C traceparent (lower-case, version 00 layout), else {}."""
+    if isinstance(value, str) and len(value) == 55 and _TRACEPARENT_RE.fullmatch(value):
+        return {TRACEPARENT: value}
+    return {}
+
+
+def otlp_traces_configured(environ: Mapping[str, str]) -> bool:
+    """Whether the standard ``OTEL_*`` variables ask for OTLP trace export (endpoint set, or exporter ``otlp``)."""
+    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
+        return False
+    exporters = {e.strip().lower() for e in environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()}
+    if "none" in exporters:
+        return False
+    endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+    return bool(endpoint) or "otlp" in exporters
 
 
 def current_traceparent() -> str:
@@ -121,7 +168,8 @@ def current_traceparent() -> str:
 
 __all__ = [
     "ATTR_CONVERSATION", "ATTR_ENGINE", "ATTR_MODEL", "ATTR_PULLED_TOKENS", "ATTR_PULL_BYTES", "ATTR_PULL_SECONDS",
-    "ATTR_REASON", "ATTR_TENANT", "ATTR_VERDICT", "ATTR_VERIFIED_TOKENS", "TRACEPARENT", "TRACESTATE",
-    "current_traceparent", "extract", "hash_attribute", "identity_attributes", "inject", "metadata_carrier",
-    "start_span", "trace_headers", "tracing_available",
+    "ATTR_REASON", "ATTR_TENANT", "ATTR_VERDICT", "ATTR_VERIFIED_TOKENS", "KV_PARAMS_TRACEPARENT", "TRACEPARENT",
+    "TRACESTATE", "current_traceparent", "extract", "hash_attribute", "identity_attributes", "inject",
+    "metadata_carrier", "otlp_traces_configured", "record_span", "start_span", "trace_headers",
+    "traceparent_carrier", "tracing_available",
 ]

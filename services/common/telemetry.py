@@ -58,14 +58,8 @@ class TelemetrySettings(BaseSettings):
         return value
 
 
-def tracing_enabled(environ: Mapping[str, str]) -> bool:
-    if environ.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
-        return False
-    exporters = {e.strip().lower() for e in environ.get("OTEL_TRACES_EXPORTER", "").split(",") if e.strip()}
-    if "none" in exporters:
-        return False
-    endpoint = environ.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT") or environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-    return bool(endpoint) or "otlp" in exporters
+# One definition of "the OTEL_* variables ask for trace export", shared with the connector.
+tracing_enabled = api_telemetry.otlp_traces_configured
 
 
 def _otlp_exporter(environ: Mapping[str, str]) -> SpanExporter:

@@ -11,12 +11,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge import telemetry as tel
+
 # Extra keys the gateway adds for D so a kvbridge connector there can register the new state.
 CONVERSATION_KEY_PARAM = "kvbridge_conversation_key"
 TENANT_PARAM = "kvbridge_tenant"
 EPOCH_PARAM = "kvbridge_epoch"
 
 _INTERNAL_BODY_KEYS = ("kv_transfer_params", "conversation_id")
+
+
+def _with_traceparent(params: dict[str, Any]) -> dict[str, Any]:
+    """Adds the current span's ``traceparent`` (the turn) so the connector's spans join the turn's trace."""
+    traceparent = tel.current_traceparent()
+    if traceparent:
+        params[tel.KV_PARAMS_TRACEPARENT] = traceparent
+    return params
 
 
 def strip_client_params(body: dict[str, Any]) -> dict[str, Any]:
@@ -101,7 +111,7 @@ def reuse_prefill_params(source: PullSource, tokens: int, block_size: int) -> di
     }
     if source.expiry_time is not None:
         params["remote_blocks_expiry_time"] = source.expiry_time
-    return params
+    return _with_traceparent(params)
 
 
 def decode_params(
@@ -112,7 +122,7 @@ def decode_params(
     params[TENANT_PARAM] = tenant
     params[CONVERSATION_KEY_PARAM] = conversation_key
     params[EPOCH_PARAM] = epoch
-    return params
+    return _with_traceparent(params)
 
 
 def check_prefill_returned(params: object) -> dict[str, Any]:
