@@ -1,9 +1,12 @@
 """Registry benchmark: lookups/s, registrations/s (embedded and etcd), p50/p99, bytes per entry.
 
-    .venv/bin/python bench/registry_bench.py [--etcd-bin /usr/bin/etcd] [--quick]
+    .venv/bin/python bench/registry_bench.py [--etcd-bin /usr/bin/etcd] [--client-procs 1,2] [--plot out.png]
 
-Spawns its own single-member etcd (temp dir) for the etcd runs. Prints a Markdown
-report (bench/results/registry.md holds the committed one).
+Spawns its own single-member etcd (temp dir) for the etcd runs. Per backend:
+registrations without and with group commit (docs/adr/0005), then gRPC lookups
+with the repeated and the packed hash form from separate client processes,
+recording the server process's CPU seconds per operation (/proc/<pid>/stat).
+Prints a Markdown report (bench/results/registry.md holds the committed one).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import pickle
 import shutil
 import socket
 import subprocess
@@ -108,20 +112,52 @@ def _client_proc(address: str, raw: bytes, n: int, concurrency: int, out: Any) -
     out.put((rate, lat))
 
 
-async def grpc_lookups_from_processes(address: str, req: registry_pb2.LookupEntryRequest, n: int,
-                                      procs: int) -> tuple[float, list[float]]:
+def _register_client_proc(address: str, requests_path: str, concurrency: int, out: Any) -> None:
+    """Registrations from their own process (requests read from a file); every one must be acknowledged."""
+
+    with open(requests_path, "rb") as f:
+        reqs = [registry_pb2.RegisterEntryRequest.FromString(raw) for raw in pickle.load(f)]
+
+    async def run() -> tuple[float, list[float]]:
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = registry_pb2_grpc.RegistryServiceStub(channel)
+            return await timed_concurrent(len(reqs), concurrency, lambda i: stub.RegisterEntry(reqs[i]))
+
+    rate, lat = asyncio.run(run())
+    out.put((rate, lat))
+
+
+def proc_cpu_s(pid: int) -> float:
+    """utime + stime of a process (all its threads), from /proc/<pid>/stat."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def loadavg() -> str:
+    with open("/proc/loadavg") as f:
+        return " ".join(f.read().split()[:3])
+
+
+async def in_processes(target: Callable[..., None], args_per_proc: list[tuple[Any, ...]]
+                       ) -> tuple[float, list[float]]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    workers = [ctx.Process(target=_client_proc, args=(address, req.SerializeToString(), n // procs, 32, queue))
-               for _ in range(procs)]
+    workers = [ctx.Process(target=target, args=(*a, queue)) for a in args_per_proc]
     for w in workers:
         w.start()
     results = [await asyncio.to_thread(queue.get) for _ in workers]
     for w in workers:
         w.join()
     return sum(r for r, _ in results), [x for _, lat in results for x in lat]
+
+
+async def grpc_lookups_from_processes(address: str, req: registry_pb2.LookupEntryRequest, n: int,
+                                      procs: int, concurrency: int = 32) -> tuple[float, list[float]]:
+    raw = req.SerializeToString()
+    return await in_processes(_client_proc, [(address, raw, n // procs, concurrency)] * procs)
 
 
 async def put_lease(store: Store, keys: KeyLayout, kind: int, conv: str = "", engine: str = "d0") -> int:
@@ -141,52 +177,105 @@ def entry_request(tokens: list[int], conv: str, lease_id: int, epoch: int = 1) -
         token_count=len(tokens), block_hashes=chain(tokens), lease_id=lease_id, epoch=epoch))
 
 
-async def run_backend(name: str, store: Store, args: argparse.Namespace) -> dict[str, Any]:
-    keys = KeyLayout()
-    app = RegistryApp(store, settings=RegistrySettings(port=0, max_entries_per_tenant=1_000_000),
-                      server_settings=ServerSettings(shutdown_grace_s=0, max_concurrent_rpcs=4096),
-                      keys=keys, releaser=NoRelease())
-    await app.start()
-    out: dict[str, Any] = {"backend": name}
-    try:
-        async with grpc.aio.insecure_channel(app.address) as channel:
-            stub = registry_pb2_grpc.RegistryServiceStub(channel)
-            node = await put_lease(store, keys, lease_pb2.LEASE_KIND_NODE)
-            await stub.RegisterEngine(registry_pb2.RegisterEngineRequest(engine=types_pb2.Engine(
-                engine_id="d0", role=types_pb2.ENGINE_ROLE_DECODE, model=MODEL, kv_host="10.0.0.1", kv_port=5600,
-                block_size=BLOCK, kv_group_count=1, node_lease_id=node)))
-            history = tokens_for(8192)
-            n_reg = args.registrations
-            leases = [await put_lease(store, keys, lease_pb2.LEASE_KIND_ENTRY, f"c{i}") for i in range(n_reg)]
-            requests = [entry_request(history, f"c{i}", leases[i]) for i in range(n_reg)]
-            rate, lat = await timed_concurrent(n_reg, 64, lambda i: stub.RegisterEntry(requests[i]))
-            out["reg_rate"], out["reg_p50"], out["reg_p99"] = rate, pct(lat, 0.5), pct(lat, 0.99)
-            prompt = chain([*history, *tokens_for(200, 3)])
-            keyed = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key="c1",
-                                                    block_hashes=prompt, block_size=BLOCK)
-            rate, lat = await grpc_lookups_from_processes(app.address, keyed, args.lookups, args.client_procs)
-            out["grpc_lookup_rate"], out["grpc_p50"], out["grpc_p99"] = rate, pct(lat, 0.5), pct(lat, 0.99)
-            from kvbridge_services.common.auth import DEV_PRINCIPAL
+def make_app(store: Store, keys: KeyLayout, batching: str) -> RegistryApp:
+    settings = RegistrySettings(port=0, max_entries_per_tenant=1_000_000,
+                                register_batching=batching)  # type: ignore[arg-type]
+    return RegistryApp(store, settings=settings,
+                       server_settings=ServerSettings(shutdown_grace_s=0, max_concurrent_rpcs=4096),
+                       keys=keys, releaser=NoRelease())
 
+
+async def register_engine(app: RegistryApp, store: Store, keys: KeyLayout) -> None:
+    async with grpc.aio.insecure_channel(app.address) as channel:
+        stub = registry_pb2_grpc.RegistryServiceStub(channel)
+        node = await put_lease(store, keys, lease_pb2.LEASE_KIND_NODE)
+        await stub.RegisterEngine(registry_pb2.RegisterEngineRequest(engine=types_pb2.Engine(
+            engine_id="d0", role=types_pb2.ENGINE_ROLE_DECODE, model=MODEL, kv_host="10.0.0.1", kv_port=5600,
+            block_size=BLOCK, kv_group_count=1, node_lease_id=node)))
+
+
+async def registrations(app: RegistryApp, store: Store, keys: KeyLayout, args: argparse.Namespace, tag: str,
+                        store_pid: int | None) -> dict[str, Any]:
+    """args.registrations new 8K-token conversations from a client process, args.reg_concurrency in flight."""
+    history = tokens_for(8192)
+    n = args.registrations
+    leases = [await put_lease(store, keys, lease_pb2.LEASE_KIND_ENTRY, f"{tag}-c{i}") for i in range(n)]
+    raws = [entry_request(history, f"{tag}-c{i}", leases[i]).SerializeToString() for i in range(n)]
+    # Through a file: pickling megabytes into the spawned client would count as server CPU.
+    with tempfile.NamedTemporaryFile(prefix="bench-reg-", delete=False) as f:
+        pickle.dump(raws, f)
+    batcher = app.registry.batcher
+    commits_before = batcher.combined_commits if batcher else 0
+    load = loadavg()
+    cpu0, store_cpu0 = proc_cpu_s(os.getpid()), proc_cpu_s(store_pid) if store_pid else 0.0
+    try:
+        rate, lat = await in_processes(_register_client_proc, [(app.address, f.name, args.reg_concurrency)])
+    finally:
+        os.unlink(f.name)
+    cpu, store_cpu = proc_cpu_s(os.getpid()) - cpu0, (proc_cpu_s(store_pid) - store_cpu0) if store_pid else 0.0
+    stored, _ = await store.range_prefix(keys.entries_prefix("acme", MODEL), keys_only=True)
+    # Every acknowledged registration is in the store.
+    assert sum(keys.parse_entry(kv.key)[2].startswith(f"{tag}-c") for kv in stored) == n
+    return {"rate": rate, "p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "server_us": cpu / n * 1e6,
+            "store_us": store_cpu / n * 1e6, "combined_txns": (batcher.combined_commits - commits_before)
+            if batcher else 0, "load": load}
+
+
+async def grpc_lookups(app: RegistryApp, req: registry_pb2.LookupEntryRequest, args: argparse.Namespace,
+                       procs: int) -> dict[str, Any]:
+    await grpc_lookups_from_processes(app.address, req, 200 * procs, procs)  # warm up
+    load = loadavg()
+    cpu0 = proc_cpu_s(os.getpid())
+    rate, lat = await grpc_lookups_from_processes(app.address, req, args.lookups, procs, args.lookup_concurrency)
+    cpu = proc_cpu_s(os.getpid()) - cpu0
+    return {"rate": rate, "p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "server_us": cpu / args.lookups * 1e6,
+            "load": load}
+
+
+async def run_backend(name: str, store: Store, args: argparse.Namespace, store_pid: int | None = None
+                      ) -> dict[str, Any]:
+    keys = KeyLayout()
+    out: dict[str, Any] = {"backend": name, "reg": {}, "grpc": {}}
+    app: RegistryApp | None = None
+    try:
+        for batching in ("off", "on"):
+            if app is not None:
+                await app.stop(0)
+            app = make_app(store, keys, batching)
+            await app.start()
+            await register_engine(app, store, keys)
+            out["reg"][batching] = await registrations(app, store, keys, args, batching, store_pid)
+        assert app is not None
+        history = tokens_for(8192)
+        prompt = chain([*history, *tokens_for(200, 3)])
+        keyed = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key="on-c1",
+                                                block_hashes=prompt, block_size=BLOCK)
+        packed = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key="on-c1",
+                                                 block_hashes_packed=b"".join(prompt), block_size=BLOCK)
+        for form, req in (("repeated", keyed), ("packed", packed)):
+            for procs in args.client_procs:
+                out["grpc"][(form, procs)] = await grpc_lookups(app, req, args, procs)
+        from kvbridge_services.common.auth import DEV_PRINCIPAL
+
+        for form, req in (("repeated", keyed), ("packed", packed)):
             lat = []
             t0 = time.perf_counter()
             for _ in range(args.lookups):
                 t = time.perf_counter()
-                app.registry.lookup(DEV_PRINCIPAL, keyed)
+                resp = app.registry.lookup(DEV_PRINCIPAL, req)
                 lat.append(time.perf_counter() - t)
-            out["core_lookup_rate"] = args.lookups / (time.perf_counter() - t0)
-            out["core_p50"], out["core_p99"] = pct(lat, 0.5), pct(lat, 0.99)
-            content = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, block_hashes=prompt,
-                                                      block_size=BLOCK)
-            t0 = time.perf_counter()
-            for _ in range(args.lookups // 4):
-                resp = app.registry.lookup(DEV_PRINCIPAL, content)
-            out["content_lookup_rate"] = (args.lookups // 4) / (time.perf_counter() - t0)
             assert resp.verdict == registry_pb2.LOOKUP_VERDICT_HIT
-            kv = await store.get(keys.entry("acme", MODEL, "c1"))
-            assert kv is not None
+            out[f"core_{form}"] = (args.lookups / (time.perf_counter() - t0), pct(lat, 0.5), pct(lat, 0.99))
+        content = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, block_hashes_packed=b"".join(prompt),
+                                                  block_size=BLOCK)
+        t0 = time.perf_counter()
+        for _ in range(args.lookups // 4):
+            resp = app.registry.lookup(DEV_PRINCIPAL, content)
+        out["content_lookup_rate"] = (args.lookups // 4) / (time.perf_counter() - t0)
+        assert resp.verdict == registry_pb2.LOOKUP_VERDICT_HIT
     finally:
-        await app.stop(0)
+        if app is not None:
+            await app.stop(0)
     return out
 
 
@@ -223,12 +312,79 @@ def entry_sizes() -> list[tuple[int, int, int, int]]:
     return rows
 
 
+def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print("Registrations (new 8K-token conversations, client in its own process):\n")
+    print("| backend | group commit | registrations/s | p50 ms | p99 ms | server CPU µs/reg | etcd CPU µs/reg "
+          "| combined write txns | loadavg (1/5/15 min) |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        for mode, x in r["reg"].items():
+            print(f"| {r['backend']} | {mode} | {x['rate']:.0f} | {x['p50']:.1f} | {x['p99']:.1f} "
+                  f"| {x['server_us']:.0f} | {x['store_us']:.0f} | {x['combined_txns']} | {x['load']} |")
+    print("\nLookups over gRPC (keyed, 8,392-token prompt, 524 hashes; clients in their own processes, "
+          f"{args.lookup_concurrency} in flight each):\n")
+    print("| backend | hash form | client procs | lookups/s | p50 ms | p99 ms | server CPU µs/lookup "
+          "| = lookups/s per server core | loadavg |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for r in results:
+        for (form, procs), x in r["grpc"].items():
+            print(f"| {r['backend']} | {form} | {procs} | {x['rate']:.0f} | {x['p50']:.1f} | {x['p99']:.1f} "
+                  f"| {x['server_us']:.0f} | {1e6 / x['server_us']:.0f} | {x['load']} |")
+    print("\nLookups in-process on the registry core (no gRPC):\n")
+    print("| backend | keyed lookups/s (repeated) | p50 ms | p99 ms | keyed lookups/s (packed) | p50 ms | p99 ms "
+          "| content lookups/s (packed) |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in results:
+        (rr, r50, r99), (pr, p50, p99) = r["core_repeated"], r["core_packed"]
+        print(f"| {r['backend']} | {rr:.0f} | {r50:.3f} | {r99:.3f} | {pr:.0f} | {p50:.3f} | {p99:.3f} "
+              f"| {r['content_lookup_rate']:.0f} |")
+    print()
+    print("| tokens (block 16) | full chain bytes | stored Entry bytes (etcd value) | in-memory index bytes/entry |")
+    print("|---|---|---|---|")
+    for n, full, stored, mem in entry_sizes():
+        print(f"| {n} | {full} | {stored} | {mem} |")
+
+
+def plot(results: list[dict[str, Any]], path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_reg, ax_look) = plt.subplots(1, 2, figsize=(11, 4.2))
+    names = [r["backend"].split(" (")[0] for r in results]
+    xs = range(len(results))
+    for offset, mode, label in ((-0.2, "off", "one txn pair per registration"), (0.2, "on", "group commit")):
+        ax_reg.bar([x + offset for x in xs], [r["reg"][mode]["rate"] for r in results], 0.4, label=label)
+    ax_reg.axhline(1000, color="k", linestyle="--", linewidth=1, label="target (etcd)")
+    ax_reg.set_xticks(list(xs), names)
+    ax_reg.set_title("registrations/s")
+    ax_reg.legend(fontsize=8)
+    procs = max(p for r in results for (_, p) in r["grpc"])
+    for offset, form in ((-0.2, "repeated"), (0.2, "packed")):
+        ax_look.bar([x + offset for x in xs], [1e6 / r["grpc"][(form, procs)]["server_us"] for r in results], 0.4,
+                    label=f"{form} hashes: per server core")
+    for offset, form in ((-0.2, "repeated"), (0.2, "packed")):
+        ax_look.scatter([x + offset for x in xs], [r["grpc"][(form, procs)]["rate"] for r in results], color="k",
+                        marker="x", zorder=3, label="measured, shared 2-core VM" if form == "packed" else None)
+    ax_look.axhline(5000, color="k", linestyle="--", linewidth=1, label="target per replica")
+    ax_look.set_xticks(list(xs), names)
+    ax_look.set_title(f"gRPC lookups/s ({procs} client procs)")
+    ax_look.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
 async def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--etcd-bin", default=shutil.which("etcd") or "/usr/bin/etcd")
     parser.add_argument("--registrations", type=int, default=2000)
+    parser.add_argument("--reg-concurrency", type=int, default=64, help="registrations in flight")
     parser.add_argument("--lookups", type=int, default=20000)
-    parser.add_argument("--client-procs", type=int, default=1, help="load-generating client processes")
+    parser.add_argument("--client-procs", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
+                        help="comma-separated numbers of load-generating client processes to try")
+    parser.add_argument("--lookup-concurrency", type=int, default=32, help="lookups in flight per client process")
+    parser.add_argument("--plot", default="", help="write a PNG of registrations/s and lookups/s here")
     args = parser.parse_args()
     results = [await run_backend("embedded (MemoryStore)", MemoryStore(), args)]
     proc, endpoint, data = spawn_etcd(args.etcd_bin)
@@ -242,25 +398,15 @@ async def main() -> None:
                 break
             except Exception:  # noqa: BLE001 - etcd still starting
                 await asyncio.sleep(0.1)
-        results.append(await run_backend("etcd 3.4 (1 member, local disk)", store, args))
+        results.append(await run_backend("etcd 3.4 (1 member, local disk)", store, args, proc.pid))
         await store.close()
     finally:
         proc.terminate()
         proc.wait()
         shutil.rmtree(data, ignore_errors=True)
-    print("| backend | registrations/s | reg p50 ms | reg p99 ms | lookups/s gRPC | gRPC p50 ms | gRPC p99 ms "
-          "| lookups/s core (keyed, in-process) | core p50 ms | core p99 ms | content lookups/s core |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
-    for r in results:
-        print(f"| {r['backend']} | {r['reg_rate']:.0f} | {r['reg_p50']:.1f} | {r['reg_p99']:.1f} "
-              f"| {r['grpc_lookup_rate']:.0f} | {r['grpc_p50']:.1f} | {r['grpc_p99']:.1f} "
-              f"| {r['core_lookup_rate']:.0f} | {r['core_p50']:.3f} | {r['core_p99']:.3f} "
-              f"| {r['content_lookup_rate']:.0f} |")
-    print()
-    print("| tokens (block 16) | full chain bytes | stored Entry bytes (etcd value) | in-memory index bytes/entry |")
-    print("|---|---|---|---|")
-    for n, full, stored, mem in entry_sizes():
-        print(f"| {n} | {full} | {stored} | {mem} |")
+    report(results, args)
+    if args.plot:
+        plot(results, args.plot)
 
 
 if __name__ == "__main__":

@@ -107,8 +107,9 @@ class ControlPlane:
     @_traced(_REGISTRY + "LookupEntry")
     async def lookup(self, *, tenant: str, model: str, conversation_key: str, block_hashes: Sequence[bytes],
                      block_size: int, min_tokens: int) -> registry_pb2.LookupEntryResponse:
+        # Packed chain: one bytes field, far cheaper for the registry to parse than one field per block.
         req = registry_pb2.LookupEntryRequest(tenant=tenant, model=model, conversation_key=conversation_key,
-                                              block_hashes=list(block_hashes), block_size=block_size,
+                                              block_hashes_packed=b"".join(block_hashes), block_size=block_size,
                                               min_tokens=min_tokens)
         try:
             resp: registry_pb2.LookupEntryResponse = await self._reg().LookupEntry(

@@ -14,6 +14,7 @@ from kvbridge_services.common.metered_store import MeteredStore
 from kvbridge_services.common.metrics_http import MetricsEndpoint
 from kvbridge_services.common.server import GrpcServer, ServiceBinding
 from kvbridge_services.common.store.base import Store
+from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.common.telemetry import Telemetry
 
 from .config import RegistrySettings
@@ -67,7 +68,8 @@ class RegistryApp:
         )
         self.revoker = BackgroundRevoker(releaser)
         self.registry = Registry(
-            store, self.keys, self.settings, self.index, self.revoker, store_timeout_s=store_timeout_s
+            store, self.keys, self.settings, self.index, self.revoker, store_timeout_s=store_timeout_s,
+            group_commit=_group_commit(self.settings, self.store),
         )
         self._sweeper: asyncio.Task[None] | None = None
         self.feeder = IndexFeeder(store, self.keys, self.index, timeout_s=store_timeout_s)
@@ -101,6 +103,7 @@ class RegistryApp:
 
     async def stop(self, grace_s: float | None = None) -> None:
         await self.server.stop(grace_s)
+        await self.registry.close()
         if self._sweeper is not None:
             self._sweeper.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -112,3 +115,10 @@ class RegistryApp:
             await self._own_releaser.close()
         self.metrics_endpoint.stop()
         await asyncio.to_thread(self.telemetry.force_flush)  # exporting blocks: off the event loop
+
+
+def _group_commit(settings: RegistrySettings, store: Store) -> bool:
+    """Batch registrations where a txn costs a round trip and an fsync (etcd), see docs/adr/0005."""
+    if settings.register_batching == "auto":
+        return not isinstance(store, MemoryStore)
+    return settings.register_batching == "on"

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Literal
+
 from pydantic import Field, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -35,6 +37,20 @@ class RegistrySettings(BaseSettings):
     lease_service_target: str = ""
     lease_service_api_key: str = ""
     lease_rpc_timeout_s: float = Field(default=2.0, gt=0, le=60)
+
+    # Group commit of registrations (docs/adr/0005): "auto" batches on etcd, not on the embedded store
+    # (where a txn costs no round trip or fsync, so batching only adds the window's latency).
+    register_batching: Literal["auto", "on", "off"] = "auto"
+    # Collect registrations for at most this long after the first one arrives (or until register_batch_max).
+    register_batch_window_ms: float = Field(default=2.0, ge=0, le=100)
+    register_batch_max: int = Field(default=64, ge=1, le=1024)
+    # etcd's --max-txn-ops (compares, and ops per branch, of one txn); larger batches are split.
+    register_batch_max_txn_ops: int = Field(default=128, ge=8, le=100_000)
+    # Bytes of puts per txn: under etcd's --max-request-bytes (default 1.5 MiB).
+    register_batch_max_bytes: int = Field(default=1_000_000, ge=4096, le=64 << 20)
+    # Rounds committing at the same time (keys never overlap between them). 1 is classic group commit: the
+    # next round gathers while one commits; it measured the largest batches and the least CPU on etcd.
+    register_batch_max_inflight: int = Field(default=1, ge=1, le=64)
 
     @model_validator(mode="after")
     def _content_stride_on_checkpoints(self) -> RegistrySettings:

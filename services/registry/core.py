@@ -7,7 +7,8 @@ import base64
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 
 from google.protobuf import timestamp_pb2
 from kvbridge.errors import (
@@ -36,6 +37,7 @@ from kvbridge_services.common.store.base import (
 )
 
 from . import validation as v
+from .batcher import BatchJob, BatchLimits, PlannedWrite, RegistrationBatcher
 from .config import RegistrySettings
 from .hashrecord import HashRecord
 from .index import EntryId, IndexedEntry, RegistryIndex
@@ -58,12 +60,18 @@ def _exists(key: bytes) -> Compare:
     return Compare(key, CompareTarget.VERSION, ">", 0)
 
 
+def _digest_of(entry: registry_pb2.Entry) -> bytes:
+    return hashlib.sha256(entry.SerializeToString(deterministic=True)).digest()
+
+
 def _content_digest(entry: registry_pb2.Entry) -> bytes:
     """Digest of what a registration stores, ignoring the server-set register_time."""
+    if not entry.HasField("register_time"):
+        return _digest_of(entry)
     copy = registry_pb2.Entry()
     copy.CopyFrom(entry)
     copy.ClearField("register_time")
-    return hashlib.sha256(copy.SerializeToString(deterministic=True)).digest()
+    return _digest_of(copy)
 
 
 class _IdempotencyLease:
@@ -86,6 +94,42 @@ class _IdempotencyLease:
             return self._lease_id
 
 
+@dataclass(frozen=True, slots=True)
+class _Registration:
+    """A validated registration: the compacted entry and the store keys it reads and writes."""
+
+    request_id: str
+    entry: registry_pb2.Entry
+    digest: bytes
+    entry_key: bytes
+    request_key: bytes
+    lease_key: bytes
+    engine_key: bytes
+
+    @property
+    def read_keys(self) -> tuple[bytes, bytes, bytes, bytes]:
+        return (self.request_key, self.entry_key, self.lease_key, self.engine_key)
+
+
+class _GroupCommitHandler:
+    """The registry's decisions, as the batcher asks for them."""
+
+    def __init__(self, registry: Registry) -> None:
+        self._registry = registry
+
+    async def decide(
+        self, job: BatchJob[registry_pb2.RegisterEntryResponse], reads: Mapping[bytes, KeyValue | None]
+    ) -> registry_pb2.RegisterEntryResponse | PlannedWrite[registry_pb2.RegisterEntryResponse]:
+        assert isinstance(job.payload, _Registration)
+        return await self._registry._decide(job.payload, reads)
+
+    async def commit_alone(
+        self, job: BatchJob[registry_pb2.RegisterEntryResponse], plan: PlannedWrite[registry_pb2.RegisterEntryResponse]
+    ) -> registry_pb2.RegisterEntryResponse:
+        assert isinstance(job.payload, _Registration)
+        return await self._registry._register_alone(job.payload, plan)
+
+
 class Registry:
     def __init__(
         self,
@@ -97,6 +141,7 @@ class Registry:
         *,
         store_timeout_s: float = 5.0,
         clock: Callable[[], float] = time.time,
+        group_commit: bool = False,
     ) -> None:
         self._store = store
         self._keys = keys
@@ -107,6 +152,20 @@ class Registry:
         self._clock = clock
         self.limits = v.Limits(settings.max_blocks_per_chain, settings.max_kv_groups)
         self._idem = _IdempotencyLease(store, settings.idempotency_ttl_s, store_timeout_s)
+        self._batcher: RegistrationBatcher[registry_pb2.RegisterEntryResponse] | None = None
+        if group_commit:
+            limits = BatchLimits(
+                window_s=settings.register_batch_window_ms / 1000,
+                max_batch=settings.register_batch_max,
+                max_txn_ops=settings.register_batch_max_txn_ops,
+                max_txn_bytes=settings.register_batch_max_bytes,
+                max_inflight=settings.register_batch_max_inflight,
+            )
+            self._batcher = RegistrationBatcher(store, _GroupCommitHandler(self), limits, timeout_s=store_timeout_s)
+
+    @property
+    def batcher(self) -> RegistrationBatcher[registry_pb2.RegisterEntryResponse] | None:
+        return self._batcher
 
     # ------------------------------------------------------------------ engines
 
@@ -198,8 +257,9 @@ class Registry:
 
     # ------------------------------------------------------------------ register
 
-    def _compact(self, entry: registry_pb2.Entry, tenant: str) -> registry_pb2.Entry:
-        record = HashRecord.from_chain(list(entry.block_hashes), self._settings.chain_stride)
+    def _compact(self, entry: registry_pb2.Entry, tenant: str) -> tuple[registry_pb2.Entry, bytes]:
+        """The entry as stored (every stride-th hash, server time) and its content digest."""
+        record = HashRecord.from_chain(entry.block_hashes, self._settings.chain_stride)
         stored = registry_pb2.Entry()
         stored.CopyFrom(entry)
         stored.key.tenant = tenant
@@ -207,71 +267,113 @@ class Registry:
         stored.block_hashes.extend(record.checkpoints)
         stored.chain_stride = record.stride
         stored.final_block_hash = record.final
+        digest = _digest_of(stored)  # before register_time is set: same as _content_digest, without a copy
         stored.register_time.CopyFrom(_now_ts(self._clock))
-        return stored
+        return stored, digest
 
     async def register_entry(
         self, principal: Principal, request: registry_pb2.RegisterEntryRequest
     ) -> registry_pb2.RegisterEntryResponse:
         v.check_register_request(request, self.limits)
         tenant = principal.tenant_for(request.entry.key.tenant, field="entry.key.tenant")
-        entry = self._compact(request.entry, tenant)
-        digest = _content_digest(entry)
+        entry, digest = self._compact(request.entry, tenant)
         key = entry.key
-        entry_key = self._keys.entry(tenant, key.model, key.conversation_key)
-        request_key = self._keys.registry_request(request.request_id)
-        lease_key = self._keys.lease(entry.lease_id)
-        engine_key = self._keys.engine(entry.engine_id)
+        reg = _Registration(
+            request_id=request.request_id,
+            entry=entry,
+            digest=digest,
+            entry_key=self._keys.entry(tenant, key.model, key.conversation_key),
+            request_key=self._keys.registry_request(request.request_id),
+            lease_key=self._keys.lease(entry.lease_id),
+            engine_key=self._keys.engine(entry.engine_id),
+        )
+        if self._batcher is None:
+            return await self._register_alone(reg, None)
+        job: BatchJob[registry_pb2.RegisterEntryResponse] = BatchJob(
+            exclusive_keys=(reg.entry_key, reg.request_key),
+            read_keys=(reg.request_key, reg.entry_key, reg.lease_key, reg.engine_key),
+            # Entry value twice (entry + response in the idempotency record) plus keys and digest.
+            size_hint=2 * entry.ByteSize() + 512,
+            payload=reg,
+        )
+        return await self._batcher.submit(job)
+
+    async def close(self) -> None:
+        """Stop group commit; registrations still queued are answered UNAVAILABLE."""
+        if self._batcher is not None:
+            await self._batcher.close()
+
+    async def _register_alone(
+        self, reg: _Registration, plan: PlannedWrite[registry_pb2.RegisterEntryResponse] | None
+    ) -> registry_pb2.RegisterEntryResponse:
+        """Read, decide and CAS-write one registration, re-reading on conflict (``plan``: already decided)."""
         for _ in range(_CAS_ATTEMPTS):
-            snap = await self._store.txn(
-                [], [Get(request_key), Get(entry_key), Get(lease_key), Get(engine_key)], timeout=self._timeout
-            )
-            record_kv, current_kv, lease_kv, engine_kv = snap.gets
-            if record_kv is not None:
-                return _replay(record_kv, digest, request.request_id)
-            self._check_engine(engine_kv, entry)
-            lease = self._parse_lease(lease_kv, "entry.lease_id")
-            _check_entry_lease(lease, entry)
-            current = registry_pb2.Entry.FromString(current_kv.value) if current_kv is not None else None
-            if current is not None:
-                if current.epoch > entry.epoch or (
-                    current.epoch == entry.epoch and _content_digest(current) != digest
-                ):
-                    raise FailedPrecondition(
-                        Reason.STALE_EPOCH,
-                        f"stored epoch {current.epoch} supersedes epoch {entry.epoch}",
-                        metadata={"field": "entry.epoch", "stored_epoch": str(current.epoch)},
-                    )
-                if current.epoch == entry.epoch:  # the same registration again (request id differs)
-                    return registry_pb2.RegisterEntryResponse(entry=current, replayed=True)
-            else:
-                await self._make_room(tenant, (tenant, key.model, key.conversation_key))
-            response = registry_pb2.RegisterEntryResponse(
-                entry=entry, superseded_epoch=current.epoch if current is not None else 0
-            )
-            assert lease_kv is not None
-            cas = Compare.absent(entry_key) if current_kv is None else Compare.mod_revision_is(
-                entry_key, current_kv.mod_revision
-            )
-            idem_lease = await self._idem.current()
+            if plan is None:
+                snap = await self._store.txn([], [Get(k) for k in reg.read_keys], timeout=self._timeout)
+                outcome = await self._decide(reg, dict(zip(reg.read_keys, snap.gets, strict=True)))
+                if not isinstance(outcome, PlannedWrite):
+                    return outcome
+                plan = outcome
             try:
-                result = await self._store.txn(
-                    [cas, _exists(lease_key), _exists(engine_key), Compare.absent(request_key)],
-                    [
-                        Put(entry_key, entry.SerializeToString(), lease=lease_kv.lease),
-                        Put(request_key, _RECORD_VERSION + digest + response.SerializeToString(), lease=idem_lease),
-                    ],
-                    timeout=self._timeout,
-                )
+                result = await self._store.txn(plan.compares, plan.puts, timeout=self._timeout)
             except LeaseNotFound:
                 raise self._lease_gone("entry.lease_id") from None
             if result.succeeded:
-                self.index.put_entry(entry, result.revision)
-                if current is not None and current.lease_id != entry.lease_id:
-                    self._revoker.submit(current.lease_id, types_pb2.REVOKE_REASON_SUPERSEDED)
-                return response
+                return plan.on_commit(result.revision)
             # Someone changed the entry, lease, engine or request record in between: re-read and decide again.
+            plan = None
         raise Aborted(Reason.OVERLOADED, "too much contention on this conversation; retry")
+
+    async def _decide(
+        self, reg: _Registration, reads: Mapping[bytes, KeyValue | None]
+    ) -> registry_pb2.RegisterEntryResponse | PlannedWrite[registry_pb2.RegisterEntryResponse]:
+        """From one snapshot: the answer (replay), the error, or the CAS write to commit."""
+        entry = reg.entry
+        record_kv, current_kv = reads[reg.request_key], reads[reg.entry_key]
+        lease_kv, engine_kv = reads[reg.lease_key], reads[reg.engine_key]
+        if record_kv is not None:
+            return _replay(record_kv, reg.digest, reg.request_id)
+        self._check_engine(engine_kv, entry)
+        lease = self._parse_lease(lease_kv, "entry.lease_id")
+        _check_entry_lease(lease, entry)
+        current = registry_pb2.Entry.FromString(current_kv.value) if current_kv is not None else None
+        if current is not None:
+            if current.epoch > entry.epoch or (
+                current.epoch == entry.epoch and _content_digest(current) != reg.digest
+            ):
+                raise FailedPrecondition(
+                    Reason.STALE_EPOCH,
+                    f"stored epoch {current.epoch} supersedes epoch {entry.epoch}",
+                    metadata={"field": "entry.epoch", "stored_epoch": str(current.epoch)},
+                )
+            if current.epoch == entry.epoch:  # the same registration again (request id differs)
+                return registry_pb2.RegisterEntryResponse(entry=current, replayed=True)
+        else:
+            key = entry.key
+            await self._make_room(key.tenant, (key.tenant, key.model, key.conversation_key))
+        response = registry_pb2.RegisterEntryResponse(
+            entry=entry, superseded_epoch=current.epoch if current is not None else 0
+        )
+        assert lease_kv is not None
+        cas = Compare.absent(reg.entry_key) if current_kv is None else Compare.mod_revision_is(
+            reg.entry_key, current_kv.mod_revision
+        )
+        idem_lease = await self._idem.current()
+
+        def on_commit(revision: int) -> registry_pb2.RegisterEntryResponse:
+            self.index.put_entry(entry, revision)
+            if current is not None and current.lease_id != entry.lease_id:
+                self._revoker.submit(current.lease_id, types_pb2.REVOKE_REASON_SUPERSEDED)
+            return response
+
+        return PlannedWrite(
+            compares=(cas, _exists(reg.lease_key), _exists(reg.engine_key), Compare.absent(reg.request_key)),
+            puts=(
+                Put(reg.entry_key, entry.SerializeToString(), lease=lease_kv.lease),
+                Put(reg.request_key, _RECORD_VERSION + reg.digest + response.SerializeToString(), lease=idem_lease),
+            ),
+            on_commit=on_commit,
+        )
 
     def _check_engine(self, engine_kv: KeyValue | None, entry: registry_pb2.Entry) -> None:
         if engine_kv is None:
@@ -322,9 +424,8 @@ class Registry:
     def lookup(
         self, principal: Principal, request: registry_pb2.LookupEntryRequest
     ) -> registry_pb2.LookupEntryResponse:
-        v.check_lookup_request(request, self.limits)
+        prompt = v.check_lookup_request(request, self.limits)
         tenant = principal.tenant_for(request.tenant)
-        prompt = list(request.block_hashes)
         response = registry_pb2.LookupEntryResponse(prompt_block_tokens=len(prompt) * request.block_size)
         if request.conversation_key:
             item = self.index.entries.get((tenant, request.model, request.conversation_key))
@@ -381,7 +482,7 @@ class Registry:
         return response
 
     def _best_content_match(
-        self, tenant: str, model: str, block_size: int, prompt: list[bytes]
+        self, tenant: str, model: str, block_size: int, prompt: Sequence[bytes]
     ) -> tuple[IndexedEntry, int] | None:
         """Longest verified prefix among the tenant's live entries of the model.
 

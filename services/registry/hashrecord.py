@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import overload
 
 
 @dataclass(frozen=True, slots=True)
@@ -61,6 +62,38 @@ class HashRecord:
             else:
                 hi = mid - 1
         return lo * self.stride
+
+
+class PackedChain(Sequence[bytes]):
+    """A block-hash chain sent packed (fixed-size hashes back to back), read without splitting it.
+
+    Verification looks at a handful of positions (the final block, then a binary search
+    over checkpoints), so slicing on access beats materialising one bytes object per block.
+    """
+
+    __slots__ = ("_len", "_raw", "_size")
+
+    def __init__(self, raw: bytes, hash_size: int) -> None:
+        if hash_size < 1 or len(raw) % hash_size:
+            raise ValueError("packed chain length must be a multiple of the hash size")
+        self._raw, self._size, self._len = raw, hash_size, len(raw) // hash_size
+
+    def __len__(self) -> int:
+        return self._len
+
+    @overload
+    def __getitem__(self, index: int) -> bytes: ...
+    @overload
+    def __getitem__(self, index: slice) -> Sequence[bytes]: ...
+    def __getitem__(self, index: int | slice) -> bytes | Sequence[bytes]:
+        if isinstance(index, slice):
+            return [self[i] for i in range(*index.indices(self._len))]
+        if index < 0:
+            index += self._len
+        if not 0 <= index < self._len:
+            raise IndexError("block index out of range")
+        start = index * self._size
+        return self._raw[start : start + self._size]
 
 
 def stored_bytes(record: HashRecord) -> int:

@@ -68,6 +68,19 @@ class RegistryMetrics:
                                      "RegisterEntry outcomes (ok, replayed, superseded, or the error reason)",
                                      ["outcome"], registry=registry)
         registry.register(_IndexCollector(index))
+        # Per-verdict children and names resolved once: labels() and enum lookups cost µs on the lookup path.
+        self._by_verdict: dict[int, tuple[str, Any]] = {}
+
+    def count_lookup(self, verdict: int, verified_tokens: int) -> str:
+        """Counts one answer; returns the verdict's short name."""
+        known = self._by_verdict.get(verdict)
+        if known is None:
+            name = _verdict_name(verdict)
+            known = self._by_verdict[verdict] = (name, self.lookups.labels(name))
+        known[1].inc()
+        if verified_tokens:
+            self.lookup_verified_tokens.inc(verified_tokens)
+        return known[0]
 
 
 def _verdict_name(verdict: int) -> str:
@@ -87,8 +100,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     def _annotate(self, tenant: str, model: str, conversation_key: str) -> trace.Span:
         """The RPC's server span (from the interceptor), tagged with the hashed identity."""
         span = trace.get_current_span()
-        span.set_attributes({tel.ATTR_MODEL: model,
-                             **self._telemetry.identity(tenant=tenant, conversation_key=conversation_key)})
+        if span.is_recording():  # the identity HMACs cost a few µs per RPC: only when a span keeps them
+            span.set_attributes({tel.ATTR_MODEL: model,
+                                 **self._telemetry.identity(tenant=tenant, conversation_key=conversation_key)})
         return span
 
     @rpc_boundary
@@ -128,8 +142,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     ) -> registry_pb2.RegisterEntryResponse:
         key = request.entry.key
         span = self._annotate(key.tenant, key.model, key.conversation_key)
-        span.set_attributes({tel.ATTR_ENGINE: request.entry.engine_id, "kvbridge.entry.epoch": request.entry.epoch,
-                             "kvbridge.entry.tokens": request.entry.token_count})
+        if span.is_recording():
+            span.set_attributes({tel.ATTR_ENGINE: request.entry.engine_id, "kvbridge.entry.epoch": request.entry.epoch,
+                                 "kvbridge.entry.tokens": request.entry.token_count})
         try:
             response = await self._registry.register_entry(self._auth.authenticate(context), request)
         except KvbridgeError as err:
@@ -145,12 +160,11 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     ) -> registry_pb2.LookupEntryResponse:
         span = self._annotate(request.tenant, request.model, request.conversation_key)
         response = self._registry.lookup(self._auth.authenticate(context), request)
-        verdict = _verdict_name(response.verdict)
-        self.metrics.lookups.labels(verdict).inc()
-        self.metrics.lookup_verified_tokens.inc(response.verified_tokens)
-        span.set_attributes({tel.ATTR_VERDICT: verdict, tel.ATTR_VERIFIED_TOKENS: response.verified_tokens})
-        if response.HasField("location"):
-            span.set_attribute(tel.ATTR_ENGINE, response.location.engine.engine_id)
+        verdict = self.metrics.count_lookup(response.verdict, response.verified_tokens)
+        if span.is_recording():
+            span.set_attributes({tel.ATTR_VERDICT: verdict, tel.ATTR_VERIFIED_TOKENS: response.verified_tokens})
+            if response.HasField("location"):
+                span.set_attribute(tel.ATTR_ENGINE, response.location.engine.engine_id)
         return response
 
     @rpc_boundary

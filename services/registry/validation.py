@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbridge.errors import InvalidArgument, Reason, invalid_field
 from kvbridge.hashchain import HASH_BYTES, MAX_BLOCK_SIZE
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
+
+from .hashrecord import PackedChain
 
 ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Served model names ("Qwen/Qwen3-0.6B", "org/model@rev"): printable ASCII without spaces.
@@ -61,12 +64,12 @@ def check_block_size(field: str, value: int) -> int:
     return value
 
 
-def check_hashes(field: str, hashes: list[bytes] | tuple[bytes, ...], limits: Limits) -> None:
+def check_hashes(field: str, hashes: Sequence[bytes], limits: Limits) -> None:
     if len(hashes) > limits.max_blocks_per_chain:
         raise too_large(field, f"at most {limits.max_blocks_per_chain} block hashes")
-    for i, h in enumerate(hashes):
-        if len(h) != HASH_BYTES:
-            raise invalid_field(f"{field}[{i}]", f"block hashes are exactly {HASH_BYTES} bytes")
+    if hashes and set(map(len, hashes)) != {HASH_BYTES}:  # one C-level pass; find the culprit only on error
+        i = next(i for i, h in enumerate(hashes) if len(h) != HASH_BYTES)
+        raise invalid_field(f"{field}[{i}]", f"block hashes are exactly {HASH_BYTES} bytes")
 
 
 def blocks_for(token_count: int, block_size: int) -> int:
@@ -96,7 +99,7 @@ def check_entry_for_register(entry: registry_pb2.Entry, limits: Limits) -> None:
             raise invalid_field(
                 f"entry.block_ids[{g}]", f"has {len(group.ids)} ids; token_count/block_size needs {blocks}"
             )
-    hashes = list(entry.block_hashes)
+    hashes = entry.block_hashes  # the repeated field itself: copying 1,000s of hashes into a list costs µs
     check_hashes("entry.block_hashes", hashes, limits)
     full_blocks = entry.token_count // bs
     if full_blocks == 0:
@@ -124,13 +127,25 @@ def check_register_request(request: registry_pb2.RegisterEntryRequest, limits: L
     check_entry_for_register(request.entry, limits)
 
 
-def check_lookup_request(request: registry_pb2.LookupEntryRequest, limits: Limits) -> None:
+def check_lookup_request(request: registry_pb2.LookupEntryRequest, limits: Limits) -> Sequence[bytes]:
+    """Validates the request; returns the prompt's chain from whichever of the two forms was sent."""
     check_tenant_field("tenant", request.tenant)
     check_model("model", request.model)
     if request.conversation_key:
         check_conversation_key("conversation_key", request.conversation_key)
     check_block_size("block_size", request.block_size)
-    check_hashes("block_hashes", list(request.block_hashes), limits)
+    packed = request.block_hashes_packed
+    if not packed:
+        hashes = list(request.block_hashes)
+        check_hashes("block_hashes", hashes, limits)
+        return hashes
+    if len(request.block_hashes):
+        raise invalid_field("block_hashes_packed", "set exactly one of block_hashes and block_hashes_packed")
+    if len(packed) % HASH_BYTES:
+        raise invalid_field("block_hashes_packed", f"length must be a multiple of {HASH_BYTES} (one hash per block)")
+    if len(packed) // HASH_BYTES > limits.max_blocks_per_chain:
+        raise too_large("block_hashes_packed", f"at most {limits.max_blocks_per_chain} block hashes")
+    return PackedChain(packed, HASH_BYTES)
 
 
 def check_entry_key(field: str, key: registry_pb2.EntryKey) -> None:

@@ -229,3 +229,36 @@ async def test_engine_whose_node_lease_ended_is_gone(env: Env) -> None:
     assert (await env.lookup(HISTORY)).verdict == V.LOOKUP_VERDICT_ENGINE_GONE
     await expect_error(env.stub.GetEngine(registry_pb2.GetEngineRequest(engine_id="d0")),
                        grpc.StatusCode.NOT_FOUND, "ENGINE_NOT_FOUND")
+
+
+async def test_packed_chain_lookup_answers_like_the_repeated_form(env: Env) -> None:
+    from .conftest import MODEL, chain
+
+    await env.engine()
+    await env.register(HISTORY)
+    for prompt in ([*HISTORY, 7, 8, 9, 10], [*HISTORY[:150], 7, *HISTORY[151:]], [9, *HISTORY[1:]]):
+        hashes = chain(prompt)
+        for conv in ("c1", ""):  # keyed and content-addressed
+            common = {"tenant": "acme", "model": MODEL, "conversation_key": conv, "block_size": BLOCK}
+            repeated = await env.stub.LookupEntry(registry_pb2.LookupEntryRequest(block_hashes=hashes, **common))
+            packed = await env.stub.LookupEntry(
+                registry_pb2.LookupEntryRequest(block_hashes_packed=b"".join(hashes), **common))
+            assert packed == repeated
+    both = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key="c1", block_size=BLOCK,
+                                           block_hashes=chain(HISTORY), block_hashes_packed=b"".join(chain(HISTORY)))
+    await expect_error(env.stub.LookupEntry(both), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD")
+
+
+async def test_sdk_lookup_sends_the_packed_chain_and_gets_the_same_answer(env: Env) -> None:
+    from kvbridge.sdk.registry import RegistryClient
+
+    from .conftest import MODEL, chain
+
+    await env.engine()
+    await env.register(HISTORY)
+    prompt = [*HISTORY, 7, 8, 9, 10]
+    expected = await env.lookup(prompt, min_tokens=16)
+    async with RegistryClient(env.app.address) as client:
+        got = await client.lookup(tenant="acme", model=MODEL, conversation_key="c1", block_hashes=chain(prompt),
+                                  block_size=BLOCK, min_tokens=16)
+    assert got == expected and got.verdict == V.LOOKUP_VERDICT_HIT

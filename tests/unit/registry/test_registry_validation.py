@@ -76,3 +76,38 @@ def test_lookup_and_engine_validation() -> None:
         with pytest.raises(InvalidArgument) as info:
             v.check_engine(bad, LIMITS)
         assert info.value.metadata["field"] == f"engine.{field}"
+
+
+@pytest.mark.parametrize(
+    ("packed", "repeated", "reason"),
+    [
+        (b"h" * 17, [], "INVALID_FIELD"),  # not a multiple of the hash size
+        (b"h" * 16, [b"h" * 16], "INVALID_FIELD"),  # both forms set
+        (b"h" * 16 * 65, [], "TOO_LARGE"),  # past max_blocks_per_chain
+    ],
+)
+def test_packed_lookup_chain_validation(packed: bytes, repeated: list[bytes], reason: str) -> None:
+    req = registry_pb2.LookupEntryRequest(model="m", block_size=16, block_hashes=repeated, block_hashes_packed=packed)
+    with pytest.raises(InvalidArgument) as info:
+        v.check_lookup_request(req, LIMITS)
+    assert (info.value.reason, info.value.metadata["field"]) == (reason, "block_hashes_packed")
+
+
+def test_packed_and_repeated_lookup_chains_read_the_same() -> None:
+    hashes = [bytes([i]) * 16 for i in range(64)]
+    packed = v.check_lookup_request(
+        registry_pb2.LookupEntryRequest(model="m", block_size=16, block_hashes_packed=b"".join(hashes)), LIMITS)
+    repeated = v.check_lookup_request(
+        registry_pb2.LookupEntryRequest(model="m", block_size=16, block_hashes=hashes), LIMITS)
+    assert len(packed) == len(repeated) == 64
+    assert list(packed) == list(repeated) == hashes
+    assert packed[-1] == hashes[-1] and list(packed[3:9:2]) == hashes[3:9:2]
+    with pytest.raises(IndexError):
+        packed[64]
+
+
+def test_a_bad_hash_in_the_repeated_form_is_named_by_index() -> None:
+    req = registry_pb2.LookupEntryRequest(model="m", block_size=16, block_hashes=[b"h" * 16, b"h" * 16, b"x"])
+    with pytest.raises(InvalidArgument) as info:
+        v.check_lookup_request(req, LIMITS)
+    assert info.value.metadata["field"] == "block_hashes[2]"
