@@ -7,6 +7,8 @@ objects.
 
 from __future__ import annotations
 
+import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Annotated
 
@@ -24,6 +26,11 @@ class StoreSettings(BaseSettings):
     # Versioned key prefix of every kvbridge key in etcd.
     etcd_prefix: str = "/kvbridge/v1"
     etcd_timeout_s: float = Field(default=5.0, gt=0, le=60)
+    # TLS towards etcd (PEM files). CA alone: verify etcd's server certificate. CA + cert + key: mutual TLS,
+    # for etcd started with --client-cert-auth. Unset: plaintext.
+    etcd_ca_file: Path | None = None
+    etcd_cert_file: Path | None = None
+    etcd_key_file: Path | None = None
 
     @field_validator("etcd_endpoints", mode="before")
     @classmethod
@@ -48,9 +55,43 @@ class StoreSettings(BaseSettings):
             raise ValueError("etcd_prefix must start with '/', not end with '/', and be at most 128 chars")
         return value
 
+    @model_validator(mode="after")
+    def _check_etcd_tls(self) -> StoreSettings:
+        if (self.etcd_cert_file is None) != (self.etcd_key_file is None):
+            raise ValueError("etcd_cert_file and etcd_key_file must be given together")
+        if self.etcd_cert_file is not None and self.etcd_ca_file is None:
+            raise ValueError("etcd_cert_file/etcd_key_file (mutual TLS) need etcd_ca_file")
+        for name in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file"):
+            path: Path | None = getattr(self, name)
+            if path is not None and not (path.is_file() and os.access(path, os.R_OK)):
+                raise ValueError(f"{name} {str(path)!r} is not a readable file")
+        return self
+
     @property
     def embedded(self) -> bool:
         return not self.etcd_endpoints
+
+    def etcd_tls(self) -> EtcdTls | None:
+        """The PEM material for the etcd channel (read now), or None for plaintext."""
+        if self.etcd_ca_file is None:
+            return None
+        return EtcdTls(
+            ca_pem=self.etcd_ca_file.read_bytes(),
+            cert_pem=self.etcd_cert_file.read_bytes() if self.etcd_cert_file else None,
+            key_pem=self.etcd_key_file.read_bytes() if self.etcd_key_file else None,
+        )
+
+
+@dataclass(frozen=True)
+class EtcdTls:
+    """TLS material for etcd client connections (PEM bytes)."""
+
+    ca_pem: bytes
+    cert_pem: bytes | None = None
+    key_pem: bytes | None = None
+
+    def __repr__(self) -> str:  # never print a private key
+        return f"EtcdTls(ca={len(self.ca_pem)}B, client_cert={'yes' if self.cert_pem else 'no'})"
 
 
 class ServerSettings(BaseSettings):

@@ -68,6 +68,9 @@ def _body_of(raw: bytes) -> Any:
         return {"error": {"message": raw[:2000].decode("utf-8", "replace")}}
 
 
+_IDLE_KEEPALIVE_S = 4.0
+
+
 class EngineHttp:
     """The gateway's HTTP client to its engines: one keep-alive pool, a deadline on every call.
 
@@ -83,7 +86,9 @@ class EngineHttp:
 
     def _http(self) -> aiohttp.ClientSession:
         if self._session is None or self._session.closed:
-            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, ttl_dns_cache=300)
+            # Idle connections are dropped before the engine's server drops them (uvicorn's and vLLM's
+            # keep-alive timeout is 5 s): reusing one the server just closed fails the request.
+            connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_IDLE_KEEPALIVE_S, ttl_dns_cache=300)
             self._session = aiohttp.ClientSession(connector=connector, json_serialize=json.dumps,
                                                   auto_decompress=False, raise_for_status=False)
         return self._session

@@ -19,7 +19,8 @@ from pydantic import ValidationError
 from ..common.auth import Authenticator
 from ..common.config import ServerSettings, StoreSettings
 from ..common.keys import KeyLayout
-from ..common.store import open_store
+from ..common.store import Store, StoreError, open_store
+from ..common.store.etcd import EtcdTlsError
 from ..common.telemetry import Telemetry
 from .app import LeaseApp
 from .policy import LeasePolicy
@@ -89,6 +90,18 @@ async def _serve(app: LeaseApp, grace_s: float) -> None:
     await app.store.close()
 
 
+async def _check_store(store: Store, timeout_s: float) -> None:
+    """Fail at start when etcd refuses our TLS material; a store that is merely down is waited for by the
+    election, as before."""
+    try:
+        await store.current_revision(timeout=timeout_s)
+    except EtcdTlsError:
+        await store.close()
+        raise
+    except StoreError as exc:
+        log.warning("store not reachable at start (%s); campaigning anyway", exc)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -109,12 +122,16 @@ def main(argv: list[str] | None = None) -> int:
 
     async def run() -> None:
         store = open_store(store_settings, data_dir=args.data_dir)
+        await _check_store(store, store_settings.etcd_timeout_s)
         app = LeaseApp(store, policy, server_settings, auth=auth, keys=KeyLayout(store_settings.etcd_prefix),
                        telemetry=telemetry)
         await _serve(app, server_settings.shutdown_grace_s)
 
     try:
         asyncio.run(run())
+    except EtcdTlsError as exc:
+        print(f"invalid configuration: {exc}", file=sys.stderr)
+        return 2
     finally:
         telemetry.shutdown()
     return 0

@@ -27,6 +27,8 @@ kvbridge metadata registry (gRPC kvbridge.registry.v1.RegistryService).
 Configuration comes from the environment:
   KVBRIDGE_ETCD_ENDPOINTS        host:port,...  (empty: embedded in-process store)
   KVBRIDGE_ETCD_PREFIX           key prefix (default /kvbridge/v1)
+  KVBRIDGE_ETCD_CA_FILE          PEM CA verifying etcd's certificate (unset: plaintext to etcd)
+  KVBRIDGE_ETCD_CERT_FILE, KVBRIDGE_ETCD_KEY_FILE  client cert + key for etcd --client-cert-auth (mTLS)
   KVBRIDGE_HOST                  listen address (default 127.0.0.1)
   KVBRIDGE_API_KEYS_FILE         JSON API keys (unset: insecure dev mode)
   KVBRIDGE_LOG_LEVEL             default INFO
@@ -37,6 +39,9 @@ Configuration comes from the environment:
   KVBRIDGE_TELEMETRY_HASH_KEY_HEX key hashing tenant/conversation span attributes (share it across services)
   KVBRIDGE_REGISTRY_CHAIN_STRIDE, _MAX_BLOCKS_PER_CHAIN, _MAX_ENTRIES_PER_TENANT,
   KVBRIDGE_REGISTRY_LEASE_SERVICE_TARGET (host:port of the lease manager) ...
+  KVBRIDGE_REGISTRY_REGISTER_BATCHING auto|on|off: group commit of registrations (auto: on etcd only;
+                                 docs/adr/0005), with _REGISTER_BATCH_WINDOW_MS (2), _REGISTER_BATCH_MAX (64),
+                                 _REGISTER_BATCH_MAX_TXN_OPS (128, etcd --max-txn-ops), _REGISTER_BATCH_MAX_INFLIGHT (1)
 """
 
 
@@ -48,7 +53,7 @@ def _open_store(settings: StoreSettings) -> Store:
         return MemoryStore()
     from kvbridge_services.common.store.etcd import EtcdStore
 
-    store: Store = EtcdStore(settings.etcd_endpoints, timeout=settings.etcd_timeout_s)
+    store: Store = EtcdStore(settings.etcd_endpoints, timeout=settings.etcd_timeout_s, tls=settings.etcd_tls())
     return store
 
 

@@ -51,6 +51,10 @@ class SimConfig:
     bidirectional: bool = True
     prefill_us_per_token: float = 0.0
     decode_us_per_token: float = 0.0
+    # A slow or hung engine: each generation pauses stall_s seconds after stall_after_tokens tokens
+    # (0: before the first token, i.e. a stuck prefill). /health still answers, as a wedged vLLM's does.
+    stall_s: float = 0.0
+    stall_after_tokens: int = 0
 
 
 # ---- tokenizer and "model" -------------------------------------------------------------
@@ -183,6 +187,7 @@ class Stats:
     requests: int = 0
     remote_pulled_tokens: int = 0
     running: int = 0
+    stalled: int = 0  # generations that hit the stall_s pause
     last_kv_transfer_params: dict[str, Any] | None = None
     kv_transfer_params_seen: list[dict[str, Any] | None] = field(default_factory=list)
     bodies_seen: list[dict[str, Any]] = field(default_factory=list)
@@ -195,6 +200,7 @@ class Engine:
         self.kv = BlockStore(cfg.block_size, cfg.total_blocks)
         self.stats = Stats()
         self.fail_next = 0
+        self.unstall = asyncio.Event()  # set: stalled generations go on (and new ones do not stall)
         self.http = httpx.AsyncClient(timeout=10.0)
 
     async def pull(self, params: dict[str, Any], n_tokens: int) -> list[int]:
@@ -320,6 +326,10 @@ class Engine:
             for i, tok in enumerate(greedy_tokens(kv, max_tokens, self.cfg.vocab)):
                 if i:
                     await asyncio.sleep(self.cfg.decode_us_per_token / 1e6)
+                if self.cfg.stall_s and i == self.cfg.stall_after_tokens:
+                    self.stats.stalled += 1
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self.unstall.wait(), self.cfg.stall_s)
                 out.append(tok)
                 seq.append(tok)
                 yield {"token": tok, "last": i == max_tokens - 1}
@@ -445,7 +455,7 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         s = engine.stats
         return JSONResponse({"engine_id": engine.engine_id, "requests": s.requests,
                              "remote_pulled_tokens": s.remote_pulled_tokens, "running": s.running,
-                             "held_requests": sorted(engine.kv.held),
+                             "stalled": s.stalled, "held_requests": sorted(engine.kv.held),
                              "last_kv_transfer_params": s.last_kv_transfer_params,
                              "kv_transfer_params_seen": s.kv_transfer_params_seen,
                              "bodies_seen": s.bodies_seen})
@@ -459,6 +469,13 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
             engine.kv.reap()
         if "decode_us_per_token" in body:
             cfg.decode_us_per_token = float(body["decode_us_per_token"])
+        if "stall_s" in body:
+            cfg.stall_s = float(body["stall_s"])
+            cfg.stall_after_tokens = int(body.get("stall_after_tokens", 0))
+            if cfg.stall_s:
+                engine.unstall.clear()
+            else:
+                engine.unstall.set()
         return JSONResponse({"ok": True})
 
     routes = [
@@ -544,6 +561,7 @@ class SimServer:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self.engine.unstall.set()  # a hung generation must not hold up the shutdown
         self._server.should_exit = True
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
@@ -568,12 +586,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
     parser.add_argument("--prefill-us-per-token", type=float, default=0.0)
     parser.add_argument("--decode-us-per-token", type=float, default=0.0)
+    parser.add_argument("--stall-s", type=float, default=0.0,
+                        help="slow/hung engine: pause each generation this long (0: never)")
+    parser.add_argument("--stall-after-tokens", type=int, default=0,
+                        help="where the pause happens: after this many output tokens (0: before the first)")
     a = parser.parse_args(argv)
     cfg = SimConfig(role=a.role, model=a.model, engine_id=a.engine_id, host=a.host, port=a.port,
                     block_size=a.block_size, total_blocks=a.total_blocks, vocab=a.vocab,
                     decoder_kv_blocks_ttl=a.decoder_kv_blocks_ttl, kv_recompute_threshold=a.kv_recompute_threshold,
                     kv_load_failure_policy=a.kv_load_failure_policy, prefill_us_per_token=a.prefill_us_per_token,
-                    decode_us_per_token=a.decode_us_per_token)
+                    decode_us_per_token=a.decode_us_per_token, stall_s=a.stall_s,
+                    stall_after_tokens=a.stall_after_tokens)
     app, _ = build_app(cfg)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 

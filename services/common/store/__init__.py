@@ -32,7 +32,7 @@ def open_store(settings: StoreSettings, *, data_dir: Path | None = None) -> Stor
     if settings.etcd_endpoints:
         from .etcd import EtcdStore
 
-        return EtcdStore(settings.etcd_endpoints, timeout=settings.etcd_timeout_s)
+        return EtcdStore(settings.etcd_endpoints, timeout=settings.etcd_timeout_s, tls=settings.etcd_tls())
     from .memory import MemoryStore
 
     return MemoryStore(data_dir=data_dir)

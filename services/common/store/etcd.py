@@ -2,6 +2,8 @@
 
 - One gRPC channel, round-robin over every endpoint: a dead member's
   subchannel drops out and calls retry on the others within the deadline.
+- TLS or mutual TLS when given PEM material (``StoreSettings.etcd_tls()``); a
+  handshake failure (wrong CA, refused client cert) is named as such.
 - Every call has a deadline; past it, or on a transport failure that retries
   cannot fix in time, the caller gets ``StoreUnavailable``.
 - Writes are retried only when etcd certainly did not apply them (the
@@ -40,6 +42,7 @@ from etcd3aio.connections import ConnectionManager
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 
+from ..config import EtcdTls
 from .base import (
     DEFAULT_TIMEOUT_S,
     Compacted,
@@ -66,6 +69,7 @@ _T = TypeVar("_T")
 _TRANSIENT = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 # UNAVAILABLE details that prove the request was never applied (safe to retry a write).
 _NOT_APPLIED_HINTS = ("failed to connect", "connection refused", "connections to all backends", "no leader")
+_TLS_HINTS = ("handshake", "certificate", "ssl_error", "tls", "tsi_")  # tsi_: gRPC's TLS layer
 _COMPARE_OPS = {"==": PbCompare.EQUAL, "!=": PbCompare.NOT_EQUAL, "<": PbCompare.LESS, ">": PbCompare.GREATER}
 _COMPARE_FIELDS = {
     CompareTarget.VALUE: (PbCompare.VALUE, "value"),
@@ -98,6 +102,18 @@ def _not_applied(exc: BaseException) -> bool:
         return False
     details = (rpc.details() or "").lower()
     return any(hint in details for hint in _NOT_APPLIED_HINTS)
+
+
+class EtcdTlsError(StoreUnavailable):
+    """etcd refused the TLS handshake (wrong CA, missing or untrusted client certificate): configuration,
+    not an outage, so services fail at start on it."""
+
+
+def _tls_failure(exc: BaseException) -> bool:
+    """The connection failed in the TLS handshake (wrong CA, no or rejected client certificate)."""
+    rpc = _rpc_error(exc)
+    details = ((rpc.details() or "") if rpc is not None else str(exc)).lower()
+    return any(hint in details for hint in _TLS_HINTS)
 
 
 def _is_transient(exc: BaseException) -> bool:
@@ -140,6 +156,7 @@ class EtcdStore(Store):
         *,
         timeout: float = DEFAULT_TIMEOUT_S,
         watch_unavailable_after_s: float = 30.0,
+        tls: EtcdTls | None = None,
     ) -> None:
         if not endpoints:
             raise ValueError("EtcdStore needs at least one endpoint")
@@ -147,6 +164,7 @@ class EtcdStore(Store):
         self.default_timeout = timeout
         self._watch_unavailable_after_s = watch_unavailable_after_s
         self._manager = ConnectionManager(self.endpoints, keepalive_time_ms=5_000, keepalive_timeout_ms=3_000)
+        self._tls = tls
         self._channel: grpc.aio.Channel | None = None
         self._kv_svc: KVService | None = None
         self._lease_svc: LeaseService | None = None
@@ -157,7 +175,10 @@ class EtcdStore(Store):
         if self._closed:
             raise StoreUnavailable("store is closed")
         if self._channel is None:
-            self._channel = self._manager.get_channel()
+            tls = self._tls
+            self._channel = (self._manager.get_channel() if tls is None else
+                             self._manager.get_channel(ca_cert=tls.ca_pem, cert_key=tls.key_pem,
+                                                       cert_chain=tls.cert_pem))
             # We retry ourselves, within the caller's deadline.
             self._kv_svc = KVService(self._channel, max_attempts=1)
             self._lease_svc = LeaseService(self._channel, max_attempts=1)
@@ -203,6 +224,9 @@ class EtcdStore(Store):
                 last = exc
             await asyncio.sleep(min(backoff, max(deadline - loop.time(), 0)))
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
+        if last is not None and _tls_failure(last):
+            raise EtcdTlsError(f"etcd {name}: TLS handshake with etcd failed (check KVBRIDGE_ETCD_CA_FILE, "
+                                   f"KVBRIDGE_ETCD_CERT_FILE, KVBRIDGE_ETCD_KEY_FILE): {last}") from last
         raise StoreUnavailable(f"etcd {name}: no answer within {timeout:.3g}s ({last or 'deadline'})") from last
 
     @staticmethod
