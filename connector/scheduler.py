@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorMetadata
     from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
@@ -78,6 +79,8 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             time.perf_counter, settings.fallback_ttl_s, settings.max_retained_entries, settings.free_kv_watermark,
         )
         self._block_pool: BlockPool | None = None
+        # Refcount-held retained blocks by request id (hold_blocks="refcount").
+        self._held_blocks: dict[str, list[KVCacheBlock]] = {}
         # Requests the worker must start holding (sent with the next metadata).
         self._hold_ids: set[str] = set()
         self.tracer = ConnectorTracer.from_settings(settings, engine_id)
@@ -129,9 +132,17 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         blocks = tuple(tuple(int(b) for b in group) for group in params["remote_block_ids"])
         token_count = int(params["remote_num_tokens"])
         deadline = self.retention.retain(request_id, sum(len(g) for g in blocks), token_count, conversation)
-        # Replace the fixed decoder_kv_blocks_ttl with our (extendable) hold deadline.
-        self._reqs_need_send[request_id] = deadline
-        self._hold_ids.add(request_id)
+        if self._block_pool is not None and self.settings.hold_blocks == "refcount":
+            # Our own reference keeps the blocks; vLLM frees the request now and can go idle.
+            held = [self._block_pool.blocks[b] for group in blocks for b in group]
+            self._block_pool.touch(held)
+            self._held_blocks[request_id] = held
+            self._reqs_need_send.pop(request_id, None)
+            delay_free = False
+        else:
+            # Replace the fixed decoder_kv_blocks_ttl with our (extendable) hold deadline.
+            self._reqs_need_send[request_id] = deadline
+        self._hold_ids.add(request_id)  # the worker keeps P's read notifications from freeing it
         params["remote_blocks_expiry_time"] = None  # the lease, not a fixed time, bounds reuse
         params[RETAINED] = True
         self.control_plane.submit(cp.RegisterEntry(
@@ -146,7 +157,9 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         free, total = self._kv_free_blocks()
         decisions = self.retention.step(free, total)
         for request_id, deadline in decisions.deadlines.items():
-            self._reqs_need_send[request_id] = deadline
+            if request_id not in self._held_blocks:
+                self._reqs_need_send[request_id] = deadline
+        self._free_held(decisions.release)
         if self.control_plane is not None:
             for lease_id, reason in decisions.revoke:
                 self.control_plane.submit(cp.RevokeLease(lease_id, reason))
@@ -175,6 +188,21 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         super().shutdown()  # type: ignore[no-untyped-call]
 
     # ---- internals -----------------------------------------------------
+    def _free_held(self, released: set[str]) -> None:
+        """Drops our reference on blocks held by refcount: released entries and expired holds.
+
+        Runs at a scheduler step: an idle engine reclaims them when it next has work, which is
+        the first moment anything could need the memory.
+        """
+        if not self._held_blocks or self._block_pool is None:
+            return
+        now = time.perf_counter()
+        expired = {r for r in self._held_blocks
+                   if (entry := self.retention.get(r)) is None or entry.hold_deadline < now}
+        for request_id in (released | expired) & self._held_blocks.keys():
+            self._block_pool.free_blocks(reversed(self._held_blocks.pop(request_id)))
+            self.retention.freed(request_id)
+
     def _apply_control_plane_events(self) -> None:
         if self.control_plane is None:
             return

@@ -43,6 +43,13 @@ def _float(extra: Mapping[str, Any], name: str, default: float, low: float, high
     return value
 
 
+def _choice(extra: Mapping[str, Any], name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = str(extra.get(name, default))
+    if value not in allowed:
+        raise ValueError(f"kv_connector_extra_config.{name}={value!r} is not one of {', '.join(allowed)}")
+    return value
+
+
 @dataclass(frozen=True, slots=True)
 class ConnectorSettings:
     # gRPC target of the registry; empty disables the control plane (stock TTL behaviour).
@@ -66,6 +73,9 @@ class ConnectorSettings:
     max_retained_entries: int = 4096
     # Run NIXL without its busy progress thread (~1 core per idle worker on CPU).
     nixl_progress_thread: bool = True
+    # How D keeps retained blocks: "refcount" (its own reference on the blocks; the engine goes idle
+    # between turns) or "delayed_free" (vLLM's delayed free: the engine keeps stepping while it holds).
+    hold_blocks: str = "refcount"
     # OTLP/gRPC endpoint for connector spans; None: tracing off ("" = the exporter's default endpoint).
     otlp_endpoint: str | None = None
     service_name: str = DEFAULT_SERVICE_NAME
@@ -100,6 +110,7 @@ class ConnectorSettings:
             queue_size=int(_float(extra, "kvbridge_queue_size", 1024, 16, 65536)),
             max_retained_entries=int(_float(extra, "kvbridge_max_retained_entries", 4096, 1, 1_000_000)),
             nixl_progress_thread=bool(extra.get("kvbridge_nixl_progress_thread", True)),
+            hold_blocks=_choice(extra, "kvbridge_hold_blocks", "refcount", ("refcount", "delayed_free")),
             otlp_endpoint=_otlp_endpoint(extra, env),
             service_name=env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME,
             telemetry_hash_key=_hash_key(

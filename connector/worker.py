@@ -45,6 +45,12 @@ def _nixl_progress_thread(enabled: bool) -> Iterator[None]:
         setattr(base_worker, "nixl_agent_config", original)  # noqa: B010
 
 
+def _notif_request(notif: bytes) -> str:
+    """The request id of a read notification ``"<request id>:<readers>"`` ("" for other messages)."""
+    text = notif.decode("utf-8", "replace")
+    return "" if text.startswith("HB:") else text.rsplit(":", 1)[0]
+
+
 class KvbridgeConnectorWorker(NixlPullConnectorWorker):
     def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig,
                  settings: ConnectorSettings) -> None:
@@ -67,12 +73,36 @@ class KvbridgeConnectorWorker(NixlPullConnectorWorker):
     def _get_new_notifs(self) -> set[str]:
         """Read notifications for held requests keep the blocks (multi-use while the lease lives)."""
         held_deadlines = {r: self._reqs_to_send[r] for r in self._kvbridge_held if r in self._reqs_to_send}
-        notified = super()._get_new_notifs()
+        with self._without_refcount_held_notifs():
+            notified = super()._get_new_notifs()
         for request_id in notified & held_deadlines.keys():
             self._reqs_to_send[request_id] = held_deadlines[request_id]
             self._reqs_to_process.add(request_id)
             log.debug("kvbridge: %s was read by a prefill; still held by its lease", request_id)
         return notified - held_deadlines.keys()
+
+    @contextmanager
+    def _without_refcount_held_notifs(self) -> Iterator[None]:
+        """Drops read notifications for requests the scheduler holds by refcount: vLLM no longer
+        tracks them, and would log each read as one of "unrecognized" (possibly stale) blocks."""
+        wrapper = self.nixl_wrapper
+        refcount_held = {r for r in self._kvbridge_held if r not in self._reqs_to_send}
+        if not refcount_held:
+            yield
+            return
+        fetch = wrapper.get_new_notifs
+
+        def filtered() -> dict[str, list[bytes]]:
+            out: dict[str, list[bytes]] = {}
+            for agent, notifs in fetch().items():
+                out[agent] = [n for n in notifs if _notif_request(n) not in refcount_held]
+            return out
+
+        wrapper.get_new_notifs = filtered
+        try:
+            yield
+        finally:
+            del wrapper.get_new_notifs  # back to the class method
 
     def _reap_expired_send_leases(self, done_sending: set[str]) -> None:
         super()._reap_expired_send_leases(done_sending)

@@ -87,3 +87,50 @@ async def test_gateway_reuses_decode_kv_and_answers_equal_no_reuse(pd_engines: P
         # The gateway timed the pull out and recomputed correctly; the reuse claim is not shown by this run.
         pytest.xfail(f"vLLM's NIXL pull stalled on this host; gateway fell back to recompute: {stalled}")
     assert all(v.startswith("hit;") for v, _ in with_reuse[1:]), with_reuse
+
+
+EDIT_AT = 170  # inside turn 1's 200 prompt tokens, past the first 128-token checkpoint span
+CHAIN_STRIDE = RegistrySettings().chain_stride
+
+
+async def _complete(c: httpx.AsyncClient, gw: GatewayApp, prompt: list[int], conv: str) -> tuple[str, list[int]]:
+    r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 16,
+                                              "temperature": 0, "conversation_id": conv, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    await gw.core.router.drain()
+    return r.headers["x-kvbridge-reuse"], r.json()["choices"][0]["token_ids"]
+
+
+async def _edited_and_foreign(gw: GatewayApp) -> list[tuple[str, list[int]]]:
+    """Turn 1; turn 2 with token EDIT_AT of the history edited; then an unrelated prompt claiming the same key."""
+    rng = random.Random(11)
+    prompt = [rng.randrange(10, 500) for _ in range(200)]
+    out = []
+    async with httpx.AsyncClient(base_url=gw.http_url, timeout=600) as c:
+        out.append(await _complete(c, gw, prompt, "e2e-edit"))
+        edited = prompt + out[0][1] + [rng.randrange(10, 500) for _ in range(20)]
+        edited[EDIT_AT] = 9 if edited[EDIT_AT] != 9 else 8
+        out.append(await _complete(c, gw, edited, "e2e-edit"))
+        foreign = [rng.randrange(10, 500) for _ in range(260)]
+        out.append(await _complete(c, gw, foreign, "e2e-edit"))
+    return out
+
+
+async def test_edited_history_reuses_only_the_verified_prefix_and_a_foreign_prompt_nothing(
+        pd_engines: PDEngines) -> None:
+    async for gw in _gateway(pd_engines, reuse=True):
+        with_reuse = await _edited_and_foreign(gw)
+    async for gw in _gateway(pd_engines, reuse=False):
+        without = await _edited_and_foreign(gw)
+    # Same answers as no reuse at all: nobody was fed KV that does not match their prompt.
+    assert [ids for _, ids in with_reuse] == [ids for _, ids in without]
+    first, edited, foreign = (v for v, _ in with_reuse)
+    assert first.startswith("miss"), first
+    # The key matches but the prompt shares no verified block with D's entry: no pull.
+    assert not foreign.startswith("hit"), foreign
+    if edited.startswith("declined:prefill_timeout"):
+        pytest.xfail(f"vLLM's NIXL pull stalled on this host; gateway fell back to recompute: {edited}")
+    # Only whole checkpoint spans before the edit are verified: the registry keeps every CHAIN_STRIDE-th
+    # block hash (docs/hash-chain.md), so with 32-token blocks the proof has a 128-token granularity.
+    span = CHAIN_STRIDE * BLOCK_SIZE
+    assert edited == f"hit;tokens={EDIT_AT // span * span}", edited

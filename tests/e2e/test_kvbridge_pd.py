@@ -183,8 +183,11 @@ def test_heartbeats_hold_blocks_past_twice_the_old_ttl_and_revoke_frees_them(
         with grpc.insecure_channel(control_plane.lease_target) as channel:
             lease_pb2_grpc.LeaseServiceStub(channel).RevokeLease(lease_pb2.RevokeLeaseRequest(
                 lease_id=lease_id, reason=types_pb2.REVOKE_REASON_CLIENT_CLOSED), timeout=5)
+    # D holds retained blocks by reference and goes idle between turns: it drops a released hold at its
+    # next engine step, the first moment anything could need the memory. One small request makes that step.
     deadline = time.monotonic() + 20
     while kv_cache_usage(decode) >= usage_held and time.monotonic() < deadline:
+        completion(decode, random_tokens(rng, 8), 1, None)
         time.sleep(0.5)
     assert kv_cache_usage(decode) < usage_held, "revoking the lease did not free D's blocks"
 

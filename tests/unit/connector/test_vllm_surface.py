@@ -61,6 +61,12 @@ def test_block_pool_binding_hook() -> None:
     assert "bind_kv_cache_manager(" in source(scheduler.Scheduler)
     assert params(BlockPool.get_num_free_blocks) == ["self"]
     assert "self.num_gpu_blocks" in source(BlockPool.__init__)
+    # Holding retained blocks by reference: index blocks by id, add a reference, drop it again.
+    assert "self.blocks: list[KVCacheBlock]" in source(BlockPool.__init__)
+    assert params(BlockPool.touch) == ["self", "blocks"] and "ref_cnt += 1" in source(BlockPool.touch)
+    assert params(BlockPool.free_blocks) == ["self", "ordered_blocks"]
+    # A request whose connector does not ask for a delayed free has its blocks freed at once.
+    assert "delay_free_blocks" in source(scheduler.Scheduler._free_request)
 
 
 def test_scheduler_half_surface() -> None:
@@ -102,6 +108,7 @@ def test_worker_half_surface() -> None:
     assert "self._reqs_to_process: set[ReqId]" in init
     assert "nixl_agent_config(" in init  # read from the module global at construction
     notifs = source(cls._get_new_notifs)
+    assert "self.nixl_wrapper.get_new_notifs()" in notifs  # we filter it for refcount-held requests
     assert "self._reqs_to_send.pop(req_id" in notifs
     assert "self._reqs_to_process.remove(req_id)" in notifs
     # Overwriting a deadline through reqs_to_send must keep working.
