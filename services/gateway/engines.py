@@ -19,6 +19,11 @@ log = logging.getLogger(__name__)
 
 # An engine marked down is re-probed on demand at most this often.
 _REPROBE_AFTER_S = 0.5
+# Outlier ejection: an engine that timed out gets no new traffic for EJECT_BASE_S, doubling per
+# consecutive timeout up to EJECT_MAX_S. A hung engine usually still answers /health, so health
+# checks alone would keep sending it turns.
+EJECT_BASE_S = 5.0
+EJECT_MAX_S = 120.0
 
 PREFILL, DECODE = "prefill", "decode"
 _KV_USAGE = re.compile(r"^vllm:(?:gpu_)?kv_cache_usage_perc(?:\{[^}]*\})?\s+([0-9.eE+-]+)", re.MULTILINE)
@@ -38,6 +43,11 @@ class EngineState:
     kv_usage: float = 0.0
     models: set[str] = field(default_factory=set)
     last_check: float = 0.0
+    ejected_until: float = 0.0  # monotonic; no new traffic before it unless nothing else is left
+    consecutive_timeouts: int = 0
+
+    def ejected(self, now: float) -> bool:
+        return self.ejected_until > now
 
     @property
     def key(self) -> tuple[str, str]:
@@ -114,12 +124,29 @@ class EnginePool:
 
     # -- choice ------------------------------------------------------------------------
     def choose(self, model: str, role: str, *, exclude: frozenset[str] = frozenset()) -> EngineState:
-        """The least loaded healthy engine of ``role`` serving ``model``."""
+        """The least loaded healthy engine of ``role`` serving ``model``, skipping ejected ones while any
+        other is left (ejecting every engine would turn slowness into an outage)."""
         candidates = [s for s in self._engines.values()
                       if s.role == role and s.healthy and s.serves(model) and s.url not in exclude]
         if not candidates:
             raise Unavailable(Reason.NO_ENGINE_AVAILABLE, f"no healthy {role} engine serves model {model!r}")
-        return min(candidates, key=lambda s: (s.outstanding + self._kv_usage_weight * s.kv_usage, s.url))
+        now = time.monotonic()
+        serving = [s for s in candidates if not s.ejected(now)]
+        if not serving:
+            return min(candidates, key=lambda s: (s.ejected_until, s.url))  # the one back soonest
+        return min(serving, key=lambda s: (s.outstanding + self._kv_usage_weight * s.kv_usage, s.url))
+
+    def timed_out(self, engine: EngineState) -> None:
+        """Ejects an engine that missed a deadline, for longer each time in a row."""
+        engine.consecutive_timeouts += 1
+        period = min(EJECT_BASE_S * 2 ** (engine.consecutive_timeouts - 1), EJECT_MAX_S)
+        engine.ejected_until = time.monotonic() + period
+        log.warning("engine %s (%s) timed out %d time(s) in a row: no new traffic for %.0fs",
+                    engine.url, engine.role, engine.consecutive_timeouts, period)
+
+    def answered(self, engine: EngineState) -> None:
+        """A call completed within its deadline: the engine's timeout streak ends."""
+        engine.consecutive_timeouts = 0
 
     async def choose_live(self, model: str, role: str, *, exclude: frozenset[str] = frozenset()) -> EngineState:
         """``choose``, but when every candidate is marked down, probe them once now before answering 503:

@@ -282,11 +282,11 @@ class TurnRouter:
                                            timeout_s=turn.timeout_s or self._s.prefill_timeout_s,
                                            headers=tel.trace_headers())
                 except UpstreamError as exc:
-                    if exc.transport:
-                        self._pool.mark_failed(engine, str(exc))
+                    self._engine_failed(engine, exc)
                     raise
                 finally:
                     plan.engine_seconds += time.perf_counter() - started
+                self._pool.answered(engine)
         try:
             return kvparams.check_prefill_returned(data.get("kv_transfer_params"))
         except ValueError as exc:
@@ -318,7 +318,24 @@ class TurnRouter:
         try:
             return await self._prefill_once(turn, plan, engine, kvparams.plain_prefill_params())
         except UpstreamError as exc:
+            # A plain prefill that timed out is worth one try on another prefill engine, if there is one.
+            other = self._pool.choose(turn.model, PREFILL, exclude=frozenset({engine.url})) \
+                if exc.timed_out and self._pool.count(turn.model, PREFILL) > 1 else None
+            if other is None or other is engine:
+                raise _upstream_failure("prefill", exc) from exc
+            log.warning("prefill on %s timed out; trying %s", engine.url, other.url)
+        try:
+            return await self._prefill_once(turn, plan, other, kvparams.plain_prefill_params())
+        except UpstreamError as exc:
             raise _upstream_failure("prefill", exc) from exc
+
+    def _engine_failed(self, engine: EngineState, exc: UpstreamError) -> None:
+        """Passive health: a timeout ejects the engine for a while, any other transport failure marks it
+        down until its next good health check."""
+        if exc.timed_out:
+            self._pool.timed_out(engine)
+        elif exc.transport:
+            self._pool.mark_failed(engine, str(exc))
 
     def _mark_consumed(self, key: tuple[str, str]) -> None:
         self._consumed[key] = None
@@ -347,9 +364,9 @@ class TurnRouter:
                                            timeout_s=turn.timeout_s or self._s.decode_timeout_s,
                                            headers=tel.trace_headers())
                 except UpstreamError as exc:
-                    if exc.transport:
-                        self._pool.mark_failed(engine, str(exc))
+                    self._engine_failed(engine, exc)
                     raise _upstream_failure("decode", exc) from exc
+        self._pool.answered(engine)
         self._metrics.ttft.labels(_reuse_label(plan)).observe(time.perf_counter() - plan.started)
         retained_params = data.pop("kv_transfer_params", None)
         if register:
@@ -371,8 +388,7 @@ class TurnRouter:
                                              headers=tel.trace_headers())
         except UpstreamError as exc:
             engine.outstanding -= 1
-            if exc.transport:
-                self._pool.mark_failed(engine, str(exc))
+            self._engine_failed(engine, exc)
             raise _upstream_failure("decode", exc) from exc
         except BaseException:
             engine.outstanding -= 1

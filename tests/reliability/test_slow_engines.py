@@ -1,8 +1,8 @@
 """Slow and hung engines (engine simulator ``stall_s``): the gateway answers within its deadlines.
 
 - a hung prefill engine (one of two): each turn ends within the prefill deadline (twice, for a reuse
-  attempt then a plain one) plus slack, with a 200 or a clean 5xx carrying an error code; answers that
-  come back are correct;
+  attempt then a plain one on the other engine) plus slack, with a 200 or a clean 5xx carrying an error
+  code; answers that come back are correct; after its first timeout the hung engine gets no more turns;
 - a hung decode engine: a non-streaming turn gets a clean timeout error (504 DEADLINE_EXCEEDED or 503
   UPSTREAM_FAILED) after the decode deadline, a streaming one an SSE error event and no [DONE]; no entry
   lease or registry entry is left for the failed turn;
@@ -61,6 +61,8 @@ async def test_hung_prefill_engine_turns_end_within_the_deadline() -> None:
         print(f"\nhung prefill (1 of 2 P, deadline {DEADLINE_S}s): outcomes {outcomes}; p0 stalled {stalled} "
               f"requests; wrong answers {wrong}")
         assert stalled > 0  # the hung engine was really tried
+        # ... and then ejected: it answers /health, but after a timeout it gets no new turns for a while.
+        assert stalled <= 2, f"{stalled} requests went to the hung prefill engine"
         assert wrong == 0
         for status, code, took in outcomes:
             assert took <= 2 * DEADLINE_S + SLACK_S, outcomes

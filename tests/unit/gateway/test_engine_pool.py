@@ -114,3 +114,29 @@ async def test_engine_4xx_is_the_clients_fault_and_5xx_is_an_upstream_failure() 
             assert up_err.value.status == 500 and not up_err.value.transport
     finally:
         await http.aclose()
+
+
+def test_an_engine_that_timed_out_gets_no_new_traffic_for_a_while() -> None:
+    from kvbridge_services.gateway import engines
+    from kvbridge_services.gateway.engines import PREFILL
+
+    pool = EnginePool(EngineHttp(connect_timeout_s=1.0), health_timeout_s=0.5, kv_usage_weight=4.0)
+    hung = pool.add_static("http://p0:1", PREFILL, model="tiny")
+    other = pool.add_static("http://p1:1", PREFILL, model="tiny")
+    for e in (hung, other):
+        e.healthy = True
+    other.outstanding = 5  # busier: chosen only because the idle one is ejected
+    assert pool.choose("tiny", PREFILL) is hung
+
+    pool.timed_out(hung)
+    assert pool.choose("tiny", PREFILL) is other
+    first = hung.ejected_until
+    pool.timed_out(hung)  # again in a row: ejected for longer
+    assert hung.ejected_until - first >= engines.EJECT_BASE_S - 0.1
+
+    pool.timed_out(other)  # every engine ejected: send to the one back soonest rather than fail
+    assert pool.choose("tiny", PREFILL) is other
+
+    hung.ejected_until = other.ejected_until = 0.0  # the ejections ran out
+    pool.answered(hung)
+    assert hung.consecutive_timeouts == 0 and pool.choose("tiny", PREFILL) is hung
