@@ -62,19 +62,13 @@ async def _serving(target: str, bound_s: float = 60.0) -> float:
         await client.close()
 
 
-REDIRECT_PINS = ("SDK bug: after a NOT_LEADER redirect BaseClient/Heartbeater stay on the redirected address "
-                 "(the old leader) and never return to the configured target, so they cannot reach the new leader")
-
-
-@pytest.mark.parametrize("first_contact", [
-    "leader",
-    pytest.param("follower", marks=pytest.mark.xfail(strict=True, reason=REDIRECT_PINS)),
-])
+@pytest.mark.parametrize("first_contact", ["leader", "follower"])
 async def test_lease_leader_kill9_follower_takes_over(replicas: list[ServiceProcess], first_contact: str) -> None:
     leader, follower = replicas
     # Both replicas in one target (as a DNS name with two records would give), tried in order: first the
     # leader (no redirect; after the kill the channel moves on to the other address), or first the follower
-    # (its NOT_LEADER names the leader and the SDK redirects there, before the leader dies).
+    # (its NOT_LEADER names the leader and the SDK redirects there, before the leader dies; after the kill the
+    # client and the Heartbeater fall back from that dead address to the configured target).
     order = [leader, follower] if first_contact == "leader" else [follower, leader]
     client = LeaseClient(f"ipv4:{order[0].target},{order[1].target}",
                          ClientOptions(timeout_s=2, max_attempts=30, backoff_max_s=0.5))

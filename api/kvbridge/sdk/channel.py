@@ -77,25 +77,65 @@ def open_channel(target: str, options: ClientOptions) -> grpc.aio.Channel:
     return grpc.aio.insecure_channel(target, options=opts)
 
 
+# Codes of an attempt that got no answer from the server (with no ErrorInfo: the transport failed).
+_NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
 class BaseClient:
-    """Owns a channel (or borrows one) and runs unary calls with retries."""
+    """Owns a channel (or borrows one) and runs unary calls with retries.
+
+    A NOT_LEADER error naming the leader moves the client to that address. When a redirected address stops
+    answering (the old leader died), the client returns to the configured target (a Service reaching any
+    replica, or a list of them) and follows the next NOT_LEADER from there.
+    """
 
     def __init__(self, target: str, options: ClientOptions | None = None) -> None:
         self.options = options or ClientOptions()
+        self.configured_target = target
         self.target = target
         self._channel = open_channel(target, self.options)
+        # Channels left by a redirect, closing while their calls finish (cut short by close()).
+        self._retiring: dict[asyncio.Task[None], grpc.aio.Channel] = {}
         self._bind(self._channel)
 
     def _bind(self, channel: grpc.aio.Channel) -> None:
         raise NotImplementedError
 
+    def _switch(self, target: str) -> None:
+        old = self._channel
+        self.target = target
+        self._channel = open_channel(target, self.options)
+        self._bind(self._channel)
+        # Calls already running on the old channel (another task's, a stream) get one attempt's deadline.
+        task = asyncio.get_running_loop().create_task(old.close(grace=self.options.timeout_s))
+        self._retiring[task] = old
+        task.add_done_callback(lambda done: self._retiring.pop(done, None))
+
     def _redirect(self, leader: str) -> None:
         if leader and leader != self.target:
-            old = self._channel
-            self.target = leader
-            self._channel = open_channel(leader, self.options)
-            self._bind(self._channel)
-            asyncio.get_running_loop().create_task(old.close())
+            self._switch(leader)
+
+    def _fall_back(self) -> None:
+        """Back to the configured target, which reaches whichever replica leads now."""
+        if self.target != self.configured_target:
+            self._switch(self.configured_target)
+
+    def _follow(self, err: KvbridgeError, tried: str, unreachable: set[str]) -> None:
+        """Moves the client after an attempt on ``tried`` failed with ``err``: to the leader a NOT_LEADER
+        names, or back to the configured target when the redirected address gave no answer or does not
+        know the leader. ``unreachable`` (one per call or reconnect sequence) collects the redirected
+        addresses that gave no answer, so a stale NOT_LEADER still naming a dead leader is not followed."""
+        if err.reason == Reason.NOT_LEADER.value:
+            leader = err.metadata.get("leader", "")
+            if leader and leader not in unreachable:
+                self._redirect(leader)
+                return
+        elif err.reason or err.code not in _NO_ANSWER:
+            return  # the server answered: it is reachable, the error is the caller's to handle
+        elif tried != self.configured_target:
+            unreachable.add(tried)
+        if tried == self.target:  # not already moved by a concurrent call
+            self._fall_back()
 
     def _stub(self) -> Any:
         raise NotImplementedError
@@ -105,13 +145,15 @@ class BaseClient:
         exponential backoff, following NOT_LEADER redirects."""
         opts = self.options
         delays = backoff_delays(opts)
+        unreachable: set[str] = set()
         while True:
             # Looked up per attempt: a redirect rebinds the stub.
             fn = getattr(self._stub(), method)
+            tried = self.target
             try:
                 return await fn(request, timeout=timeout_s or opts.timeout_s, metadata=opts.metadata())
             except grpc.RpcError as exc:
-                await self._before_retry(from_rpc_error(exc), delays)
+                await self._before_retry(from_rpc_error(exc), delays, tried, unreachable)
 
     async def _server_stream(
         self, method: str, request: Any, *, timeout_s: float | None = None
@@ -121,7 +163,9 @@ class BaseClient:
         generation), so the typed error is raised instead. Closing the iterator cancels the call."""
         opts = self.options
         delays = backoff_delays(opts)
+        unreachable: set[str] = set()
         while True:
+            tried = self.target
             call = getattr(self._stub(), method)(
                 request, timeout=timeout_s or opts.stream_timeout_s, metadata=opts.metadata())
             received = False
@@ -133,22 +177,28 @@ class BaseClient:
             except grpc.RpcError as exc:
                 err = from_rpc_error(exc)
                 if received:
+                    self._follow(err, tried, unreachable)
                     raise err from None
-                await self._before_retry(err, delays)
+                await self._before_retry(err, delays, tried, unreachable)
             finally:
                 call.cancel()
 
-    async def _before_retry(self, err: KvbridgeError, delays: Iterator[float]) -> None:
-        """Raises ``err`` unless it is UNAVAILABLE with attempts left; then follows a NOT_LEADER redirect
-        and sleeps the backoff delay."""
+    async def _before_retry(
+        self, err: KvbridgeError, delays: Iterator[float], tried: str, unreachable: set[str]
+    ) -> None:
+        """Follows a NOT_LEADER redirect or falls back from a dead redirected address (also when ``err`` is
+        raised: the next call starts from there); then raises ``err`` unless it is UNAVAILABLE with
+        attempts left, else sleeps the backoff delay."""
+        self._follow(err, tried, unreachable)
         delay = next(delays, None) if err.code is grpc.StatusCode.UNAVAILABLE else None
         if delay is None:
             raise err from None
-        if err.reason == Reason.NOT_LEADER.value:
-            self._redirect(err.metadata.get("leader", ""))
         await asyncio.sleep(delay)
 
     async def close(self) -> None:
+        for task, channel in list(self._retiring.items()):
+            task.cancel()
+            await channel.close()
         await self._channel.close()
 
     async def __aenter__(self) -> Self:

@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf import duration_pb2
 
-from kvbridge.errors import from_rpc_error
+from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable, from_rpc_error
 from kvbridge.lease.v1 import lease_pb2 as pb
 from kvbridge.lease.v1 import lease_pb2_grpc as pb_grpc
 from kvbridge.types.v1 import types_pb2
@@ -111,7 +111,9 @@ class Heartbeater:
     gone is dropped and reported to ``on_lost``. A conversation stays registered
     until removed: it may have no lease yet (before its first turn finished) or
     get a new one with its next turn; ``on_lost`` hears when a lease it had ends.
-    A broken stream is re-opened with backoff; nothing waits forever.
+    A broken stream is re-opened with backoff; nothing waits forever. It reconnects to the leader a
+    NOT_LEADER names, and back to the client's configured target when that leader stops answering
+    (the stream shares the client's channel and redirect state).
     """
 
     def __init__(
@@ -185,16 +187,31 @@ class Heartbeater:
 
     async def _run(self) -> None:
         backoff = 0.1
+        # Redirected addresses that gave no answer since the stream last worked (see BaseClient._follow).
+        unreachable: set[str] = set()
         while True:
+            rounds = self.rounds
+            tried = self._client.target
             try:
                 await self._stream_once()
-                backoff = 0.1
+                failure: Exception | None = None
             except asyncio.CancelledError:
                 raise
             except Exception as exc:  # noqa: BLE001 - keep heartbeating through outages
-                log.warning("lease keep-alive stream failed (%s); retrying in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 5.0)
+                failure = exc
+            if self.rounds > rounds:  # the stream worked: whatever ended it is a fresh outage
+                backoff = 0.1
+                unreachable.clear()
+            if isinstance(failure, TimeoutError):  # a renewal went unanswered: as good as a dead address
+                failure = DeadlineExceeded("", "no KeepAlive response within the deadline")
+            if isinstance(failure, KvbridgeError):
+                # Reconnects to the leader a NOT_LEADER names, or falls back from a dead redirected one.
+                self._client._follow(failure, tried, unreachable)
+            if failure is not None:
+                log.warning("lease keep-alive stream to %s failed (%s); retrying in %.1fs via %s",
+                            tried, failure, backoff, self._client.target)
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 5.0)
 
     async def _stream_once(self) -> None:
         call = self._client._lease.KeepAlive(metadata=self._client.options.metadata())
@@ -213,6 +230,13 @@ class Heartbeater:
                     await asyncio.wait_for(self._wake.wait(), self.interval_s)
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
+        except asyncio.CancelledError:
+            # The client closed the channel under the stream (it moved to another address): reconnect.
+            # A cancel of this task itself is still pending on it and propagates.
+            task = asyncio.current_task()
+            if call.cancelled() and task is not None and task.cancelling() == 0:
+                raise Unavailable("", "the KeepAlive stream's channel was closed") from None
+            raise
         finally:
             call.cancel()
 

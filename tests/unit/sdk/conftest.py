@@ -1,6 +1,6 @@
-"""A scripted GatewayService on a real loopback gRPC server: each call takes the next step of a script
-(fail with a typed error, stream some chunks then fail, or succeed), so the SDK's retry rules can be
-checked call by call. Errors go out through the services' real boundary translation."""
+"""A scripted GatewayService (and a scripted LeaseService KeepAlive) on a real loopback gRPC server: each
+call takes the next step of a script (fail with a typed error, stream some chunks then fail, or succeed), so
+the SDK's retry rules can be checked call by call. Errors go out through the services' real boundary translation."""
 
 from __future__ import annotations
 
@@ -14,6 +14,7 @@ import pytest
 from kvbridge.errors import KvbridgeError
 from kvbridge.gateway.v1 import gateway_pb2 as pb
 from kvbridge.gateway.v1 import gateway_pb2_grpc as pb_grpc
+from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge_services.common.boundary import rpc_boundary, stream_boundary
 
 
@@ -93,3 +94,45 @@ async def scripted() -> AsyncIterator[Served]:
     server, address = await serve(servicer)
     yield Served(servicer, address)
     await server.stop(0)
+
+
+@dataclass
+class ScriptedLease(lease_pb2_grpc.LeaseServiceServicer):
+    """KeepAlive only: each stream takes the next error of ``script`` (None: renew every id as alive)."""
+
+    script: list[KvbridgeError | None] = field(default_factory=list)
+    streams: int = 0
+    renewals: int = 0
+
+    @stream_boundary
+    async def KeepAlive(self, request_iterator: AsyncIterator[lease_pb2.KeepAliveRequest],
+                        context: Any) -> AsyncIterator[lease_pb2.KeepAliveResponse]:
+        self.streams += 1
+        error = self.script.pop(0) if self.script else None
+        if error is not None:
+            raise error
+        async for request in request_iterator:
+            self.renewals += 1
+            response = lease_pb2.KeepAliveResponse()
+            for lease_id in request.lease_ids:
+                status = response.statuses.add(lease_id=lease_id, alive=True)
+                status.ttl.FromSeconds(30)
+            yield response
+
+    async def _unscripted(self, request: Any, context: Any) -> Any:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+
+    GrantLease = RevokeLease = GetLease = ListLeases = _unscripted
+
+    async def WatchLeases(self, request: lease_pb2.WatchLeasesRequest,
+                          context: Any) -> AsyncIterator[lease_pb2.WatchLeasesResponse]:
+        await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
+        yield lease_pb2.WatchLeasesResponse()  # unreachable: makes this an async generator
+
+
+async def serve_lease(servicer: ScriptedLease, port: int = 0) -> tuple[grpc.aio.Server, str]:
+    server = grpc.aio.server()
+    lease_pb2_grpc.add_LeaseServiceServicer_to_server(servicer, server)
+    port = server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    return server, f"127.0.0.1:{port}"
