@@ -157,10 +157,18 @@ class ControlPlane:
             log.exception("kvbridge control-plane thread crashed; retained blocks fall back to the TTL")
             self._emit(Connection(up=False))
 
+    def _channel(self, target: str, options: list[tuple[str, int]]) -> grpc.aio.Channel:
+        settings = self._settings
+        if settings.tls_ca is None:
+            return grpc.aio.insecure_channel(target, options=options)
+        credentials = grpc.ssl_channel_credentials(root_certificates=settings.tls_ca,
+                                                   private_key=settings.tls_key, certificate_chain=settings.tls_cert)
+        return grpc.aio.secure_channel(target, credentials, options=options)
+
     async def _main(self) -> None:
         options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
-        registry_channel = grpc.aio.insecure_channel(self._settings.registry_target, options=options)
-        lease_channel = grpc.aio.insecure_channel(self._settings.lease_target, options=options)
+        registry_channel = self._channel(self._settings.registry_target, options)
+        lease_channel = self._channel(self._settings.lease_target, options)
         self._registry = registry_pb2_grpc.RegistryServiceStub(registry_channel)
         self._lease = lease_pb2_grpc.LeaseServiceStub(lease_channel)
         tasks = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from kvbridge import telemetry
@@ -43,6 +44,23 @@ def _float(extra: Mapping[str, Any], name: str, default: float, low: float, high
     return value
 
 
+def _peer_tls(extra: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, bytes | None]:
+    """PEM files from ``kvbridge_tls_{ca,cert,key}_file`` or the services' ``KVBRIDGE_PEER_*_FILE`` variables."""
+    paths = {part: str(extra.get(f"kvbridge_tls_{part}_file") or env.get(f"KVBRIDGE_PEER_{part.upper()}_FILE") or "")
+             for part in ("ca", "cert", "key")}
+    if bool(paths["cert"]) != bool(paths["key"]):
+        raise ValueError("kvbridge_tls_cert_file and kvbridge_tls_key_file must be given together")
+    if paths["cert"] and not paths["ca"]:
+        raise ValueError("kvbridge_tls_cert_file/kvbridge_tls_key_file (mutual TLS) need kvbridge_tls_ca_file")
+    out: dict[str, bytes | None] = {}
+    for part, path in paths.items():
+        try:
+            out[f"tls_{part}"] = Path(path).read_bytes() if path else None
+        except OSError as exc:
+            raise ValueError(f"kvbridge_tls_{part}_file: {exc}") from exc
+    return out
+
+
 def _choice(extra: Mapping[str, Any], name: str, default: str, allowed: tuple[str, ...]) -> str:
     value = str(extra.get(name, default))
     if value not in allowed:
@@ -73,6 +91,10 @@ class ConnectorSettings:
     max_retained_entries: int = 4096
     # Run NIXL without its busy progress thread (~1 core per idle worker on CPU).
     nixl_progress_thread: bool = True
+    # TLS towards the registry and lease manager (PEM bytes); CA alone: TLS, + cert and key: mutual TLS.
+    tls_ca: bytes | None = field(default=None, repr=False)
+    tls_cert: bytes | None = field(default=None, repr=False)
+    tls_key: bytes | None = field(default=None, repr=False)
     # How D keeps retained blocks: "refcount" (its own reference on the blocks; the engine goes idle
     # between turns) or "delayed_free" (vLLM's delayed free: the engine keeps stepping while it holds).
     hold_blocks: str = "refcount"
@@ -110,6 +132,7 @@ class ConnectorSettings:
             queue_size=int(_float(extra, "kvbridge_queue_size", 1024, 16, 65536)),
             max_retained_entries=int(_float(extra, "kvbridge_max_retained_entries", 4096, 1, 1_000_000)),
             nixl_progress_thread=bool(extra.get("kvbridge_nixl_progress_thread", True)),
+            **_peer_tls(extra, env),
             hold_blocks=_choice(extra, "kvbridge_hold_blocks", "refcount", ("refcount", "delayed_free")),
             otlp_endpoint=_otlp_endpoint(extra, env),
             service_name=env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME,

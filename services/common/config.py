@@ -119,3 +119,32 @@ class ServerSettings(BaseSettings):
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
         return self
+
+
+class PeerTlsSettings(BaseSettings):
+    """TLS for a service's own gRPC clients towards other kvbridge services (gateway → registry and lease
+    manager, registry → lease manager). CA alone: verify the peer's certificate. CA + cert + key: mutual
+    TLS, for peers serving with ``KVBRIDGE_TLS_CLIENT_CA_FILE``. Unset: plaintext (loopback or a mesh)."""
+
+    model_config = SettingsConfigDict(env_prefix="KVBRIDGE_PEER_", extra="ignore")
+
+    ca_file: Path | None = None
+    cert_file: Path | None = None
+    key_file: Path | None = None
+    # The name the peer's certificate must carry, when it differs from the target's host name.
+    server_name: str = ""
+
+    @model_validator(mode="after")
+    def _check(self) -> PeerTlsSettings:
+        if (self.cert_file is None) != (self.key_file is None):
+            raise ValueError("peer cert_file and key_file must be given together")
+        if self.cert_file is not None and self.ca_file is None:
+            raise ValueError("peer cert_file/key_file (mutual TLS) need ca_file")
+        for path in (self.ca_file, self.cert_file, self.key_file):
+            if path is not None and not path.is_file():
+                raise ValueError(f"{path}: not a readable file")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return self.ca_file is not None

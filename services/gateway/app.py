@@ -10,7 +10,7 @@ import secrets
 import uvicorn
 from kvbridge.gateway.v1 import gateway_pb2_grpc
 from kvbridge_services.common.auth import Authenticator
-from kvbridge_services.common.config import ServerSettings
+from kvbridge_services.common.config import PeerTlsSettings, ServerSettings
 from kvbridge_services.common.server import GrpcServer, ServiceBinding
 from kvbridge_services.common.telemetry import Telemetry
 
@@ -28,7 +28,9 @@ class GatewayApp:
     """``await app.start()`` binds HTTP and gRPC (port 0 picks free ports); ``await app.stop()``."""
 
     def __init__(self, settings: GatewaySettings, *, auth: Authenticator | None = None,
-                 server_settings: ServerSettings | None = None, telemetry: Telemetry | None = None) -> None:
+                 server_settings: ServerSettings | None = None, telemetry: Telemetry | None = None,
+                 peer_tls: PeerTlsSettings | None = None) -> None:
+        """``peer_tls``: TLS towards the registry and lease manager (None: plaintext)."""
         self.settings = settings
         # Tracing (OTEL_*, set up by the composition root) and the registry behind /metrics.
         self.telemetry = telemetry or Telemetry.disabled("kvbridge-gateway")
@@ -39,7 +41,8 @@ class GatewayApp:
             secret = secrets.token_bytes(32)
         auth = auth or Authenticator.from_file(settings.api_keys_file)
         control = ControlPlane(settings.registry_address, settings.lease_address, api_key=settings.control_api_key,
-                               timeout_s=settings.control_timeout_s, tracer=self.telemetry.tracer)
+                               timeout_s=settings.control_timeout_s, tracer=self.telemetry.tracer,
+                               tls=peer_tls)
         self.core = GatewayCore(settings, auth, control, secret, telemetry=self.telemetry)
         self.http_app = build_http_app(self.core)
         grpc_settings = (server_settings or ServerSettings()).model_copy(update={"host": settings.host})

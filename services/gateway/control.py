@@ -18,6 +18,8 @@ from kvbridge.errors import KvbridgeError, from_rpc_error
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common.channels import peer_channel
+from kvbridge_services.common.config import PeerTlsSettings
 from kvbridge_services.common.telemetry import client_interceptors
 from opentelemetry import trace
 
@@ -64,7 +66,7 @@ def _traced(name: str) -> Callable[[Callable[Concatenate[ControlPlane, P], Await
 
 class ControlPlane:
     def __init__(self, registry_address: str, lease_address: str, *, api_key: str | None, timeout_s: float,
-                 tracer: trace.Tracer | None = None) -> None:
+                 tracer: trace.Tracer | None = None, tls: PeerTlsSettings | None = None) -> None:
         self._timeout = timeout_s
         self._tracer = tracer or trace.get_tracer("kvbridge.gateway")
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
@@ -72,11 +74,11 @@ class ControlPlane:
         self._registry: registry_pb2_grpc.RegistryServiceAsyncStub | None = None
         self._lease: lease_pb2_grpc.LeaseServiceAsyncStub | None = None
         if registry_address:
-            ch = grpc.aio.insecure_channel(registry_address, interceptors=client_interceptors())
+            ch = peer_channel(registry_address, tls, interceptors=client_interceptors())
             self._channels.append(ch)
             self._registry = registry_pb2_grpc.RegistryServiceStub(ch)
         if lease_address:
-            ch = grpc.aio.insecure_channel(lease_address, interceptors=client_interceptors())
+            ch = peer_channel(lease_address, tls, interceptors=client_interceptors())
             self._channels.append(ch)
             self._lease = lease_pb2_grpc.LeaseServiceStub(ch)
 

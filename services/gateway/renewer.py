@@ -83,7 +83,8 @@ class ConversationRenewer:
             try:
                 await self._stream_once()
                 failures = 0
-            except (grpc.RpcError, ConnectionError) as exc:
+            except (grpc.RpcError, ConnectionError, asyncio.InvalidStateError) as exc:
+                # InvalidStateError: a write raced the stream's end (the reader holds the real cause).
                 delay = _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
                 failures += 1
                 log.debug("conversation renewal stream failed (retry in %.1fs): %s", delay, exc)

@@ -9,7 +9,7 @@ import signal
 import sys
 
 from kvbridge_services.common.auth import Authenticator
-from kvbridge_services.common.config import ServerSettings, StoreSettings
+from kvbridge_services.common.config import PeerTlsSettings, ServerSettings, StoreSettings
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.base import Store
 from kvbridge_services.common.telemetry import Telemetry
@@ -29,6 +29,9 @@ Configuration comes from the environment:
   KVBRIDGE_ETCD_PREFIX           key prefix (default /kvbridge/v1)
   KVBRIDGE_ETCD_CA_FILE          PEM CA verifying etcd's certificate (unset: plaintext to etcd)
   KVBRIDGE_ETCD_CERT_FILE, KVBRIDGE_ETCD_KEY_FILE  client cert + key for etcd --client-cert-auth (mTLS)
+  KVBRIDGE_TLS_CERT_FILE, KVBRIDGE_TLS_KEY_FILE  serve TLS; + KVBRIDGE_TLS_CLIENT_CA_FILE: mutual TLS
+  KVBRIDGE_PEER_CA_FILE          PEM CA verifying the lease manager's certificate (unset: plaintext);
+                                 KVBRIDGE_PEER_CERT_FILE, KVBRIDGE_PEER_KEY_FILE: our client cert (mTLS)
   KVBRIDGE_HOST                  listen address (default 127.0.0.1)
   KVBRIDGE_API_KEYS_FILE         JSON API keys (unset: insecure dev mode)
   KVBRIDGE_LOG_LEVEL             default INFO
@@ -73,6 +76,7 @@ async def _serve() -> None:
         auth=Authenticator.from_file(server_settings.api_keys_file),
         store_timeout_s=store_settings.etcd_timeout_s,
         telemetry=telemetry,
+        peer_tls=PeerTlsSettings(),
     )
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()

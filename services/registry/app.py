@@ -8,7 +8,7 @@ import logging
 
 from kvbridge.registry.v1 import registry_pb2_grpc
 from kvbridge_services.common.auth import Authenticator
-from kvbridge_services.common.config import ServerSettings
+from kvbridge_services.common.config import PeerTlsSettings, ServerSettings
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.metered_store import MeteredStore
 from kvbridge_services.common.metrics_http import MetricsEndpoint
@@ -43,6 +43,7 @@ class RegistryApp:
         releaser: LeaseReleaser | None = None,
         store_timeout_s: float = 5.0,
         telemetry: Telemetry | None = None,
+        peer_tls: PeerTlsSettings | None = None,
     ) -> None:
         self.settings = settings or RegistrySettings()
         self.server_settings = server_settings or ServerSettings()
@@ -60,6 +61,7 @@ class RegistryApp:
                     self.settings.lease_service_target,
                     api_key=self.settings.lease_service_api_key,
                     timeout_s=self.settings.lease_rpc_timeout_s,
+                    tls=peer_tls,
                 )
             else:
                 releaser = LogOnlyReleaser()

@@ -17,6 +17,9 @@ from kvbridge.errors import from_rpc_error
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.types.v1 import types_pb2
 
+from ..common.channels import peer_channel
+from ..common.config import PeerTlsSettings
+
 log = logging.getLogger(__name__)
 
 
@@ -35,8 +38,9 @@ class LogOnlyReleaser:
 class GrpcLeaseReleaser:
     """Revokes through kvbridge.lease.v1.LeaseService."""
 
-    def __init__(self, target: str, *, api_key: str = "", timeout_s: float = 2.0) -> None:
-        self._channel = grpc.aio.insecure_channel(target)
+    def __init__(self, target: str, *, api_key: str = "", timeout_s: float = 2.0,
+                 tls: PeerTlsSettings | None = None) -> None:
+        self._channel = peer_channel(target, tls)
         self._stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._timeout_s = timeout_s

@@ -21,6 +21,7 @@ from kvbridge.errors import NotFound
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge_services.common.store.memory import MemoryStore
+from kvbridge_services.gateway.engines import PREFILL
 
 from .conftest import MODEL, call
 from .simstack import LONG, Stack
@@ -42,7 +43,10 @@ async def test_hung_prefill_engine_turns_end_within_the_deadline() -> None:
     store = MemoryStore()
     async with Stack(store, prefills=2, prefill_timeout_s=DEADLINE_S) as stack:
         msgs = [{"role": "user", "content": LONG}]
-        stack.prefill_sims[0].cfg.stall_s = 120.0  # p0 accepts requests and never answers
+        # The engine the pool would pick next accepts requests and never answers.
+        first_choice = stack.gateway.core.pool.choose(MODEL, PREFILL).url
+        hung = next(sim for sim in stack.prefill_sims if sim.url == first_choice)
+        hung.cfg.stall_s = 120.0
         outcomes: list[tuple[int, str, float]] = []
         wrong = 0
         for t in range(6):
@@ -57,8 +61,8 @@ async def test_hung_prefill_engine_turns_end_within_the_deadline() -> None:
                 msgs = [*msgs, {"role": "assistant", "content": answer}, {"role": "user", "content": f"t{t}"}]
             else:
                 outcomes.append((r.status_code, _error_code(r), took))
-        stalled = (await httpx.AsyncClient().get(stack.prefill_sims[0].url + "/sim/stats")).json()["stalled"]
-        print(f"\nhung prefill (1 of 2 P, deadline {DEADLINE_S}s): outcomes {outcomes}; p0 stalled {stalled} "
+        stalled = (await httpx.AsyncClient().get(hung.url + "/sim/stats")).json()["stalled"]
+        print(f"\nhung prefill (1 of 2 P, deadline {DEADLINE_S}s): outcomes {outcomes}; the hung one stalled {stalled} "
               f"requests; wrong answers {wrong}")
         assert stalled > 0  # the hung engine was really tried
         # ... and then ejected: it answers /health, but after a timeout it gets no new turns for a while.
