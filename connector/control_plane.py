@@ -23,6 +23,7 @@ from google.protobuf import duration_pb2
 from kvbridge import hashchain
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
+from kvbridge.sdk.channel import tls_channel
 from kvbridge.types.v1 import types_pb2
 from kvbridge_connector import tracing
 from kvbridge_connector.params import ConversationRef
@@ -157,18 +158,13 @@ class ControlPlane:
             log.exception("kvbridge control-plane thread crashed; retained blocks fall back to the TTL")
             self._emit(Connection(up=False))
 
-    def _channel(self, target: str, options: list[tuple[str, int]]) -> grpc.aio.Channel:
-        settings = self._settings
-        if settings.tls_ca is None:
-            return grpc.aio.insecure_channel(target, options=options)
-        credentials = grpc.ssl_channel_credentials(root_certificates=settings.tls_ca,
-                                                   private_key=settings.tls_key, certificate_chain=settings.tls_cert)
-        return grpc.aio.secure_channel(target, credentials, options=options)
-
     async def _main(self) -> None:
         options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
-        registry_channel = self._channel(self._settings.registry_target, options)
-        lease_channel = self._channel(self._settings.lease_target, options)
+        settings = self._settings
+        registry_channel, lease_channel = (
+            tls_channel(target, root_certificates=settings.tls_ca, private_key=settings.tls_key,
+                        certificate_chain=settings.tls_cert, options=options)
+            for target in (settings.registry_target, settings.lease_target))
         self._registry = registry_pb2_grpc.RegistryServiceStub(registry_channel)
         self._lease = lease_pb2_grpc.LeaseServiceStub(lease_channel)
         tasks = [

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import grpc
+from kvbridge.sdk.channel import tls_channel
 
 from .config import PeerTlsSettings
 
@@ -13,11 +14,10 @@ def peer_channel(target: str, tls: PeerTlsSettings | None = None, *,
                  interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None) -> grpc.aio.Channel:
     """A channel to another service; secure when ``tls`` names a CA (with a client certificate: mTLS)."""
     if tls is None or tls.ca_file is None:
-        return grpc.aio.insecure_channel(target, interceptors=interceptors)
-    credentials = grpc.ssl_channel_credentials(
-        root_certificates=tls.ca_file.read_bytes(),
+        return tls_channel(target, root_certificates=None, interceptors=interceptors)
+    return tls_channel(
+        target, root_certificates=tls.ca_file.read_bytes(),
         private_key=tls.key_file.read_bytes() if tls.key_file is not None else None,
         certificate_chain=tls.cert_file.read_bytes() if tls.cert_file is not None else None,
+        server_name=tls.server_name, interceptors=interceptors,
     )
-    options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else None
-    return grpc.aio.secure_channel(target, credentials, options=options, interceptors=interceptors)

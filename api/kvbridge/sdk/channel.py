@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncGenerator, Iterator
+from collections.abc import AsyncGenerator, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -57,24 +57,35 @@ def backoff_delays(options: ClientOptions) -> Iterator[float]:
         delay = min(delay * 2, options.backoff_max_s)
 
 
+def tls_channel(target: str, *, root_certificates: bytes | None, private_key: bytes | None = None,
+                certificate_chain: bytes | None = None, server_name: str | None = None,
+                options: Sequence[tuple[str, Any]] = (),
+                interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None) -> grpc.aio.Channel:
+    """Plaintext without root certificates; TLS with them; mutual TLS with a client certificate and key too.
+
+    One place for every kvbridge gRPC client: the SDK, the services' calls to each other, the connector.
+    """
+    opts = list(options)
+    if root_certificates is None:
+        return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)
+    creds = grpc.ssl_channel_credentials(root_certificates=root_certificates, private_key=private_key,
+                                         certificate_chain=certificate_chain)
+    if server_name:
+        opts.append(("grpc.ssl_target_name_override", server_name))
+    return grpc.aio.secure_channel(target, creds, options=opts, interceptors=interceptors)
+
+
 def open_channel(target: str, options: ClientOptions) -> grpc.aio.Channel:
-    opts: list[tuple[str, Any]] = [
-        ("grpc.max_receive_message_length", options.max_message_bytes),
-        ("grpc.max_send_message_length", options.max_message_bytes),
-        ("grpc.keepalive_time_ms", 30_000),
-    ]
     if (options.client_certificate_chain is None) != (options.client_private_key is None):
         raise ValueError("client_certificate_chain and client_private_key must be given together")
-    if options.root_certificates is not None:
-        creds = grpc.ssl_channel_credentials(root_certificates=options.root_certificates,
-                                             private_key=options.client_private_key,
-                                             certificate_chain=options.client_certificate_chain)
-        if options.tls_server_name:
-            opts.append(("grpc.ssl_target_name_override", options.tls_server_name))
-        return grpc.aio.secure_channel(target, creds, options=opts)
-    if options.client_certificate_chain is not None:
+    if options.root_certificates is None and options.client_certificate_chain is not None:
         raise ValueError("a client certificate needs root_certificates (TLS)")
-    return grpc.aio.insecure_channel(target, options=opts)
+    return tls_channel(target, root_certificates=options.root_certificates,
+                       private_key=options.client_private_key,
+                       certificate_chain=options.client_certificate_chain, server_name=options.tls_server_name,
+                       options=[("grpc.max_receive_message_length", options.max_message_bytes),
+                                ("grpc.max_send_message_length", options.max_message_bytes),
+                                ("grpc.keepalive_time_ms", 30_000)])
 
 
 # Codes of an attempt that got no answer from the server (with no ErrorInfo: the transport failed).
