@@ -321,7 +321,7 @@ class TurnRouter:
             # A plain prefill that timed out is worth one try on another prefill engine, if there is one.
             other = self._pool.choose(turn.model, PREFILL, exclude=frozenset({engine.url})) \
                 if exc.timed_out and self._pool.count(turn.model, PREFILL) > 1 else None
-            if other is None or other is engine:
+            if other is None:
                 raise _upstream_failure("prefill", exc) from exc
             log.warning("prefill on %s timed out; trying %s", engine.url, other.url)
         try:

@@ -56,19 +56,28 @@ async def _gateway(pd: PDEngines, *, reuse: bool) -> AsyncIterator[GatewayApp]:
         await store.close()
 
 
+EDIT_AT = 170  # inside turn 1's 200 prompt tokens, past the first 128-token checkpoint span
+CHAIN_STRIDE = RegistrySettings().chain_stride
+
+
+async def _complete(c: httpx.AsyncClient, gw: GatewayApp, prompt: list[int], conv: str, *,
+                    max_tokens: int = 16) -> tuple[str, list[int]]:
+    """One greedy completion turn through the gateway; its reuse verdict and output token ids."""
+    r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
+                                              "temperature": 0, "conversation_id": conv, "return_token_ids": True})
+    assert r.status_code == 200, r.text
+    await gw.core.router.drain()
+    return r.headers["x-kvbridge-reuse"], r.json()["choices"][0]["token_ids"]
+
+
 async def _conversation(gw: GatewayApp, conv: str, turns: int) -> list[tuple[str, list[int]]]:
     rng = random.Random(5)
     prompt = [rng.randrange(10, 500) for _ in range(200)]
     out = []
     async with httpx.AsyncClient(base_url=gw.http_url, timeout=600) as c:
         for _ in range(turns):
-            r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 24,
-                                                      "temperature": 0, "conversation_id": conv,
-                                                      "return_token_ids": True})
-            assert r.status_code == 200, r.text
-            await gw.core.router.drain()
-            ids = r.json()["choices"][0]["token_ids"]
-            out.append((r.headers["x-kvbridge-reuse"], ids))
+            verdict, ids = await _complete(c, gw, prompt, conv, max_tokens=24)
+            out.append((verdict, ids))
             prompt = prompt + ids + [rng.randrange(10, 500) for _ in range(20)]
     return out
 
@@ -87,18 +96,6 @@ async def test_gateway_reuses_decode_kv_and_answers_equal_no_reuse(pd_engines: P
         # The gateway timed the pull out and recomputed correctly; the reuse claim is not shown by this run.
         pytest.xfail(f"vLLM's NIXL pull stalled on this host; gateway fell back to recompute: {stalled}")
     assert all(v.startswith("hit;") for v, _ in with_reuse[1:]), with_reuse
-
-
-EDIT_AT = 170  # inside turn 1's 200 prompt tokens, past the first 128-token checkpoint span
-CHAIN_STRIDE = RegistrySettings().chain_stride
-
-
-async def _complete(c: httpx.AsyncClient, gw: GatewayApp, prompt: list[int], conv: str) -> tuple[str, list[int]]:
-    r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": 16,
-                                              "temperature": 0, "conversation_id": conv, "return_token_ids": True})
-    assert r.status_code == 200, r.text
-    await gw.core.router.drain()
-    return r.headers["x-kvbridge-reuse"], r.json()["choices"][0]["token_ids"]
 
 
 async def _edited_and_foreign(gw: GatewayApp) -> list[tuple[str, list[int]]]:
