@@ -215,10 +215,10 @@ class ControlPlane:
         """One KeepAlive round trip renewing leases by id and conversations by (tenant, model, key)."""
         refs = [lease_pb2.ConversationRef(tenant=t, model=m, conversation_key=k) for t, m, k in conversations]
         req = lease_pb2.KeepAliveRequest(lease_ids=list(lease_ids), conversations=refs)
-        call = self._lse().KeepAlive(timeout=self._timeout, metadata=self._metadata)
+        # The request goes in as an iterable, not call.write(): a write racing the stream's end raises
+        # InvalidStateError and hides the status; this way every failure surfaces as the RpcError.
+        call = self._lse().KeepAlive(iter([req]), timeout=self._timeout, metadata=self._metadata)
         try:
-            await call.write(req)
-            await call.done_writing()
             resp = await call.read()
         except grpc.RpcError as exc:
             raise self._wrap(exc, "KeepAlive") from exc

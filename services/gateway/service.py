@@ -83,8 +83,12 @@ class GatewayCore:
         for t in self._tasks:
             t.cancel()
         for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
+            try:
                 await t
+            except asyncio.CancelledError:
+                pass
+            except Exception:  # a loop that died must not stop the shutdown
+                log.exception("background task failed")
         self._tasks.clear()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.router.close(), timeout=5)
@@ -152,6 +156,9 @@ class GatewayCore:
                 statuses = await self.control.keep_alive(lease_ids=list(self._node_leases.values()))
             except ControlPlaneError as exc:
                 log.warning("node lease renewal failed: %s", exc)
+                continue
+            except Exception:
+                log.exception("node lease renewal failed")
                 continue
             if any(not st.alive for st in statuses):
                 log.warning("a static engine's node lease ended; registering again")

@@ -8,6 +8,7 @@ import pytest
 from kvbridge.errors import NotFound
 from kvbridge.sdk import ClientOptions, GatewayClient, LeaseClient, RegistryClient
 from kvbridge_services.common.config import ServerSettings
+from kvbridge_services.gateway.control import ControlPlaneError
 from kvbridge_services.gateway.renewer import ConversationRenewer
 from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
@@ -89,3 +90,17 @@ async def test_closing_right_after_a_turn_also_releases_what_that_turn_is_regist
         async with RegistryClient(stack.registry.address) as reg:
             with pytest.raises(NotFound):
                 await reg.get_entry("acme", MODEL, "closing")
+
+
+async def test_a_node_lease_renewal_with_the_lease_manager_gone_is_a_control_plane_error() -> None:
+    async with running_stack() as stack:
+        assert stack.lease is not None
+        control = stack.gateway.core.control
+        assert await control.keep_alive(lease_ids=[1])  # reachable: one status per id
+        await stack.lease.stop()
+        # Whatever the race between the request and the stream's end, the failure is the RPC's status
+        # (a ControlPlaneError), never grpc's InvalidStateError, which once escaped the gateway's stop().
+        for _ in range(20):
+            with pytest.raises(ControlPlaneError):
+                await control.keep_alive(lease_ids=[1])
+        await stack.gateway.core.stop()  # the node-lease loop's failures do not escape the shutdown
