@@ -225,9 +225,10 @@ class ControlPlane:
 
     async def _renew(self, lease_ids: Sequence[int]) -> set[int]:
         """One KeepAlive round trip; the ids still alive."""
-        call = self._lease.KeepAlive(metadata=self._metadata, timeout=self._settings.rpc_deadline_s)
-        await call.write(lease_pb2.KeepAliveRequest(lease_ids=list(lease_ids)))
-        await call.done_writing()
+        # The request as an iterable, not call.write(): a write racing the stream's end raises
+        # InvalidStateError, which would end the node loop; this way every failure is the AioRpcError.
+        call = self._lease.KeepAlive(iter([lease_pb2.KeepAliveRequest(lease_ids=list(lease_ids))]),
+                                     metadata=self._metadata, timeout=self._settings.rpc_deadline_s)
         alive: set[int] = set()
         async for response in call:
             alive.update(s.lease_id for s in response.statuses if s.alive)

@@ -85,11 +85,12 @@ class LeaseClient(BaseClient):
         self, lease_ids: list[int], conversations: list[pb.ConversationRef] | None = None
     ) -> list[pb.LeaseStatus]:
         """One KeepAlive round trip on a short-lived stream (for occasional renewals)."""
-        call = self._lease.KeepAlive(metadata=self.options.metadata(), timeout=self.options.timeout_s)
+        # The request as an iterable, not call.write(): a write racing the stream's end raises
+        # InvalidStateError and hides the status; this way every failure is the RpcError.
+        req = pb.KeepAliveRequest(lease_ids=lease_ids, conversations=conversations or [])
+        call = self._lease.KeepAlive(iter([req]), metadata=self.options.metadata(), timeout=self.options.timeout_s)
         try:
-            await call.write(pb.KeepAliveRequest(lease_ids=lease_ids, conversations=conversations or []))
             resp = await call.read()
-            await call.done_writing()
         except grpc.RpcError as exc:
             raise from_rpc_error(exc) from None
         if not isinstance(resp, pb.KeepAliveResponse):
@@ -219,7 +220,12 @@ class Heartbeater:
         try:
             while True:
                 for req in self._batches():
-                    await call.write(req)
+                    try:
+                        await call.write(req)
+                    except asyncio.InvalidStateError:
+                        # The stream ended under the write: reading it raises its status (the real cause).
+                        await call.read()
+                        return
                     resp = await asyncio.wait_for(call.read(), self._client.options.timeout_s)
                     if not isinstance(resp, pb.KeepAliveResponse):
                         return  # EOF: the server ended the stream
