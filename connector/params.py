@@ -9,15 +9,21 @@ served normally, only not registered.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
+
+from kvbridge import hashchain
 
 CONVERSATION_KEY = "kvbridge_conversation_key"
 TENANT = "kvbridge_tenant"
 EPOCH = "kvbridge_epoch"
 # Optional: overrides the served model name used in the hash chain and entry key.
 MODEL = "kvbridge_model"
+
+# On a prefill's pull: the digest of the verified prompt prefix, checked against P's own prompt
+# (kvbridge.hashchain.prefix_digest; docs/hash-chain.md).
+PREFIX_DIGEST = "kvbridge_prefix_digest"
 
 # Added by the connector to D's returned params once it retains blocks under kvbridge.
 RETAINED = "kvbridge_retained"
@@ -51,3 +57,17 @@ def parse_conversation(params: Mapping[str, Any] | None, default_model: str) -> 
     if not isinstance(model, str) or not 0 < len(model) <= _MODEL_MAX:
         return None
     return ConversationRef(tenant=tenant, model=model, conversation_key=key, epoch=epoch)
+
+
+def prompt_prefix_problem(params: Mapping[str, Any], prompt_token_ids: Sequence[int], *, required: bool) -> str:
+    """Why P must not pull what ``params`` offer for this prompt ("" when it may): the gateway's digest
+    of the verified prefix must match P's own first ``remote_num_tokens`` prompt tokens."""
+    digest = params.get(PREFIX_DIGEST)
+    if digest is None:
+        return "no_prefix_digest" if required else ""
+    tokens = params.get("remote_num_tokens")
+    if not isinstance(digest, str) or isinstance(tokens, bool) or not isinstance(tokens, int):
+        return "bad_prefix_digest"
+    if not 0 < tokens <= len(prompt_token_ids):
+        return "bad_prefix_digest"
+    return "" if hashchain.prefix_digest(prompt_token_ids, tokens) == digest else "prompt_mismatch"

@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvbridge.types.v1 import types_pb2
 from kvbridge_connector import control_plane as cp
-from kvbridge_connector.params import RETAINED, parse_conversation
+from kvbridge_connector.params import RETAINED, parse_conversation, prompt_prefix_problem
 from kvbridge_connector.pulls import PullReporter, bytes_per_token
 from kvbridge_connector.retention import RetentionTable
 from kvbridge_connector.settings import ConnectorSettings
@@ -110,6 +110,16 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             if offered:
                 self._trace_decline(request, num_computed_tokens, "read_back_already_attempted")
             return 0, False
+        if offered and params:
+            problem = prompt_prefix_problem(params, request.prompt_token_ids or (),
+                                            required=self.settings.require_prefix_digest)
+            if problem:
+                # Never load KV verified for other tokens: without the block ids vLLM neither pulls
+                # nor contacts D, and P computes the prompt itself.
+                params.pop("remote_block_ids", None)
+                log.warning("kvbridge: declining the pull for request %s: %s", request.request_id, problem)
+                self._trace_decline(request, num_computed_tokens, problem)
+                return 0, False
         count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if count > 0 and offered and params:
             # Prefill pulling back from a decode engine (the gateway verified and truncated the

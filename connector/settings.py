@@ -98,6 +98,9 @@ class ConnectorSettings:
     # How D keeps retained blocks: "refcount" (its own reference on the blocks; the engine goes idle
     # between turns) or "delayed_free" (vLLM's delayed free: the engine keeps stepping while it holds).
     hold_blocks: str = "refcount"
+    # Prefill: decline (recompute) a pull offer that carries no prompt-prefix digest. Off only for
+    # routers other than the gateway that cannot send one (docs/connector.md).
+    require_prefix_digest: bool = True
     # OTLP/gRPC endpoint for connector spans; None: tracing off ("" = the exporter's default endpoint).
     otlp_endpoint: str | None = None
     service_name: str = DEFAULT_SERVICE_NAME
@@ -134,6 +137,7 @@ class ConnectorSettings:
             nixl_progress_thread=bool(extra.get("kvbridge_nixl_progress_thread", True)),
             **_peer_tls(extra, env),
             hold_blocks=_choice(extra, "kvbridge_hold_blocks", "refcount", ("refcount", "delayed_free")),
+            require_prefix_digest=bool(extra.get("kvbridge_require_prefix_digest", True)),
             otlp_endpoint=_otlp_endpoint(extra, env),
             service_name=env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME,
             telemetry_hash_key=_hash_key(

@@ -11,6 +11,14 @@ Exact definition (docs/hash-chain.md has the same text and test vectors):
 Only full blocks are hashed. Because every hash covers its predecessor, two
 chains equal at block i are equal at every block below i (up to collisions of
 a keyed 128-bit hash), which is what lets the registry binary-search them.
+
+The prompt-prefix digest (``prefix_digest``) is the unkeyed check prefill runs
+before it pulls: the gateway verified tokens[0:K] against D's chain, and P
+recomputes the digest over its own prompt's first K tokens, so P never loads
+KV for tokens that differ from the ones verified (e.g. if the gateway's and P's
+tokenizations ever disagreed):
+
+    digest = hex(SHA-256(lp(PREFIX_DIGEST_TAG) || uint32_le(K) || tokens[0:K] as uint32_le each))
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from array import array
 from collections.abc import Sequence
 
 DOMAIN_TAG = "kvbridge.block-hash-chain.v1"
+PREFIX_DIGEST_TAG = "kvbridge.prompt-prefix.v1"
 HASH_BYTES = 16
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 64  # BLAKE2b's maximum key length
@@ -145,3 +154,11 @@ __all__ = [
     "extend",
     "common_prefix_blocks",
 ]
+
+
+def prefix_digest(token_ids: Sequence[int], num_tokens: int) -> str:
+    """Hex SHA-256 digest of the first ``num_tokens`` token ids (definition in the module docstring)."""
+    if not 0 < num_tokens <= len(token_ids):
+        raise ValueError(f"num_tokens must be 1..{len(token_ids)}, got {num_tokens}")
+    head = _lp(PREFIX_DIGEST_TAG) + _U32.pack(num_tokens)
+    return hashlib.sha256(head + _token_bytes(token_ids[:num_tokens])).hexdigest()

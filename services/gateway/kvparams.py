@@ -11,11 +11,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge import hashchain
 from kvbridge import telemetry as tel
 
 # Extra keys the gateway adds for D so a kvbridge connector there can register the new state.
 CONVERSATION_KEY_PARAM = "kvbridge_conversation_key"
 TENANT_PARAM = "kvbridge_tenant"
+# P recomputes this over its own prompt before pulling (docs/hash-chain.md, "Prompt-prefix digest").
+PREFIX_DIGEST_PARAM = "kvbridge_prefix_digest"
 EPOCH_PARAM = "kvbridge_epoch"
 
 _INTERNAL_BODY_KEYS = ("kv_transfer_params", "conversation_id")
@@ -95,8 +98,10 @@ def plain_prefill_params() -> dict[str, Any]:
     return {"do_remote_decode": True, "do_remote_prefill": False}
 
 
-def reuse_prefill_params(source: PullSource, tokens: int, block_size: int) -> dict[str, Any]:
-    """P's params: produce KV for a remote decode, and pull the first ``tokens`` tokens' KV from D."""
+def reuse_prefill_params(source: PullSource, tokens: int, block_size: int, *,
+                         prompt_ids: Sequence[int]) -> dict[str, Any]:
+    """P's params: produce KV for a remote decode, and pull the first ``tokens`` tokens' KV from D
+    (with the digest of the verified prompt prefix, which P checks against its own prompt)."""
     params: dict[str, Any] = {
         **plain_prefill_params(),
         "remote_engine_id": source.engine_id,
@@ -108,6 +113,7 @@ def reuse_prefill_params(source: PullSource, tokens: int, block_size: int) -> di
         "tp_size": max(1, source.tp_size),
         "pp_size": max(1, source.pp_size),
         "dcp_size": max(1, source.dcp_size),
+        PREFIX_DIGEST_PARAM: hashchain.prefix_digest(prompt_ids, tokens),
     }
     if source.expiry_time is not None:
         params["remote_blocks_expiry_time"] = source.expiry_time

@@ -294,7 +294,8 @@ class TurnRouter:
 
     async def _prefill(self, turn: Turn, plan: _Plan, engine: EngineState) -> dict[str, Any]:
         if plan.source is not None and plan.source_key is not None:
-            params = kvparams.reuse_prefill_params(plan.source, plan.reuse_tokens, plan.block_size)
+            params = kvparams.reuse_prefill_params(plan.source, plan.reuse_tokens, plan.block_size,
+                                                  prompt_ids=plan.prompt_ids or ())
             self._pulling.add(plan.source_key)
             if self._s.single_use_entries:
                 self._mark_consumed(plan.source_key)

@@ -10,7 +10,11 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge import hashchain
+
 from tests.fixtures.vllm_engines import Engine
+
+PREFIX_DIGEST = "kvbridge_prefix_digest"  # the gateway's field (services/gateway/kvparams.py)
 
 # Fields of D's returned params a router sends back to P for a reuse pull.
 REUSE_FIELDS = (
@@ -49,11 +53,18 @@ class TurnResult:
 def pd_turn(
     prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int, *,
     reuse: dict[str, Any] | None = None, decode_extra: dict[str, Any] | None = None,
+    verified: list[int] | None = None,
 ) -> TurnResult:
-    """One disaggregated turn; ``reuse`` is D's params from an earlier turn (pull them back)."""
+    """One disaggregated turn; ``reuse`` is D's params from an earlier turn (pull them back), sent with
+    the prefix digest of ``verified`` (default: the prompt), as the gateway sends it for the tokens it
+    verified."""
     p_params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
     if reuse is not None:
         p_params = {key: reuse[key] for key in REUSE_FIELDS if key in reuse}
+        verified = prompt if verified is None else verified
+        pulled = int(reuse.get("remote_num_tokens") or 0)
+        if 0 < pulled <= len(verified):
+            p_params[PREFIX_DIGEST] = hashchain.prefix_digest(verified, pulled)
     p_response = completion(prefill, prompt, 1, p_params)
     prefill_params = dict(p_response["kv_transfer_params"])
     d_params = dict(prefill_params)

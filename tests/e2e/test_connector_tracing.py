@@ -97,7 +97,8 @@ async def test_turn_two_trace_shows_decode_registration_and_prefill_pull(
                                          block_groups=[list(g.ids) for g in entry.block_ids])
             tokens = kvparams.reusable_tokens(entry.token_count, len(prompt), BLOCK_SIZE)
             p_out = await asyncio.to_thread(completion, prefill, prompt, 1,
-                                            kvparams.reuse_prefill_params(source, tokens, BLOCK_SIZE))
+                                            kvparams.reuse_prefill_params(source, tokens, BLOCK_SIZE,
+                                                                                prompt_ids=prompt))
             d_params = kvparams.decode_params(p_out["kv_transfer_params"], **_fields(epoch + 1))
             d_out = await asyncio.to_thread(completion, decode, prompt, 24, d_params)
         epoch += 1

@@ -18,7 +18,7 @@ from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.types.v1 import types_pb2
 
 from tests.e2e.conftest import ENTRY_LEASE_TTL_S, HASH_SECRET, OLD_TTL_S
-from tests.e2e.pd_client import REUSE_FIELDS, completion, pd_turn, random_tokens
+from tests.e2e.pd_client import PREFIX_DIGEST, REUSE_FIELDS, completion, pd_turn, random_tokens
 from tests.fixtures.control_plane_procs import ControlPlaneProcs
 from tests.fixtures.vllm_engines import BLOCK_SIZE, Engine, EnginePool, PDEngines
 
@@ -209,6 +209,29 @@ def lookup(procs: ControlPlaneProcs, conversation: str, token_ids: list[int]) ->
         ), timeout=5)
 
 
+def test_prefill_declines_a_pull_verified_for_other_tokens(
+    kvbridge_pd: PDEngines, control_plane: ControlPlaneProcs
+) -> None:
+    """P checks the verified prefix's digest against its own prompt: if a router verified other tokens
+    (a tokenizer disagreement, a bug), P recomputes instead of loading KV that belongs to other text."""
+    prefill, decode = kvbridge_pd.prefill, kvbridge_pd.decode
+    rng = random.Random(31)
+    prompt = random_tokens(rng, 130)
+    with Heartbeater(control_plane.lease_target) as heartbeater:
+        first = pd_turn(prefill, decode, prompt, 20, decode_extra=kvbridge_fields("conv-digest", 1))
+        heartbeater.lease_ids = {wait_for_entry(control_plane, "conv-digest", 1).lease_id}
+        verified = prompt + first.output_ids + random_tokens(rng, 20)
+        edited = list(verified)
+        edited[40] = 8 if edited[40] != 8 else 9  # what P actually got differs inside the pulled prefix
+        expected = pd_turn(prefill, decode, edited, 10).output_ids
+        mismatched = pd_turn(prefill, decode, edited, 10, reuse=first.decode_params, verified=verified)
+        assert mismatched.pulled_tokens == 0, "P loaded KV verified for other tokens"
+        assert mismatched.output_ids == expected
+        # The same offer for the tokens P really has is pulled (the lease still holds D's blocks).
+        matching = pd_turn(prefill, decode, verified, 10, reuse=first.decode_params)
+        assert matching.pulled_tokens == first.decode_params["remote_num_tokens"]
+
+
 def test_killed_decode_ends_its_leases_and_prefill_recomputes(
     kvbridge_pd: PDEngines, control_plane: ControlPlaneProcs, engine_pool: EnginePool
 ) -> None:
@@ -234,7 +257,9 @@ def test_killed_decode_ends_its_leases_and_prefill_recomputes(
         assert verdict != registry_pb2.LOOKUP_VERDICT_HIT, "the dead engine's entry is still offered"
 
         # A router holding stale params anyway: P's pull fails and it recomputes, correctly.
-        stale = completion(prefill, follow_up, 1, {k: first.decode_params[k] for k in REUSE_FIELDS})
+        pulled = first.decode_params["remote_num_tokens"]
+        stale = completion(prefill, follow_up, 1, {**{k: first.decode_params[k] for k in REUSE_FIELDS},
+                                                   PREFIX_DIGEST: hashchain.prefix_digest(follow_up, pulled)})
         fresh = completion(prefill, follow_up, 1, {"do_remote_decode": True, "do_remote_prefill": False})
         assert stale["kv_transfer_params"].get("remote_prefill_cached_tokens", 0) == 0
         assert stale["choices"][0]["token_ids"] == fresh["choices"][0]["token_ids"]

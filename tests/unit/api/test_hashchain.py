@@ -62,3 +62,16 @@ def test_validation() -> None:
     for bad_token in (-1, 2**32):
         with pytest.raises(ValueError):
             hc.chain(*ARGS, [1, 2, 3, bad_token])
+
+
+def test_prefix_digest_covers_exactly_the_first_k_tokens() -> None:
+    tokens = list(range(100, 164))
+    d = hc.prefix_digest(tokens, 32)
+    assert d == hc.prefix_digest([*tokens[:32], 9, 9, 9], 32)  # later tokens don't matter
+    assert d != hc.prefix_digest(tokens, 31) != hc.prefix_digest(tokens, 33)
+    edited = [*tokens[:31], 7, *tokens[32:]]
+    assert hc.prefix_digest(edited, 32) != d and hc.prefix_digest(edited, 31) == \
+        hc.prefix_digest(tokens, 31)
+    for bad in (0, 65):
+        with pytest.raises(ValueError):
+            hc.prefix_digest(tokens, bad)

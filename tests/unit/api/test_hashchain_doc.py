@@ -29,3 +29,20 @@ def test_doc_vectors_match_code() -> None:
         assert [h.hex() for h in got] == v["hashes"], v
         if "seed" in v:
             assert hashchain.seed(*args).hex() == v["seed"]  # type: ignore[arg-type]
+
+
+def test_doc_prefix_digest_vectors_match_code_and_the_definition() -> None:
+    import hashlib
+    import struct
+
+    match = re.search(r"```digest-vectors\n(.*?)```", DOC.read_text(), re.S)
+    assert match, "docs/hash-chain.md lost its ```digest-vectors block"
+    vectors = [json.loads(line) for line in match.group(1).splitlines() if line.strip()]
+    assert len(vectors) >= 2
+    for v in vectors:
+        n, tokens = v["num_tokens"], v["tokens"]
+        tag = hashchain.PREFIX_DIGEST_TAG.encode()
+        # The definition, spelled out independently of the implementation.
+        raw = struct.pack("<I", len(tag)) + tag + struct.pack("<I", n) + struct.pack(f"<{n}I", *tokens[:n])
+        assert hashlib.sha256(raw).hexdigest() == v["digest"]
+        assert hashchain.prefix_digest(tokens, n) == v["digest"]

@@ -89,10 +89,13 @@ async def receiver() -> AsyncIterator[OtlpReceiver]:
 
 
 # ---- prefill: pulls and declines ----------------------------------------------------------------
+PROMPT = list(range(10, 210))
+
+
 def _pull_params(tokens: int) -> dict[str, Any]:
     source = kvparams.PullSource(engine_id="decode-0", request_id="d-req-1", host="127.0.0.1", port=5600,
                                  block_groups=[list(range(1, 9))])
-    return kvparams.reuse_prefill_params(source, tokens, BLOCK)
+    return kvparams.reuse_prefill_params(source, tokens, BLOCK, prompt_ids=PROMPT)
 
 
 def named(spans: list[ReceivedSpan], name: str, request_id: str) -> list[ReceivedSpan]:
@@ -106,10 +109,10 @@ async def test_prefill_pull_spans_continue_the_turn_trace(vllm_configs: dict[str
     with scheduler(vllm_configs, "kv_producer", {"kvbridge_otlp_endpoint": receiver.endpoint}) as sched:
         assert sched.tracer.enabled
         with turn_span() as turn:
-            ok = FakeRequest("p-ok", _pull_params(96), list(range(10, 210)))
-            bad = FakeRequest("p-bad", _pull_params(96), list(range(10, 210)))
-            small = FakeRequest("p-small", _pull_params(32), list(range(10, 210)))
-            cached = FakeRequest("p-cached", _pull_params(96), list(range(10, 210)))
+            ok = FakeRequest("p-ok", _pull_params(96), PROMPT)
+            bad = FakeRequest("p-bad", _pull_params(96), PROMPT)
+            small = FakeRequest("p-small", _pull_params(32), PROMPT)
+            cached = FakeRequest("p-cached", _pull_params(96), PROMPT)
         assert ok.kv_transfer_params[tel.KV_PARAMS_TRACEPARENT].split("-")[1] == f"{turn.trace_id:032x}"
         assert sched.get_num_new_matched_tokens(ok, 0) == (96, True)
         assert sched.get_num_new_matched_tokens(ok, 0) == (96, True)  # vLLM may ask again: one pull
@@ -160,7 +163,7 @@ async def test_vllm_trace_headers_are_the_fallback_parent(vllm_configs: dict[str
         params.pop(tel.KV_PARAMS_TRACEPARENT, None)
         with turn_span() as turn:
             headers = tel.trace_headers()
-        request = FakeRequest("p-headers", params, list(range(10, 210)), trace_headers=headers)
+        request = FakeRequest("p-headers", params, PROMPT, trace_headers=headers)
         assert sched.get_num_new_matched_tokens(request, 0) == (96, True)
         sched.update_connector_output(KVConnectorOutput(finished_recving={"p-headers"}))
         spans = await spans_after_flush(receiver, [sched.tracer.force_flush],

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+from kvbridge import hashchain
 from kvbridge_services.gateway import kvparams
 from kvbridge_services.gateway.router import ReuseVerdict
 
@@ -26,8 +27,10 @@ def test_reusable_tokens_floors_to_blocks_and_leaves_one_token_to_compute() -> N
 def test_reuse_prefill_params_use_only_the_source_record() -> None:
     src = kvparams.PullSource(engine_id="d0", request_id="r1", host="10.0.0.5", port=5600,
                               block_groups=[[7, 8, 9, 10]])
-    p = kvparams.reuse_prefill_params(src, 32, 16)
+    prompt = list(range(40))
+    p = kvparams.reuse_prefill_params(src, 32, 16, prompt_ids=prompt)
     assert p["do_remote_decode"] is True and p["do_remote_prefill"] is False
+    assert p[kvparams.PREFIX_DIGEST_PARAM] == hashchain.prefix_digest(prompt, 32)
     assert p["remote_block_ids"] == [[7, 8]] and p["remote_num_tokens"] == 32
     assert (p["remote_engine_id"], p["remote_request_id"], p["remote_host"], p["remote_port"]) == \
         ("d0", "r1", "10.0.0.5", 5600)

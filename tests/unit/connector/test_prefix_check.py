@@ -1,0 +1,56 @@
+"""Prefill's own check before a pull: the verified prefix's digest must match P's prompt (real scheduler half)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kvbridge import hashchain
+from kvbridge_connector.params import PREFIX_DIGEST
+
+from .real_scheduler import FakeRequest, scheduler
+
+pytest.importorskip("vllm")
+
+PROMPT = list(range(10, 210))
+
+
+def _offer(digest_tokens: list[int] | None, tokens: int = 96) -> dict[str, Any]:
+    params: dict[str, Any] = {
+        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "decode-0",
+        "remote_request_id": "d-1", "remote_host": "127.0.0.1", "remote_port": 5600,
+        "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": tokens, "tp_size": 1,
+    }
+    if digest_tokens is not None:
+        params[PREFIX_DIGEST] = hashchain.prefix_digest(digest_tokens, tokens)
+    return params
+
+
+def test_a_matching_digest_pulls(vllm_configs: dict[str, Any]) -> None:
+    with scheduler(vllm_configs, "kv_producer", {}) as sched:
+        request = FakeRequest("ok", _offer(PROMPT), PROMPT)
+        assert sched.get_num_new_matched_tokens(request, 0) == (96, True)
+        assert request.kv_transfer_params["remote_block_ids"] == [[1, 2, 3]]
+
+
+@pytest.mark.parametrize(("offer", "why"), [
+    (_offer([*PROMPT[:50], 7, *PROMPT[51:]]), "a token inside the pulled prefix differs"),
+    (_offer(None), "no digest"),
+    ({**_offer(PROMPT), PREFIX_DIGEST: 12}, "a digest of the wrong type"),
+    ({**_offer(PROMPT), "remote_num_tokens": 500}, "more tokens than the prompt has"),
+])
+def test_a_mismatching_or_missing_digest_declines_and_never_contacts_d(
+        vllm_configs: dict[str, Any], offer: dict[str, Any], why: str) -> None:
+    with scheduler(vllm_configs, "kv_producer", {}) as sched:
+        request = FakeRequest("bad", offer, PROMPT)
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False), why
+        # Without block ids vLLM's update_state_after_alloc neither reads from nor notifies D.
+        assert "remote_block_ids" not in request.kv_transfer_params
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # asked again: still no pull
+
+
+def test_routers_without_digests_can_be_allowed_explicitly(vllm_configs: dict[str, Any]) -> None:
+    with scheduler(vllm_configs, "kv_producer", {"kvbridge_require_prefix_digest": False}) as sched:
+        assert sched.get_num_new_matched_tokens(FakeRequest("plain", _offer(None), PROMPT), 0) == (96, True)
+        wrong = FakeRequest("wrong", _offer([*PROMPT[:50], 7, *PROMPT[51:]]), PROMPT)
+        assert sched.get_num_new_matched_tokens(wrong, 0) == (0, False)  # a digest given is still checked
