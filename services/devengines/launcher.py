@@ -123,9 +123,9 @@ def kv_transfer_config(spec: EngineSpec, engine_id: str) -> dict[str, Any]:
     }
     if spec.kv_connector_module_path:
         config["kv_connector_module_path"] = spec.kv_connector_module_path
-    if spec.kv_role == "kv_producer":
-        # A failed pull from D is then slower, not an error.
-        config["kv_load_failure_policy"] = "recompute"
+    # A failed pull (P reading D's retained KV, or D reading P's new KV: a dead peer, or NIXL's fixed
+    # 5 s handshake deadline missed on a loaded host) is then slower, not an error.
+    config["kv_load_failure_policy"] = "recompute"
     return config
 
 
