@@ -36,6 +36,8 @@ if TYPE_CHECKING:
 # Under "vllm." so vLLM's logging config formats and shows these records.
 log = logging.getLogger(f"vllm.{__name__}")
 
+_PREFIX_CHECKED = "_kvbridge_prefix_checked"
+
 # Attribute names added to NixlConnectorMetadata for the worker half.
 META_HOLD = "kvbridge_hold"
 META_RELEASE = "kvbridge_release"
@@ -110,9 +112,10 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             if offered:
                 self._trace_decline(request, num_computed_tokens, "read_back_already_attempted")
             return 0, False
-        if offered and params:
+        if offered and params and not params.get(_PREFIX_CHECKED):
             problem = prompt_prefix_problem(params, request.prompt_token_ids or (),
                                             required=self.settings.require_prefix_digest)
+            params[_PREFIX_CHECKED] = True  # vLLM may ask again while the request waits: hash once
             if problem:
                 # Never load KV verified for other tokens: without the block ids vLLM neither pulls
                 # nor contacts D, and P computes the prompt itself.
