@@ -7,6 +7,13 @@ registrations without and with group commit (docs/adr/0005), then gRPC lookups
 with the repeated and the packed hash form from separate client processes,
 recording the server process's CPU seconds per operation (/proc/<pid>/stat).
 Prints a Markdown report (bench/results/registry.md holds the committed one).
+
+    .venv/bin/python bench/registry_bench.py --serve-only --serve-processes 1,2
+
+Serving capacity: ``python -m kvbridge_services.registry`` itself (on etcd, with 1 and N server processes,
+KVBRIDGE_REGISTRY_SERVE_PROCESSES) driven by h2load (Debian package nghttp2-client: a C load generator that
+costs far less CPU than a Python gRPC client) with a prebuilt gRPC request; every answer is checked to be a hit
+through the registry's own lookup counters, and the CPU of all server processes is read from /proc.
 """
 
 from __future__ import annotations
@@ -16,13 +23,18 @@ import asyncio
 import os
 import pickle
 import shutil
+import signal
 import socket
+import struct
 import subprocess
+import sys
 import tempfile
 import time
 import tracemalloc
+import urllib.request
 import uuid
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -65,6 +77,17 @@ def spawn_etcd(binary: str) -> tuple[subprocess.Popen[bytes], str, str]:
         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
     )
     return proc, f"127.0.0.1:{cport}", data
+
+
+async def etcd_ready(store: Any) -> Any:
+    """The store once the freshly spawned etcd answers (up to ~10 s)."""
+    for _ in range(100):
+        try:
+            await store.current_revision(timeout=0.5)
+            break
+        except Exception:  # noqa: BLE001 - etcd still starting
+            await asyncio.sleep(0.1)
+    return store
 
 
 def tokens_for(n: int, salt: int = 0) -> list[int]:
@@ -345,13 +368,14 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         print(f"| {n} | {full} | {stored} | {mem} |")
 
 
-def plot(results: list[dict[str, Any]], path: str) -> None:
+def plot(results: list[dict[str, Any]], path: str, serve_rows: list[dict[str, Any]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_reg, ax_look) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = plt.subplots(1, 3 if serve_rows else 2, figsize=(16 if serve_rows else 11, 4.2))
+    ax_reg, ax_look = axes[0], axes[1]
     names = [r["backend"].split(" (")[0] for r in results]
     xs = range(len(results))
     for offset, mode, label in ((-0.2, "off", "one txn pair per registration"), (0.2, "on", "group commit")):
@@ -369,10 +393,169 @@ def plot(results: list[dict[str, Any]], path: str) -> None:
                         marker="x", zorder=3, label="measured, shared 2-core VM" if form == "packed" else None)
     ax_look.axhline(5000, color="k", linestyle="--", linewidth=1, label="target per replica")
     ax_look.set_xticks(list(xs), names)
-    ax_look.set_title(f"gRPC lookups/s ({procs} client procs)")
+    ax_look.set_title(f"gRPC lookups/s ({procs} Python client procs)")
     ax_look.legend(fontsize=8)
+    if serve_rows:
+        ax_serve = axes[2]
+        counts = sorted({x["processes"] for x in serve_rows})
+        for i, n in enumerate(counts):
+            rows = [x for x in serve_rows if x["processes"] == n]
+            ax_serve.bar([i - 0.2], [max(x["rate"] for x in rows)], 0.4, color="C0",
+                         label="measured (h2load, best round)" if i == 0 else None)
+            ax_serve.bar([i + 0.2], [min(1e6 / x["server_us"] for x in rows) * n], 0.4, color="C2",
+                         label="n x per-core capacity (worst round)" if i == 0 else None)
+        ax_serve.axhline(5000, color="k", linestyle="--", linewidth=1, label="target per replica")
+        ax_serve.set_xticks(range(len(counts)), [f"{n} server process{'es' if n > 1 else ''}" for n in counts])
+        ax_serve.set_title("one replica on etcd, lookups/s (2-core VM)")
+        ax_serve.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
+
+
+# ------------------------------------------------------------------------------------------ serving capacity
+
+H2LOAD_MISSING = "h2load not found: apt-get install -y nghttp2-client (Debian), or skip --serve-processes"
+
+
+def free_port_run(count: int) -> int:
+    """A port p with p .. p + count - 1 all free (worker i serves /metrics on p + i)."""
+    for _ in range(100):
+        base = free_port()
+        try:
+            for port in range(base + 1, base + count):
+                with socket.socket() as s:
+                    s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
+    raise RuntimeError("no run of free ports")
+
+
+def process_tree(pid: int) -> list[int]:
+    kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [pid, *(int(k) for k in kids)]
+
+
+def lookup_hits(metrics_port: int) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
+               if sample.name == "kvbridge_registry_lookups_total" and sample.labels.get("verdict") == "hit")
+
+
+def grpc_frame(message: bytes) -> bytes:
+    """One length-prefixed gRPC message (uncompressed), the body h2load sends with every request."""
+    return b"\x00" + struct.pack(">I", len(message)) + message
+
+
+def run_h2load(binary: str, url: str, body: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
+    with tempfile.NamedTemporaryFile(prefix="bench-h2load-", suffix=".tsv") as log:
+        done = subprocess.run(
+            [binary, "-n", str(n), "-c", str(args.h2_connections), "-m", str(args.h2_streams), "-t", "1", "-d", body,
+             "-H", "content-type: application/grpc", "-H", "te: trailers", f"--log-file={log.name}", url],
+            capture_output=True, text=True, check=True)
+        micros = sorted(int(line.split("\t")[2]) for line in Path(log.name).read_text().splitlines() if line)
+    out = done.stdout
+    finished = next(line for line in out.splitlines() if line.startswith("finished in"))
+    succeeded = int(next(line for line in out.splitlines() if line.startswith("requests:")).split(",")[3].split()[0])
+    return {"rate": float(finished.split(",")[1].split()[0]), "succeeded": succeeded,
+            "p50": micros[len(micros) // 2] / 1000, "p99": micros[min(len(micros) - 1, int(0.99 * len(micros)))] / 1000}
+
+
+def start_registry(env: dict[str, str], processes: int) -> subprocess.Popen[str]:
+    proc = subprocess.Popen([sys.executable, "-m", "kvbridge_services.registry"], env=env, stdout=subprocess.PIPE,
+                            text=True, start_new_session=True)
+    assert proc.stdout is not None
+    for _ in range(processes):  # each server process prints its line once it serves
+        while "registry listening" not in (line := proc.stdout.readline()):
+            assert line, "the registry exited"
+    return proc
+
+
+async def serve_run(endpoint: str, processes: int, args: argparse.Namespace, h2load: str) -> dict[str, Any]:
+    """One `python -m kvbridge_services.registry` with `processes` server processes, loaded by h2load."""
+    from kvbridge_services.common.store.etcd import EtcdStore
+
+    store = EtcdStore([endpoint])
+    keys = KeyLayout()
+    port, metrics = free_port(), free_port_run(processes)
+    env = {**os.environ, "KVBRIDGE_ETCD_ENDPOINTS": endpoint, "KVBRIDGE_HOST": "127.0.0.1",
+           "KVBRIDGE_REGISTRY_PORT": str(port), "KVBRIDGE_REGISTRY_METRICS_PORT": str(metrics),
+           "KVBRIDGE_LOG_LEVEL": "WARNING", "KVBRIDGE_MAX_CONCURRENT_RPCS": "4096"}
+    env.pop("KVBRIDGE_API_KEYS_FILE", None)
+    if processes > 1:
+        env["KVBRIDGE_REGISTRY_SERVE_PROCESSES"] = str(processes)
+    proc = start_registry(env, processes)
+    try:
+        address = f"127.0.0.1:{port}"
+        conv = f"serve-{processes}-{uuid.uuid4().hex[:8]}"
+        history = tokens_for(8192)
+        async with grpc.aio.insecure_channel(address) as channel:
+            stub = registry_pb2_grpc.RegistryServiceStub(channel)
+            node = await put_lease(store, keys, lease_pb2.LEASE_KIND_NODE)
+            await stub.RegisterEngine(registry_pb2.RegisterEngineRequest(engine=types_pb2.Engine(
+                engine_id="d0", role=types_pb2.ENGINE_ROLE_DECODE, model=MODEL, kv_host="10.0.0.1", kv_port=5600,
+                block_size=BLOCK, kv_group_count=1, node_lease_id=node)))
+            lease = await put_lease(store, keys, lease_pb2.LEASE_KIND_ENTRY, conv)
+            await stub.RegisterEntry(entry_request(history, conv, lease))
+        req = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key=conv, block_size=BLOCK,
+                                              block_hashes_packed=b"".join(chain([*history, *tokens_for(200, 3)])))
+        await asyncio.sleep(1.0)  # every process's index has the entry (watch lag is milliseconds)
+        url = f"http://{address}/kvbridge.registry.v1.RegistryService/LookupEntry"
+        with tempfile.NamedTemporaryFile(prefix="bench-body-", suffix=".bin") as body:
+            body.write(grpc_frame(req.SerializeToString()))
+            body.flush()
+            ports = [metrics + i for i in range(processes)]
+            hits0 = sum(await asyncio.to_thread(lambda: [lookup_hits(p) for p in ports]))
+            await asyncio.to_thread(run_h2load, h2load, url, body.name, 2000, args)  # warm up
+            pids = process_tree(proc.pid)
+            load = loadavg()
+            cpu0 = sum(proc_cpu_s(p) for p in pids)
+            result = await asyncio.to_thread(run_h2load, h2load, url, body.name, args.lookups, args)
+            cpu = sum(proc_cpu_s(p) for p in pids) - cpu0
+            hits = sum(await asyncio.to_thread(lambda: [lookup_hits(p) for p in ports])) - hits0
+        # h2load sees HTTP 200 even for a gRPC error (the status is in the trailers): the hit counters say
+        # every request was answered with a hit.
+        assert result["succeeded"] == args.lookups and hits == args.lookups + 2000, (result, hits)
+        return {**result, "server_us": cpu / args.lookups * 1e6, "load": load, "processes": processes}
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        proc.wait(timeout=30)
+        await store.close()
+
+
+async def serve_capacity(args: argparse.Namespace) -> list[dict[str, Any]]:
+    h2load = shutil.which("h2load")
+    if h2load is None:
+        raise SystemExit(H2LOAD_MISSING)
+    proc, endpoint, data = spawn_etcd(args.etcd_bin)
+    try:
+        from kvbridge_services.common.store.etcd import EtcdStore
+
+        probe = await etcd_ready(EtcdStore([endpoint]))
+        await probe.close()
+        rows = []
+        for _ in range(args.serve_rounds):
+            for processes in args.serve_processes:
+                rows.append(await serve_run(endpoint, processes, args, h2load))
+        return rows
+    finally:
+        proc.terminate()
+        proc.wait()
+        shutil.rmtree(data, ignore_errors=True)
+
+
+def report_serve(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
+    print("\nServing capacity: `python -m kvbridge_services.registry` on etcd, keyed lookups (8,392-token prompt, "
+          f"packed), h2load with {args.h2_connections} connections x {args.h2_streams} streams:\n")
+    print("| server processes | lookups/s | p50 ms | p99 ms | server CPU µs/lookup (all processes) "
+          "| = lookups/s per server core | loadavg |")
+    print("|---|---|---|---|---|---|---|")
+    for x in rows:
+        print(f"| {x['processes']} | {x['rate']:.0f} | {x['p50']:.1f} | {x['p99']:.1f} | {x['server_us']:.0f} "
+              f"| {1e6 / x['server_us']:.0f} | {x['load']} |")
 
 
 async def main() -> None:
@@ -385,19 +568,23 @@ async def main() -> None:
                         help="comma-separated numbers of load-generating client processes to try")
     parser.add_argument("--lookup-concurrency", type=int, default=32, help="lookups in flight per client process")
     parser.add_argument("--plot", default="", help="write a PNG of registrations/s and lookups/s here")
+    parser.add_argument("--serve-processes", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                        help="also measure the real server process with these numbers of server processes (h2load)")
+    parser.add_argument("--serve-only", action="store_true", help="only the serving-capacity runs")
+    parser.add_argument("--serve-rounds", type=int, default=1, help="repeat the serving-capacity runs")
+    parser.add_argument("--h2-connections", type=int, default=32, help="h2load connections (spread over the processes)")
+    parser.add_argument("--h2-streams", type=int, default=2, help="requests in flight per h2load connection")
     args = parser.parse_args()
+    serve_rows = await serve_capacity(args) if args.serve_processes else []
+    if args.serve_only:
+        report_serve(serve_rows, args)
+        return
     results = [await run_backend("embedded (MemoryStore)", MemoryStore(), args)]
     proc, endpoint, data = spawn_etcd(args.etcd_bin)
     try:
         from kvbridge_services.common.store.etcd import EtcdStore
 
-        store = EtcdStore([endpoint])
-        for _ in range(100):
-            try:
-                await store.current_revision(timeout=0.5)
-                break
-            except Exception:  # noqa: BLE001 - etcd still starting
-                await asyncio.sleep(0.1)
+        store = await etcd_ready(EtcdStore([endpoint]))
         results.append(await run_backend("etcd 3.4 (1 member, local disk)", store, args, proc.pid))
         await store.close()
     finally:
@@ -405,8 +592,10 @@ async def main() -> None:
         proc.wait()
         shutil.rmtree(data, ignore_errors=True)
     report(results, args)
+    if serve_rows:
+        report_serve(serve_rows, args)
     if args.plot:
-        plot(results, args.plot)
+        plot(results, args.plot, serve_rows)
 
 
 if __name__ == "__main__":

@@ -14,6 +14,8 @@ from typing import Any
 import grpc
 from kvbridge.errors import InvalidArgument, Reason
 
+from .handler_cache import WrappedHandlers
+
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
@@ -78,26 +80,28 @@ def _stream_request(inner: Callable[[Any, Ctx], Any]) -> Callable[[Any, Ctx], An
 
 
 class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
+    def __init__(self) -> None:
+        self._wrapped = WrappedHandlers(_guarded)
+
     async def intercept_service(
         self,
         continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler[Any, Any] | None:
         handler = await continuation(handler_call_details)
-        h: Any = handler
-        if h is None or not hasattr(h, "_replace"):
+        if handler is None or not hasattr(handler, "_replace"):
             return handler
-        deserializer = _tolerant(h.request_deserializer)
-        if h.unary_unary is not None:
-            return h._replace(request_deserializer=deserializer,  # type: ignore[no-any-return]
-                              unary_unary=_unary_request(h.unary_unary, False))
-        if h.unary_stream is not None:
-            return h._replace(request_deserializer=deserializer,  # type: ignore[no-any-return]
-                              unary_stream=_unary_request(h.unary_stream, True))
-        if h.stream_unary is not None:
-            return h._replace(request_deserializer=deserializer,  # type: ignore[no-any-return]
-                              stream_unary=_stream_request(h.stream_unary))
-        if h.stream_stream is not None:
-            return h._replace(request_deserializer=deserializer,  # type: ignore[no-any-return]
-                              stream_stream=_stream_request(h.stream_stream))
-        return handler
+        return self._wrapped.get(handler_call_details.method, handler)  # type: ignore[no-any-return]
+
+
+def _guarded(method: str, h: Any) -> Any:
+    deserializer = _tolerant(h.request_deserializer)
+    if h.unary_unary is not None:
+        return h._replace(request_deserializer=deserializer, unary_unary=_unary_request(h.unary_unary, False))
+    if h.unary_stream is not None:
+        return h._replace(request_deserializer=deserializer, unary_stream=_unary_request(h.unary_stream, True))
+    if h.stream_unary is not None:
+        return h._replace(request_deserializer=deserializer, stream_unary=_stream_request(h.stream_unary))
+    if h.stream_stream is not None:
+        return h._replace(request_deserializer=deserializer, stream_stream=_stream_request(h.stream_stream))
+    return h

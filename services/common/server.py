@@ -44,14 +44,15 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | Non
 
 class GrpcServer:
     def __init__(self, settings: ServerSettings, port: int, bindings: Sequence[ServiceBinding], *,
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None, reuse_port: bool = False) -> None:
         self._settings = settings
         # Without one, spans go to the global tracer provider (a no-op unless the process set one).
         self.telemetry = telemetry or Telemetry.disabled(bindings[0].full_name if bindings else "grpc")
         opts = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
-            ("grpc.so_reuseport", 0),
+            # Off unless asked: a second server on a taken port must fail, not silently take half its connections.
+            ("grpc.so_reuseport", 1 if reuse_port else 0),
         ]
         self.server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
                                       interceptors=[self.telemetry.server_interceptor(), DecodeGuardInterceptor()])

@@ -44,7 +44,12 @@ class RegistryApp:
         store_timeout_s: float = 5.0,
         telemetry: Telemetry | None = None,
         peer_tls: PeerTlsSettings | None = None,
+        share_port: bool = False,
     ) -> None:
+        """``share_port``: bind with SO_REUSEPORT, one of several processes serving the same port (etcd only)."""
+        if share_port and isinstance(store, MemoryStore):
+            raise ValueError("a registry sharing its port with other processes needs etcd: the embedded store "
+                             "lives inside one process")
         self.settings = settings or RegistrySettings()
         self.server_settings = server_settings or ServerSettings()
         self.keys = keys or KeyLayout()
@@ -82,6 +87,7 @@ class RegistryApp:
             self.settings.port,
             [ServiceBinding(SERVICE_NAME, servicer, registry_pb2_grpc.add_RegistryServiceServicer_to_server)],
             telemetry=self.telemetry,
+            reuse_port=share_port,
         )
 
     @property

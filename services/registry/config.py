@@ -52,6 +52,11 @@ class RegistrySettings(BaseSettings):
     # next round gathers while one commits; it measured the largest batches and the least CPU on etcd.
     register_batch_max_inflight: int = Field(default=1, ge=1, le=64)
 
+    # Server processes behind the one gRPC port (SO_REUSEPORT), each a full replica with its own watch-fed
+    # index: lookups cost ~0.2 ms of grpc's per-call CPU, so one process serves about one core's worth.
+    # etcd only (the embedded store lives inside one process); /metrics of process i is on metrics_port + i.
+    serve_processes: int = Field(default=1, ge=1, le=64)
+
     @model_validator(mode="after")
     def _content_stride_on_checkpoints(self) -> RegistrySettings:
         if self.content_index_stride % self.chain_stride:

@@ -47,6 +47,7 @@ log = logging.getLogger(__name__)
 
 _CAS_ATTEMPTS = 5
 _RECORD_VERSION = b"\x01"
+# The type only: members are read as registry_pb2.LOOKUP_VERDICT_* (the enum wrapper's __getattr__ is slower)
 Verdict = registry_pb2.LookupVerdict
 
 
@@ -430,7 +431,7 @@ class Registry:
         if request.conversation_key:
             item = self.index.entries.get((tenant, request.model, request.conversation_key))
             if item is None:
-                response.verdict = Verdict.LOOKUP_VERDICT_NOT_FOUND
+                response.verdict = registry_pb2.LOOKUP_VERDICT_NOT_FOUND
                 return response
             verdict = self._unusable(item, request.block_size, self._clock())
             if verdict is not None:
@@ -438,23 +439,23 @@ class Registry:
                 return response
             blocks = item.record.verified_blocks(prompt)
             if blocks == 0:
-                response.verdict = Verdict.LOOKUP_VERDICT_MISMATCH
+                response.verdict = registry_pb2.LOOKUP_VERDICT_MISMATCH
                 return response
         else:
             best = self._best_content_match(tenant, request.model, request.block_size, prompt)
             if best is None:
-                response.verdict = Verdict.LOOKUP_VERDICT_NOT_FOUND
+                response.verdict = registry_pb2.LOOKUP_VERDICT_NOT_FOUND
                 return response
             item, blocks = best
         return self._answer(response, item, blocks, request.min_tokens)
 
     def _unusable(self, item: IndexedEntry, block_size: int, now_s: float) -> Verdict.ValueType | None:
         if item.expired(now_s):
-            return Verdict.LOOKUP_VERDICT_EXPIRED
+            return registry_pb2.LOOKUP_VERDICT_EXPIRED
         if item.entry.block_size != block_size:
-            return Verdict.LOOKUP_VERDICT_BLOCK_SIZE_MISMATCH
+            return registry_pb2.LOOKUP_VERDICT_BLOCK_SIZE_MISMATCH
         if item.entry.engine_id not in self.index.engines:
-            return Verdict.LOOKUP_VERDICT_ENGINE_GONE
+            return registry_pb2.LOOKUP_VERDICT_ENGINE_GONE
         return None
 
     def _answer(
@@ -468,16 +469,20 @@ class Registry:
         loc.engine.CopyFrom(self.index.engines[entry.engine_id])
         loc.engine_request_id = entry.engine_request_id
         for group in entry.block_ids:
-            loc.block_ids.add().ids.extend(group.ids[:blocks])
+            # A C-level copy then a cut: slicing the ids into Python ints and back cost ~12 µs per 512 blocks.
+            ids = loc.block_ids.add()
+            ids.CopyFrom(group)
+            if blocks < len(ids.ids):
+                del ids.ids[blocks:]
         loc.lease_id = entry.lease_id
         loc.epoch = entry.epoch
         if entry.HasField("expire_time"):
             loc.expire_time.CopyFrom(entry.expire_time)
         loc.conversation_key = entry.key.conversation_key
         if tokens < min_tokens:
-            response.verdict = Verdict.LOOKUP_VERDICT_BELOW_THRESHOLD
+            response.verdict = registry_pb2.LOOKUP_VERDICT_BELOW_THRESHOLD
         else:
-            response.verdict = Verdict.LOOKUP_VERDICT_HIT
+            response.verdict = registry_pb2.LOOKUP_VERDICT_HIT
             self.index.touch(item.id)
         return response
 

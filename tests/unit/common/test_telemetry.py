@@ -158,3 +158,40 @@ def test_api_helpers_inject_and_extract_w3c_context() -> None:
         assert child.parent.span_id == parent.get_span_context().span_id
     carrier = api_telemetry.metadata_carrier([("traceparent", headers["traceparent"]), ("x-bin", b"\x00")])
     assert carrier == {"traceparent": headers["traceparent"]}
+
+
+async def test_without_tracing_rpcs_get_no_span_but_are_still_counted() -> None:
+    tel = Telemetry.from_env("server", {})
+    assert not tel.tracing
+
+    async def unary(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> bytes:
+        if request == b"fail":
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "bad")
+        return b"span" if trace.get_current_span().is_recording() else b"none"
+
+    async def stream(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[bytes]:
+        yield b"span" if trace.get_current_span().is_recording() else b"none"
+
+    handler = grpc.method_handlers_generic_handler(SERVICE, {
+        "Unary": grpc.unary_unary_rpc_method_handler(unary), "Stream": grpc.unary_stream_rpc_method_handler(stream)})
+    binding = ServiceBinding(SERVICE, None, lambda _s, server: server.add_generic_rpc_handlers((handler,)))
+    server = GrpcServer(ServerSettings(), 0, [binding], telemetry=tel)
+    await server.start()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as ch:
+            call_unary: Any = ch.unary_unary(f"/{SERVICE}/Unary")
+            call_stream: Any = ch.unary_stream(f"/{SERVICE}/Stream")
+            assert [await call_unary(b"a"), await call_unary(b"b")] == [b"none", b"none"]
+            assert [m async for m in call_stream(b"s")] == [b"none"]
+            with pytest.raises(grpc.aio.AioRpcError):
+                await call_unary(b"fail")
+    finally:
+        await server.stop(0)
+
+    def handled(method: str, code: str) -> float | None:
+        return tel.registry.get_sample_value("kvbridge_grpc_server_handled_total",
+                                             {"method": f"/{SERVICE}/{method}", "code": code})
+
+    assert (handled("Unary", "OK"), handled("Stream", "OK"), handled("Unary", "INVALID_ARGUMENT")) == (2, 1, 1)
+    assert tel.registry.get_sample_value("kvbridge_grpc_server_handling_seconds_count",
+                                         {"method": f"/{SERVICE}/Unary"}) == 3
