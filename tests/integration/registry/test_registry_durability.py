@@ -100,7 +100,8 @@ async def test_kill_9_and_restart_keeps_every_acknowledged_entry(etcd_server) ->
         async with grpc.aio.insecure_channel(f"127.0.0.1:{port}") as channel:
             helper.stub = registry_pb2_grpc.RegistryServiceStub(channel)
             for conv in acked:
-                got = await helper.lookup(TOKENS, conv=conv)
+                # Retried like any client: the fresh process may refuse a connection for a moment.
+                got = await retrying(lambda conv=conv: helper.lookup(TOKENS, conv=conv))  # type: ignore[misc]
                 assert got.verdict == V.LOOKUP_VERDICT_HIT and got.verified_tokens == 64, conv
     finally:
         proc.kill()
