@@ -62,9 +62,10 @@ async def _serve(args: argparse.Namespace) -> None:
         return StaticEngine(url=url, model=MODEL, engine_id=engine_id, kv_host="127.0.0.1", kv_port=port,
                             block_size=BLOCK, register_in_registry=True)
 
-    def gateway_settings(**update: str) -> GatewaySettings:
+    def gateway_settings(**update: Any) -> GatewaySettings:
+        tokenizers = {MODEL: args.tokenizer_dir} if args.tokenizer_dir else {}
         return GatewaySettings(host="127.0.0.1", http_port=0, grpc_port=0, hash_secret_hex=SECRET_HEX,
-                               default_block_size=BLOCK, engines_from_registry=False,
+                               default_block_size=BLOCK, engines_from_registry=False, tokenizers=tokenizers,
                                prefill_engines=[engine(args.prefill_url, "p0")],
                                decode_engines=[engine(args.decode_url, "d0")], **update)
 
@@ -75,6 +76,8 @@ async def _serve(args: argparse.Namespace) -> None:
     if args.role == "gateway":
         app = GatewayApp(gateway_settings(registry_address=args.registry, lease_address=args.lease))
         await app.start()
+        if args.profiler is not None:  # from here on: serving, not start-up (imports, tokenizer loading)
+            args.profiler.enable()
         print("READY", app.http_url, flush=True)
         await stop.wait()
         await app.stop()
@@ -84,6 +87,8 @@ async def _serve(args: argparse.Namespace) -> None:
     await stack.start()
     assert stack.registry is not None and stack.lease is not None
     if stack.gateway is not None:
+        if args.profiler is not None:
+            args.profiler.enable()
         print("READY", stack.gateway.http_url, flush=True)
     else:
         print("READY", stack.registry.address, stack.lease.address, flush=True)
@@ -101,13 +106,13 @@ def serve_main(argv: list[str]) -> None:
     p.add_argument("--registry", default="", help="role gateway: the control process's registry address")
     p.add_argument("--lease", default="", help="role gateway: the control process's lease manager address")
     p.add_argument("--log-level", default="INFO")
+    p.add_argument("--tokenizer-dir", type=Path, help="the gateway tokenizes locally with this HF tokenizer")
     p.add_argument("--uvloop", action="store_true")
     p.add_argument("--profile", type=Path)
     args = p.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     prof = cProfile.Profile() if args.profile else None
-    if prof:
-        prof.enable()
+    args.profiler = prof  # enabled once the process serves
     if args.uvloop:
         import uvloop
 
@@ -136,6 +141,16 @@ class Procs:
     gateway: subprocess.Popen[str] | None = None
     control: subprocess.Popen[str] | None = None
     control_addresses: tuple[str, str] = ("", "")
+    tokenizer_dir: Path | None = None  # the dev HF tokenizer (unless --tokenize sim)
+
+    def build_tokenizer(self, args: argparse.Namespace) -> None:
+        if args.tokenize == "sim":
+            return
+        from kvbridge_services.devengines.model import build_tokenizer
+
+        self.tokenizer_dir = self.tmp / "dev-tokenizer"
+        self.tokenizer_dir.mkdir(exist_ok=True)
+        build_tokenizer(self.tokenizer_dir, 512)
 
     def start_sims(self, args: argparse.Namespace) -> None:
         for role, eid in (("prefill", "p0"), ("decode", "d0")):
@@ -144,6 +159,8 @@ class Procs:
                    "--engine-id", eid, "--model", MODEL, "--block-size", str(BLOCK), "--total-blocks", "1000000",
                    "--decoder-kv-blocks-ttl", "120", "--prefill-us-per-token", str(args.prefill_us_per_token),
                    "--decode-us-per-token", str(args.decode_us_per_token)]
+            if self.tokenizer_dir is not None:
+                cmd += ["--hf-tokenizer", str(self.tokenizer_dir)]
             log = open(self.tmp / f"sim-{eid}.log", "wb")  # noqa: SIM115 - lives as long as the process
             self.sims.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log))
             url = f"http://127.0.0.1:{port}"
@@ -160,6 +177,8 @@ class Procs:
                self.prefill_url, "--decode-url", self.decode_url, "--log-level", args.gateway_log_level, *extra]
         if args.uvloop:
             cmd.append("--uvloop")
+        if role != "control" and args.tokenize == "local" and self.tokenizer_dir is not None:
+            cmd += ["--tokenizer-dir", str(self.tokenizer_dir)]
         if profile:
             cmd += ["--profile", str(profile)]
         log = open(self.tmp / log_name, "ab")  # noqa: SIM115 - lives as long as the process
@@ -216,7 +235,7 @@ class Procs:
         return out
 
 
-def _wait_http(url: str, timeout_s: float = 30.0) -> None:
+def _wait_http(url: str, timeout_s: float = 90.0) -> None:
     import urllib.request
 
     deadline = time.monotonic() + timeout_s
@@ -251,6 +270,7 @@ class Level:
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
     cpu_s: dict[str, float] = field(default_factory=dict)
     router_overhead_mean_s: float = float("nan")  # the gateway's own histogram (excludes engine time)
+    tokenize_paths: dict[str, float] = field(default_factory=dict)  # kvbridge_gateway_tokenize_total deltas
     seconds: float = 0.0
 
 
@@ -346,6 +366,18 @@ async def _router_overhead(gw: str) -> tuple[float, float]:
     return vals.get("_sum", 0.0), vals.get("_count", 0.0)
 
 
+async def _tokenize_paths(gw: str) -> dict[str, float]:
+    """kvbridge_gateway_tokenize_total by path (local, engine, request)."""
+    async with aiohttp.ClientSession() as http, http.get(gw + "/metrics") as resp:
+        text = await resp.text()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith("kvbridge_gateway_tokenize_total{"):
+            path = line.split('path="', 1)[1].split('"', 1)[0]
+            out[path] = float(line.rsplit(" ", 1)[1])
+    return out
+
+
 async def run_level(procs: Procs, concurrency: int, seconds: float, args: argparse.Namespace) -> Level:
     level = Level(concurrency)
     level.load_before = os.getloadavg()
@@ -354,11 +386,13 @@ async def run_level(procs: Procs, concurrency: int, seconds: float, args: argpar
     tasks = [asyncio.create_task(worker(i, level, procs, args, record_from, stop_at)) for i in range(concurrency)]
     metrics_at_start: tuple[float, float] | None = None
     cpu0: dict[str, float] = {}
+    tok0: dict[str, float] = {}
     while not all(t.done() for t in tasks):
         await asyncio.sleep(1.0)
         now = time.monotonic()
         if metrics_at_start is None and now >= record_from:
             metrics_at_start, cpu0 = await _router_overhead(procs.gateway_url), procs.cpu()
+            tok0 = await _tokenize_paths(procs.gateway_url)
         if metrics_at_start is not None and int(now - start) % 5 == 0:
             added = [p.gateway_s - p.direct_s for p in level.pairs]
             print(f"  [{concurrency:>2} conv] t={now - start:5.1f}s pairs={len(level.pairs):5d} "
@@ -372,6 +406,8 @@ async def run_level(procs: Procs, concurrency: int, seconds: float, args: argpar
         cpu1 = procs.cpu()
         level.cpu_s = {k: cpu1[k] - cpu0[k] for k in cpu1}
         s1, c1 = await _router_overhead(procs.gateway_url)
+        tok1 = await _tokenize_paths(procs.gateway_url)
+        level.tokenize_paths = {k: v - tok0.get(k, 0.0) for k, v in tok1.items() if v > tok0.get(k, 0.0)}
         if c1 > metrics_at_start[1]:
             level.router_overhead_mean_s = (s1 - metrics_at_start[0]) / (c1 - metrics_at_start[1])
     return level
@@ -451,6 +487,8 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
     row("added p50, reuse hits only (ms)",
         lambda lv: _ms(pct([p.gateway_s - p.direct_s for p in lv.pairs if p.verdict == "hit"], 0.5)))
     row("gateway's own router-overhead metric, mean (ms)", lambda lv: _ms(lv.router_overhead_mean_s))
+    row("turns by tokenize path (gateway metric)", lambda lv: ", ".join(
+        f"{k}: {v:.0f}" for k, v in sorted(lv.tokenize_paths.items())) or "-")
     row("target p50 added ≤ 2 ms", lambda lv: "met" if pct(added(lv), 0.5) <= 0.002 else "**not met**")
     row("reuse verdicts (gateway)", lambda lv: ", ".join(f"{k}: {v}" for k, v in
                                                          sorted(Counter(p.verdict for p in lv.pairs).items())))
@@ -467,6 +505,12 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
               "the gateway in its own process, registry + lease manager (Stack without gateway, embedded "
               "in-memory store) in another, talking gRPC over loopback as in production")
     pull_note = ", pulling the previous turn from D like a gateway hit" if args.direct_mode == "pull" else ""
+    tokenize_note = {
+        "local": "the simulators tokenize with the dev HF tokenizer + chat template "
+                 "(kvbridge_services.devengines.model) and the gateway tokenizes in-process with the same files",
+        "engine": "the simulators tokenize with the dev HF tokenizer + chat template and the gateway asks P's "
+                  "/tokenize",
+        "sim": "the simulators' whitespace tokenizer; the gateway asks P's /tokenize"}[args.tokenize]
     lines = [
         "# Gateway router overhead vs calling the engines directly",
         "",
@@ -476,6 +520,7 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
         f"{args.prefill_us_per_token} us/prompt token (TTFT) and {args.decode_us_per_token} us/output token, "
         f"{args.max_tokens} output tokens; {layout}, gateway log level {args.gateway_log_level}"
         f"{', on uvloop' if args.uvloop else ''}; this load client (aiohttp) in its own process. "
+        f"Tokenization (`--tokenize {args.tokenize}`): {tokenize_note}. "
         f"Conversations of {args.turns} turns starting from {args.prompt_words} words, "
         f"{args.think_ms} ms think time; each turn is sent through the gateway (`conversation_id` set: lookup, "
         f"pull, compatibility-mode registration) and directly ({args.direct_mode} mode: prefill max_tokens=1 + "
@@ -488,7 +533,8 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
         "",
         "Added per turn = gateway latency - direct latency of the same turn pair (client-measured, end to end).",
         "The gateway's own metric (kvbridge_gateway_router_overhead_seconds) is its time per turn outside the "
-        "prefill call up to sending the decode (tokenize round trip and lookup included), so it omits the extra "
+        "prefill call up to sending the decode (tokenization, local or P's /tokenize round trip, and the lookup "
+        "included), so it omits the extra "
         "client→gateway hop and the response relay.",
         "",
         "![latency CDFs and added latency](gateway_overhead.png)",
@@ -577,6 +623,10 @@ def main() -> None:
     p.add_argument("--layout", choices=["split", "all-in-one"], default="split",
                    help="split: gateway and control plane in separate processes (production shape)")
     p.add_argument("--gateway-log-level", default="INFO", help="the gateway's default is INFO (a line per turn)")
+    p.add_argument("--tokenize", choices=["local", "engine", "sim"], default="local",
+                   help="local: the simulators use the dev HF tokenizer + chat template (built into a temporary "
+                   "directory) and the gateway tokenizes with the same files in-process; engine: same simulators, "
+                   "the gateway asks P's /tokenize; sim: the simulators' whitespace tokenizer, P's /tokenize")
     p.add_argument("--out", type=Path, default=Path("bench/results/gateway"))
     p.add_argument("--logs-dir", type=Path, help="keep process logs here (default: a temporary directory)")
     args = p.parse_args()
@@ -585,6 +635,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="gw-overhead-") as tmp:
         procs = Procs(args.logs_dir or Path(tmp))
         try:
+            procs.build_tokenizer(args)
             procs.start_sims(args)
             procs.start_gateway(args)
             print(f"sims: P {procs.prefill_url}, D {procs.decode_url}; gateway {procs.gateway_url}", flush=True)

@@ -234,7 +234,8 @@ UP_EPILOG = """\
   the kvbridge connector (NIXL over UCX TCP on loopback, block size 32, float32),
   in its own process group; logs in <engines-dir>/logs/. The engines register
   themselves with this stack's registry and lease manager; the gateway routes to
-  them (connector mode, a fresh hash secret per run). Start-up takes about a
+  them (connector mode, a fresh hash secret per run) and tokenizes prompts itself
+  with the tiny model's tokenizer (no /tokenize call per turn). Start-up takes about a
   minute per engine, longer on a busy machine; progress is printed every 10 s.
   Each engine busy-spins about one core and takes ~3 GB of memory. Ctrl-C or
   SIGTERM stops the engines' process groups, then the services. Served model: "tiny".

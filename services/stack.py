@@ -19,7 +19,7 @@ from kvbridge_services.common.config import ServerSettings, StoreSettings
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store import Store, open_store
 from kvbridge_services.common.telemetry import Telemetry
-from kvbridge_services.devengines.launcher import BLOCK_SIZE
+from kvbridge_services.devengines.launcher import BLOCK_SIZE, SERVED_MODEL_NAME
 from kvbridge_services.devengines.local import LocalEngines, LocalEnginesConfig
 from kvbridge_services.gateway.app import GatewayApp
 from kvbridge_services.gateway.config import GatewaySettings
@@ -47,11 +47,13 @@ class StackConfig:
     gateway_ready_timeout_s: float = 60.0
 
 
-def _gateway_for_engines(gw: GatewaySettings, engines: LocalEnginesConfig) -> GatewaySettings:
+def _gateway_for_engines(gw: GatewaySettings, engines: LocalEngines) -> GatewaySettings:
     """Connector mode: the connector registers retained KV (not the gateway) and entries serve many reads.
-    Engines spin both cores of a small machine, hence the generous health and control-plane timeouts."""
+    Engines spin both cores of a small machine, hence the generous health and control-plane timeouts.
+    The gateway tokenizes with the generated model's own tokenizer (no /tokenize round trip per turn)."""
     return gw.model_copy(update={
-        "hash_secret_hex": engines.hash_secret_hex, "default_block_size": BLOCK_SIZE,
+        "hash_secret_hex": engines.config.hash_secret_hex, "default_block_size": BLOCK_SIZE,
+        "tokenizers": {**gw.tokenizers, SERVED_MODEL_NAME: engines.model_dir},
         "compat_registration": False, "single_use_entries": False,
         "health_timeout_s": max(gw.health_timeout_s, 10.0), "control_timeout_s": max(gw.control_timeout_s, 5.0),
     })
@@ -95,18 +97,20 @@ class Stack:
         )
         await self.registry.start()
         self._progress(f"registry: {self.registry.address}")
+        if cfg.engines is not None:
+            self.engines = LocalEngines(cfg.engines, self._progress)
+            await self.engines.build_model()  # before the gateway, which loads the model's tokenizer
         if cfg.gateway is not None:
             gw = cfg.gateway.model_copy(
                 update={"registry_address": self.registry.address, "lease_address": self.lease.address}
             )
-            if cfg.engines is not None:
-                gw = _gateway_for_engines(gw, cfg.engines)
+            if self.engines is not None:
+                gw = _gateway_for_engines(gw, self.engines)
             self.gateway = GatewayApp(gw, auth=auth, server_settings=cfg.server,
                                       telemetry=Telemetry.from_env("kvbridge-gateway"))
             await self.gateway.start()
             self._progress(f"gateway: {self.gateway.http_url} (HTTP)")
-        if cfg.engines is not None:
-            self.engines = LocalEngines(cfg.engines, self._progress)
+        if self.engines is not None:
             await self.engines.start(self.registry.address, self.lease.address)
             await self._wait_gateway_routes()
 

@@ -64,6 +64,7 @@ class LocalEngines:
         self._progress = progress
         self.engines: list[Engine] = []
         self._builder: asyncio.subprocess.Process | None = None
+        self._built = False
 
     @property
     def model_dir(self) -> Path:
@@ -74,7 +75,7 @@ class LocalEngines:
         return self.config.work_dir / "logs"
 
     async def start(self, registry_address: str, lease_address: str) -> None:
-        await self._build_model()
+        await self.build_model()
         common = {"kvbridge_registry": registry_address, "kvbridge_lease": lease_address,
                   "kvbridge_hash_secret": self.config.hash_secret, "kvbridge_model": SERVED_MODEL_NAME}
         ports = free_port(), free_port()
@@ -98,7 +99,10 @@ class LocalEngines:
                 return
             await asyncio.sleep(watch.POLL_INTERVAL_S)
 
-    async def _build_model(self) -> None:
+    async def build_model(self) -> None:
+        """Builds the tiny model into ``model_dir`` (once; the gateway reads its tokenizer before engines start)."""
+        if self._built:
+            return
         self.log_dir.mkdir(parents=True, exist_ok=True)
         self._progress(f"tiny random-weight model: {self.model_dir} (built on first use)")
         log_path = self.log_dir / "model-build.log"
@@ -118,6 +122,7 @@ class LocalEngines:
         if code != 0:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
             raise RuntimeError(f"building the tiny model failed (exit {code}, log {log_path}):\n{tail}")
+        self._built = True
 
     def exited(self) -> Engine | None:
         """An engine whose server process has exited, if any."""

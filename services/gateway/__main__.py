@@ -23,6 +23,8 @@ Settings come from KVBRIDGE_GATEWAY_* environment variables, e.g.
     (or a JSON list of {"url", "model", "engine_id", "kv_host", "kv_port", "block_size", "register_in_registry"})
   KVBRIDGE_GATEWAY_HASH_SECRET_HEX=<32..128 hex chars>  KVBRIDGE_GATEWAY_API_KEYS_FILE=keys.json
   KVBRIDGE_GATEWAY_REUSE_THRESHOLD_TOKENS=64  KVBRIDGE_GATEWAY_COMPAT_REGISTRATION=true
+  KVBRIDGE_GATEWAY_TOKENIZERS='{"<model>": "/path/to/model"}'  (tokenize in-process with the model's HF
+    tokenizer + chat template instead of P's /tokenize; see docs/gateway.md, "Tokenization")
 TLS: KVBRIDGE_TLS_CERT_FILE/_KEY_FILE (+ _CLIENT_CA_FILE: mTLS) for the gRPC front door; towards the registry
   and lease manager KVBRIDGE_PEER_CA_FILE (+ KVBRIDGE_PEER_CERT_FILE/_KEY_FILE: mTLS, _SERVER_NAME).
 Tracing: OTEL_EXPORTER_OTLP_ENDPOINT=http://jaeger:4317 (OTLP/gRPC; off when unset), OTEL_SERVICE_NAME,

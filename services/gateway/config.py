@@ -90,6 +90,12 @@ class GatewaySettings(BaseSettings):
     # Content-addressed lookups for requests without a conversation key.
     content_lookup: bool = False
 
+    # Local tokenization: model name -> directory with that model's HF tokenizer files (tokenizer.json,
+    # tokenizer_config.json, chat template), the same the engines load. Listed models are tokenized in the
+    # gateway instead of by P's /tokenize (one round trip less per turn); others, and requests the local
+    # tokenizer cannot reproduce exactly, still use /tokenize. JSON in the env: {"model": "/path"}.
+    tokenizers: dict[str, Path] = Field(default_factory=dict)
+
     # Limits.
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)
     max_messages: int = Field(default=2048, ge=1, le=1_000_000)
@@ -106,6 +112,16 @@ class GatewaySettings(BaseSettings):
     @classmethod
     def _parse_engines(cls, value: object) -> object:
         return _engines(value)
+
+    @field_validator("tokenizers")
+    @classmethod
+    def _check_tokenizers(cls, value: dict[str, Path]) -> dict[str, Path]:
+        for model, path in value.items():
+            if not model or len(model) > 256:
+                raise ValueError("tokenizers: model names must be 1..256 characters")
+            if not path.is_dir():
+                raise ValueError(f"tokenizers[{model!r}]: {str(path)!r} is not a directory")
+        return value
 
     @field_validator("hash_secret_hex")
     @classmethod

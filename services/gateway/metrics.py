@@ -24,6 +24,9 @@ class GatewayMetrics:
                                      "Prompt tokens whose KV P pulled from D instead of recomputing", registry=r)
         self.prompt_tokens = Counter("kvbridge_gateway_prompt_tokens_total",
                                      "Prompt tokens of turns the gateway tokenized", registry=r)
+        self.tokenize = Counter("kvbridge_gateway_tokenize_total",
+                                "Turns tokenized, by where the ids came from: local (the gateway's own tokenizer), "
+                                "engine (P's /tokenize), request (token ids the client sent)", ["path"], registry=r)
         self.reuse_retries = Counter("kvbridge_gateway_reuse_retries_total",
                                      "Prefills retried without D params after a failure on the reuse path",
                                      registry=r)

@@ -32,6 +32,7 @@ from .engines import DECODE, PREFILL, EnginePool, EngineState
 from .metrics import GatewayMetrics
 from .renewer import ConversationRenewer
 from .requests import Turn
+from .tokenizer import ATTR_TOKENIZE_PATH, LocalTokenizers
 from .upstream import TRANSPORT_ERRORS, ClientError, EngineHttp, UpstreamError, UpstreamStream
 
 log = logging.getLogger(__name__)
@@ -84,8 +85,10 @@ class _Plan:
 class TurnRouter:
     def __init__(self, settings: GatewaySettings, pool: EnginePool, control: ControlPlane,
                  http: EngineHttp, metrics: GatewayMetrics, secret: bytes, *,
-                 telemetry: Telemetry | None = None) -> None:
+                 telemetry: Telemetry | None = None, tokenizers: LocalTokenizers | None = None) -> None:
+        """``tokenizers``: the gateway's own tokenizers (None: every turn is tokenized by P's /tokenize)."""
         self._s = settings
+        self._tokenizers = tokenizers
         self._telemetry = telemetry or Telemetry.disabled("kvbridge-gateway")
         self._tracer = self._telemetry.tracer
         self._pool = pool
@@ -151,8 +154,18 @@ class TurnRouter:
         return self._s.default_block_size
 
     async def _tokenize(self, turn: Turn, engine: EngineState) -> list[int]:
+        """The prompt's token ids: the client's, the gateway's own tokenizer's, else P's /tokenize."""
         if turn.prompt_token_ids is not None:
+            self._metrics.tokenize.labels("request").inc()
             return turn.prompt_token_ids
+        if self._tokenizers is not None:
+            local = await self._tokenizers.ids(turn.model, turn.kind, turn.body)
+            if local is not None:
+                self._metrics.tokenize.labels("local").inc()
+                trace.get_current_span().set_attribute(ATTR_TOKENIZE_PATH, "local")
+                return local
+        self._metrics.tokenize.labels("engine").inc()
+        trace.get_current_span().set_attribute(ATTR_TOKENIZE_PATH, "engine")
         if turn.kind == "chat":
             req: dict[str, Any] = {"model": turn.model, "messages": turn.body["messages"]}
             for k in ("add_generation_prompt", "continue_final_message", "tools", "chat_template",

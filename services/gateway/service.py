@@ -18,6 +18,7 @@ from .engines import DECODE, PREFILL, EnginePool
 from .metrics import GatewayMetrics
 from .requests import Limits
 from .router import TurnRouter
+from .tokenizer import LocalTokenizers
 from .upstream import EngineHttp
 
 log = logging.getLogger(__name__)
@@ -39,8 +40,12 @@ class GatewayCore:
         self.http = EngineHttp(connect_timeout_s=settings.connect_timeout_s)
         self.pool = EnginePool(self.http, health_timeout_s=settings.health_timeout_s,
                                kv_usage_weight=settings.kv_usage_weight)
+        # Loaded now: a tokenizer directory that does not load stops the gateway at start (TokenizerConfigError).
+        self.tokenizers = LocalTokenizers(settings.tokenizers) if settings.tokenizers else None
+        if self.tokenizers is not None:
+            log.info("local tokenization for models: %s", ", ".join(self.tokenizers.models()))
         self.router = TurnRouter(settings, self.pool, control, self.http, self.metrics, secret,
-                                 telemetry=self.telemetry)
+                                 telemetry=self.telemetry, tokenizers=self.tokenizers)
         self.limits = Limits(max_messages=settings.max_messages, max_prompt_tokens=settings.max_prompt_tokens)
         self.inflight = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -94,6 +99,8 @@ class GatewayCore:
             await asyncio.wait_for(self.router.close(), timeout=5)
         await self.http.aclose()
         await self.control.close()
+        if self.tokenizers is not None:
+            self.tokenizers.close()
 
     async def _health_loop(self) -> None:
         while True:

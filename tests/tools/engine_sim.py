@@ -14,7 +14,7 @@ import socket
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,6 +55,10 @@ class SimConfig:
     # (0: before the first token, i.e. a stuck prefill). /health still answers, as a wedged vLLM's does.
     stall_s: float = 0.0
     stall_after_tokens: int = 0
+    # A directory with HF tokenizer files (e.g. the dev tokenizer of kvbridge_services.devengines.model):
+    # /tokenize, prompt rendering and output text then use that tokenizer and its chat template, as vLLM
+    # does, instead of the built-in whitespace tokenizer. Output token ids must be in its vocabulary.
+    hf_tokenizer: str = ""
 
 
 # ---- tokenizer and "model" -------------------------------------------------------------
@@ -86,6 +90,32 @@ def render_chat(messages: list[dict[str, Any]], vocab: int, add_generation_promp
 
 def detokenize(token_id: int) -> str:
     return f" w{token_id}"
+
+
+class HfText:
+    """The real tokenizer + chat template path of vLLM's /tokenize and chat prompts (``--hf-tokenizer``)."""
+
+    def __init__(self, path: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+    def chat(self, body: dict[str, Any]) -> list[int]:
+        try:
+            text = self.tok.apply_chat_template(
+                body["messages"], tokenize=False, add_generation_prompt=body.get("add_generation_prompt", True),
+                continue_final_message=body.get("continue_final_message", False),
+                **(body.get("chat_template_kwargs") or {}))
+        except Exception as exc:  # a template error is the client's (HTTP 400), as in vLLM
+            raise ApiError(400, f"chat template: {exc}") from exc
+        return self.text(str(text), bool(body.get("add_special_tokens", False)))
+
+    def text(self, text: str, add_special_tokens: bool) -> list[int]:
+        # The backend's encode(): the ids of HF's __call__ (what vLLM uses) without its thread-pool hand-off.
+        return list(self.tok.backend_tokenizer.encode(text, add_special_tokens=add_special_tokens).ids)
+
+    def detokenize(self, token_id: int) -> str:
+        return " " + str(self.tok.convert_ids_to_tokens(token_id))
 
 
 def _mix(state: int, token: int) -> int:
@@ -202,6 +232,10 @@ class Engine:
         self.fail_next = 0
         self.unstall = asyncio.Event()  # set: stalled generations go on (and new ones do not stall)
         self.http = httpx.AsyncClient(timeout=10.0)
+        self.hf = HfText(cfg.hf_tokenizer) if cfg.hf_tokenizer else None
+
+    def detok(self, token_id: int) -> str:
+        return self.hf.detokenize(token_id) if self.hf is not None else detokenize(token_id)
 
     async def pull(self, params: dict[str, Any], n_tokens: int) -> list[int]:
         """Read ``n_tokens`` tokens' KV from the remote engine named in ``params``."""
@@ -229,6 +263,8 @@ class Engine:
             msgs = body.get("messages")
             if not isinstance(msgs, list) or not msgs:
                 raise ApiError(400, "messages must be a non-empty list")
+            if self.hf is not None:
+                return self.hf.chat(body)
             return render_chat(msgs, self.cfg.vocab)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
@@ -236,6 +272,8 @@ class Engine:
                 raise ApiError(400, "token id out of vocabulary")
             return list(prompt)
         if isinstance(prompt, str):
+            if self.hf is not None:
+                return self.hf.text(prompt, bool(body.get("add_special_tokens", True)))
             return [BOS, *tokenize_text(prompt, self.cfg.vocab)]
         raise ApiError(400, "prompt must be a string or a list of token ids")
 
@@ -371,10 +409,10 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         obj = "chat.completion" if chat else "text_completion"
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_sse(head, steps, chat, created, want_ids, include_usage, body["model"]),
-                                     media_type="text/event-stream")
+            return StreamingResponse(_sse(head, steps, chat, created, want_ids, include_usage, body["model"],
+                                          engine.detok), media_type="text/event-stream")
         tokens = [s["token"] async for s in steps]
-        text = "".join(detokenize(t) for t in tokens)
+        text = "".join(engine.detok(t) for t in tokens)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None, "stop_reason": None}
         if chat:
             choice["message"] = {"role": "assistant", "content": text}
@@ -412,7 +450,12 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
                 msgs = body["messages"]
                 if not isinstance(msgs, list):
                     raise ApiError(400, "messages must be a list")
-                ids = render_chat(msgs, cfg.vocab, bool(body.get("add_generation_prompt", True)))
+                if engine.hf is not None:
+                    ids = engine.hf.chat(body)
+                else:
+                    ids = render_chat(msgs, cfg.vocab, bool(body.get("add_generation_prompt", True)))
+            elif isinstance(body.get("prompt"), str) and engine.hf is not None:
+                ids = engine.hf.text(body["prompt"], bool(body.get("add_special_tokens", True)))
             elif isinstance(body.get("prompt"), str):
                 add_special = bool(body.get("add_special_tokens", True))
                 ids = ([BOS] if add_special else []) + tokenize_text(body["prompt"], cfg.vocab)
@@ -493,7 +536,8 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
 
 
 async def _sse(head: dict[str, Any], steps: AsyncIterator[dict[str, Any]], chat: bool, created: int,
-               want_ids: bool, include_usage: bool, model: str) -> AsyncIterator[bytes]:
+               want_ids: bool, include_usage: bool, model: str,
+               detok: Callable[[int], str] = detokenize) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if chat else "text_completion"
     n = 0
 
@@ -511,9 +555,9 @@ async def _sse(head: dict[str, Any], steps: AsyncIterator[dict[str, Any]], chat:
         n += 1
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length" if step["last"] else None}
         if chat:
-            choice["delta"] = {"content": detokenize(step["token"])}
+            choice["delta"] = {"content": detok(step["token"])}
         else:
-            choice["text"] = detokenize(step["token"])
+            choice["text"] = detok(step["token"])
             if want_ids and n == 1:
                 choice["prompt_token_ids"] = head["prompt"]
         if want_ids:
@@ -590,13 +634,15 @@ def main(argv: list[str] | None = None) -> None:
                         help="slow/hung engine: pause each generation this long (0: never)")
     parser.add_argument("--stall-after-tokens", type=int, default=0,
                         help="where the pause happens: after this many output tokens (0: before the first)")
+    parser.add_argument("--hf-tokenizer", default="",
+                        help="directory with HF tokenizer files: tokenize and render chat prompts with it")
     a = parser.parse_args(argv)
     cfg = SimConfig(role=a.role, model=a.model, engine_id=a.engine_id, host=a.host, port=a.port,
                     block_size=a.block_size, total_blocks=a.total_blocks, vocab=a.vocab,
                     decoder_kv_blocks_ttl=a.decoder_kv_blocks_ttl, kv_recompute_threshold=a.kv_recompute_threshold,
                     kv_load_failure_policy=a.kv_load_failure_policy, prefill_us_per_token=a.prefill_us_per_token,
                     decode_us_per_token=a.decode_us_per_token, stall_s=a.stall_s,
-                    stall_after_tokens=a.stall_after_tokens)
+                    stall_after_tokens=a.stall_after_tokens, hf_tokenizer=a.hf_tokenizer)
     app, _ = build_app(cfg)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 
