@@ -256,7 +256,7 @@ def run_engines(args: argparse.Namespace, contexts: list[int]) -> list[TurnRow]:
         rows = run_conversation(engines.prefill, engines.decode, contexts, args.output_tokens, args.seed, True,
                                 kvbridge)
         pulls = [row for row in rows if row.pull_bytes]
-        if pulls:
+        if pulls and args.raw_with_engines:
             # The same READs on the same cores while the engines are up: what the machine gives a transfer
             # with two vLLM workers (and their NIXL progress threads) sharing the 2 cores, as the pulls had.
             print("[ttft] raw READs with the engines up", file=sys.stderr, flush=True)
@@ -500,6 +500,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill-kv-gib", type=int, default=2)
     parser.add_argument("--decode-kv-gib", type=int, default=3)
     parser.add_argument("--raw-repeats", type=int, default=5)
+    parser.add_argument("--raw-with-engines", action="store_true",
+                        help="also time the raw READs while both engines are still up (slow: the READ processes "
+                             "start on cores the engines' NIXL threads keep busy)")
     parser.add_argument("--seed", type=int, default=7)
     parser.add_argument("--connector", choices=["kvbridge", "stock"], default="kvbridge",
                         help="kvbridge: the kvbridge connector with a real control plane; stock: vLLM's NixlConnector")

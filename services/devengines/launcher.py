@@ -54,6 +54,8 @@ class EngineSpec:
     model_dir: Path
     log_dir: Path
     cpu_core: int = 0
+    # Where the worker's other threads go (NIXL's busy-polling progress thread among them); None: cpu_core.
+    helper_core: int | None = None
     kv_connector: str = STOCK_CONNECTOR
     kv_connector_module_path: str | None = None
     extra_config: dict[str, Any] = field(default_factory=dict)
@@ -221,7 +223,9 @@ class HealthWatch:
                 raise RuntimeError(
                     f"{engine.spec.name} exited with {engine.process.returncode}:\n{engine.log_tail()}")
             if _healthy(engine):
-                self._progress(f"{engine.spec.name} healthy after {elapsed:.0f}s")
+                moved = place_worker_threads(engine)
+                self._progress(f"{engine.spec.name} healthy after {elapsed:.0f}s "
+                               f"(worker threads placed: {moved})")
                 self.pending.remove(engine)
         if not self.pending:
             return True
@@ -233,6 +237,47 @@ class HealthWatch:
             names = ", ".join(e.spec.name for e in self.pending)
             self._progress(f"waiting for {names} ({elapsed:.0f}s)")
         return False
+
+
+def _group_workers(pgid: int) -> list[int]:
+    """Pids of the engine's vLLM worker processes (its process group holds server, engine core, workers)."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as stat:
+                fields = stat.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/{entry}/comm") as comm:
+                name = comm.read().strip()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and name.startswith("VLLM::Worker"):
+            pids.append(int(entry))
+    return pids
+
+
+def place_worker_threads(engine: Engine) -> str:
+    """Pin each worker's main thread (it runs the model) to ``cpu_core`` and its other threads to ``helper_core``.
+
+    vLLM's CPU worker binds only OpenMP to VLLM_CPU_OMP_THREADS_BIND. On the 2-core dev VM the prefill worker's
+    main thread was found on the decode core and NIXL's progress thread, which polls without pause, on the
+    prefill core: a 384-token prefill then took 52 s instead of ~2 s (bench/results/ttft.md). Threads created
+    later inherit the creating thread's core. Returns what was done, for the progress line.
+    """
+    if not hasattr(os, "sched_setaffinity"):
+        return "not supported here"
+    cores = os.cpu_count() or 1
+    main_core = engine.spec.cpu_core % cores
+    helper_core = (engine.spec.helper_core if engine.spec.helper_core is not None else main_core) % cores
+    placed = 0
+    for pid in _group_workers(engine.process.pid):
+        with suppress(OSError):
+            for tid in (int(t) for t in os.listdir(f"/proc/{pid}/task")):
+                with suppress(OSError):
+                    os.sched_setaffinity(tid, {main_core if tid == pid else helper_core})
+                    placed += 1
+    return f"{placed} threads, main on core {main_core}, others on core {helper_core}"
 
 
 def wait_healthy(engines: list[Engine], timeout_s: float = DEFAULT_START_TIMEOUT_S, *,
@@ -283,8 +328,11 @@ def pd_specs(model_dir: Path, log_dir: Path, *, prefill_overrides: dict[str, Any
              decode_overrides: dict[str, Any] | None = None) -> tuple[EngineSpec, EngineSpec]:
     """Specs of one prefill (core 0) and one decode (core 1) engine; overrides are EngineSpec fields."""
     cores = os.cpu_count() or 1
-    prefill_spec = EngineSpec("prefill", "kv_producer", model_dir, log_dir, cpu_core=0)
-    decode_spec = EngineSpec("decode", "kv_consumer", model_dir, log_dir, cpu_core=1 % cores)
+    # P's model runs on core 0 alone; the workers' helper threads (NIXL progress threads) share core 1 with
+    # the decode engine, whose per-token work is light.
+    prefill_spec = EngineSpec("prefill", "kv_producer", model_dir, log_dir, cpu_core=0, helper_core=1 % cores)
+    decode_spec = EngineSpec("decode", "kv_consumer", model_dir, log_dir, cpu_core=1 % cores,
+                             helper_core=1 % cores)
     for spec, overrides in ((prefill_spec, prefill_overrides), (decode_spec, decode_overrides)):
         for key, value in (overrides or {}).items():
             if not hasattr(spec, key):
