@@ -8,9 +8,13 @@ Pure bookkeeping (no vLLM, no gRPC) so the scheduler-side rules are unit-testabl
   the deadline keeps being pushed to ``now + fallback_ttl``. When the control
   plane is unreachable nothing extends it, so blocks are freed at most
   ``fallback_ttl`` after the last confirmation.
-- A lease that ended (revoked, expired, superseded, engine gone) releases now.
+- A lease that ended (revoked, expired, superseded, engine gone) releases its
+  blocks ``free_grace_s`` later: a prefill the gateway sent just before the end
+  may still be reading them (a one-sided NIXL READ D cannot see), and freed
+  blocks get reused. Memory pressure cuts the grace short.
 - Below the free-KV watermark, or above the entry cap, entries are evicted oldest
-  idle first; their leases are revoked with EVICTED_MEMORY_PRESSURE.
+  idle first; their leases are revoked with EVICTED_MEMORY_PRESSURE and their
+  blocks freed at once.
 """
 
 from __future__ import annotations
@@ -50,8 +54,12 @@ class Decisions:
 
 
 class RetentionTable:
-    def __init__(self, clock: Clock, fallback_ttl_s: float, max_entries: int, free_kv_watermark: float) -> None:
+    def __init__(self, clock: Clock, fallback_ttl_s: float, max_entries: int, free_kv_watermark: float,
+                 free_grace_s: float = 0.0) -> None:
         self._clock = clock
+        self._free_grace_s = free_grace_s
+        # Ended entries whose blocks are freed at the given time (insertion order = free order).
+        self._draining: dict[str, float] = {}
         self._fallback_ttl_s = fallback_ttl_s
         self._max_entries = max_entries
         self._watermark = free_kv_watermark
@@ -98,7 +106,7 @@ class RetentionTable:
             self._pending.revoke.append((lease_id, "REVOKE_REASON_EXPIRED"))
             return
         if lease_id in self._ended_leases:
-            self._release(entry)
+            self._release(entry, grace=True)
             return
         entry.lease_id = lease_id
         self._by_lease[lease_id] = request_id
@@ -119,7 +127,7 @@ class RetentionTable:
             while len(self._ended_leases) > 4 * self._max_entries:
                 del self._ended_leases[next(iter(self._ended_leases))]
             return
-        self._release(self._entries[request_id])
+        self._release(self._entries[request_id], grace=True)
 
     def snapshot(self, live_lease_ids: Iterable[int]) -> None:
         """A (re)connected watch listed every live lease: free what is not in it."""
@@ -129,11 +137,12 @@ class RetentionTable:
                 if entry.lease_id in live:
                     self._confirm(entry)
                 else:
-                    self._release(entry)
+                    self._release(entry, grace=True)
 
     def freed(self, request_id: str) -> None:
         """vLLM freed the blocks (finished sending): forget the entry."""
         entry = self._entries.pop(request_id, None)
+        self._draining.pop(request_id, None)
         if entry is None:
             return
         if entry.lease_id:
@@ -151,6 +160,12 @@ class RetentionTable:
                 if entry.lease_id and not entry.released:
                     self._confirm(entry, now)
         self._evict(free_blocks, total_blocks)
+        while self._draining:
+            request_id, free_at = next(iter(self._draining.items()))
+            if free_at > now:
+                break
+            del self._draining[request_id]
+            self._pending.release.add(request_id)
         for entry in self._entries.values():
             if entry.released:
                 continue
@@ -168,11 +183,14 @@ class RetentionTable:
         if not entry.released:
             entry.hold_deadline = max(entry.hold_deadline, (now or self._clock()) + self._fallback_ttl_s)
 
-    def _release(self, entry: RetainedEntry, revoke_reason: str | None = None) -> None:
+    def _release(self, entry: RetainedEntry, revoke_reason: str | None = None, *, grace: bool = False) -> None:
         if entry.released:
             return
         entry.released = True
-        self._pending.release.add(entry.request_id)
+        if grace and self._free_grace_s > 0:
+            self._draining[entry.request_id] = self._clock() + self._free_grace_s
+        else:
+            self._pending.release.add(entry.request_id)
         self._pending.deadlines.pop(entry.request_id, None)
         if revoke_reason and entry.lease_id:
             self._pending.revoke.append((entry.lease_id, revoke_reason))
@@ -184,8 +202,15 @@ class RetentionTable:
         deficit = 0
         if free_blocks is not None and total_blocks:
             # Released entries are freed by the worker a step later: count them as free already.
-            releasing = sum(e.num_blocks for e in self._entries.values() if e.released)
+            releasing = sum(e.num_blocks for e in self._entries.values()
+                            if e.released and e.request_id not in self._draining)
             deficit = int(self._watermark * total_blocks) - free_blocks - releasing
+        # Memory first: ended entries still in their grace go before live ones are evicted.
+        while deficit > 0 and self._draining:
+            request_id = next(iter(self._draining))
+            del self._draining[request_id]
+            self._pending.release.add(request_id)
+            deficit -= self._entries[request_id].num_blocks
         for entry in live:
             if excess <= 0 and deficit <= 0:
                 break

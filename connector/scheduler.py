@@ -79,6 +79,7 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         self.model_name = served_model(vllm_config, settings)
         self.retention = RetentionTable(
             time.perf_counter, settings.fallback_ttl_s, settings.max_retained_entries, settings.free_kv_watermark,
+            free_grace_s=settings.free_grace_s,
         )
         self._block_pool: BlockPool | None = None
         # Refcount-held retained blocks by request id (hold_blocks="refcount").

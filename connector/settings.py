@@ -84,6 +84,9 @@ class ConnectorSettings:
     fallback_ttl_s: float = 120.0
     entry_lease_ttl_s: float = 60.0
     node_lease_ttl_s: float = 15.0
+    # How long D keeps an ended entry's blocks before freeing them: a prefill sent just before the lease
+    # ended may still be reading them (memory pressure cuts it short).
+    free_grace_s: float = 10.0
     # Evict retained entries (oldest idle first) while free KV is below this fraction.
     free_kv_watermark: float = 0.2
     rpc_deadline_s: float = 2.0
@@ -131,6 +134,7 @@ class ConnectorSettings:
             entry_lease_ttl_s=_float(extra, "kvbridge_entry_lease_ttl_s", 60.0, 1.0, 3600.0),
             node_lease_ttl_s=_float(extra, "kvbridge_node_lease_ttl_s", 15.0, 1.0, 600.0),
             free_kv_watermark=_float(extra, "kvbridge_free_kv_watermark", 0.2, 0.0, 0.95),
+            free_grace_s=_float(extra, "kvbridge_free_grace_s", 10.0, 0.0, 600.0),
             rpc_deadline_s=_float(extra, "kvbridge_rpc_deadline_s", 2.0, 0.05, 60.0),
             queue_size=int(_float(extra, "kvbridge_queue_size", 1024, 16, 65536)),
             max_retained_entries=int(_float(extra, "kvbridge_max_retained_entries", 4096, 1, 1_000_000)),

@@ -184,8 +184,9 @@ def test_heartbeats_hold_blocks_past_twice_the_old_ttl_and_revoke_frees_them(
             lease_pb2_grpc.LeaseServiceStub(channel).RevokeLease(lease_pb2.RevokeLeaseRequest(
                 lease_id=lease_id, reason=types_pb2.REVOKE_REASON_CLIENT_CLOSED), timeout=5)
     # D holds retained blocks by reference and goes idle between turns: it drops a released hold at its
-    # next engine step, the first moment anything could need the memory. One small request makes that step.
-    deadline = time.monotonic() + 20
+    # first engine step after the free grace (kvbridge_free_grace_s, 10 s: a pull sent just before the revoke
+    # may still be reading), the first moment anything could need the memory. Small requests make the steps.
+    deadline = time.monotonic() + 45
     while kv_cache_usage(decode) >= usage_held and time.monotonic() < deadline:
         completion(decode, random_tokens(rng, 8), 1, None)
         time.sleep(0.5)

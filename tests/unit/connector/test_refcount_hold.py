@@ -3,6 +3,7 @@ idle between turns) while the connector's own reference keeps the blocks until t
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -42,7 +43,8 @@ def _step(sched: Any) -> Any:
 
 
 EXTRA = {"kvbridge_registry": "127.0.0.1:1", "kvbridge_hash_secret": "unit-hash-secret-0123456789abcdef",
-         "kvbridge_model": "tiny", "kvbridge_fallback_ttl_s": 1}
+         "kvbridge_model": "tiny", "kvbridge_fallback_ttl_s": 1, "kvbridge_free_grace_s": 0.3}
+GRACE_S = 0.3
 
 
 def test_refcount_hold_frees_the_request_but_keeps_its_blocks_until_the_lease_ends(
@@ -60,6 +62,10 @@ def test_refcount_hold_frees_the_request_but_keeps_its_blocks_until_the_lease_en
 
         sched.retention.bind_lease("d-1", 77)
         sched.retention.lease_ended(77)  # revoked or expired at the lease manager
+        meta = _step(sched)
+        # Kept for the grace (a prefill sent just before the end may still be reading), then freed.
+        assert "d-1" not in meta.kvbridge_release and pool.get_num_free_blocks() == free_before - 4
+        time.sleep(GRACE_S)
         meta = _step(sched)
         assert "d-1" in meta.kvbridge_release
         assert pool.get_num_free_blocks() == free_before and all(b.ref_cnt == 0 for b in blocks)

@@ -144,3 +144,48 @@ def test_entry_cap_evicts() -> None:
         table.retain(name, 1, 32, None)
         clock.now += 1
     assert table.step(None, None).release == {"a"}
+
+
+GRACE = 10.0
+
+
+def test_an_ended_lease_frees_its_blocks_only_after_the_grace() -> None:
+    """A prefill sent just before the lease ended may still be reading the blocks (one-sided NIXL READ)."""
+    clock = FakeClock()
+    table = RetentionTable(clock, fallback_ttl_s=TTL, max_entries=100, free_kv_watermark=0.2, free_grace_s=GRACE)
+    table.retain("r1", 4, 100, CONV)
+    table.bind_lease("r1", 7)
+    table.set_connected(True)
+    table.lease_ended(7)
+    clock.now += GRACE - 1
+    first = table.step(1000, 1000)
+    assert first.release == set() and first.deadlines == {}
+    entry = table.get("r1")
+    assert entry is not None and entry.released  # no longer extended nor offered
+    clock.now += 1
+    assert table.step(1000, 1000).release == {"r1"}
+    assert table.step(1000, 1000).release == set()
+
+
+def test_memory_pressure_cuts_the_grace_short_before_evicting_live_entries() -> None:
+    clock = FakeClock()
+    table = RetentionTable(clock, fallback_ttl_s=TTL, max_entries=100, free_kv_watermark=0.2, free_grace_s=GRACE)
+    for i, lease in ((1, 11), (2, 12)):
+        table.retain(f"r{i}", 10, 100, CONV)
+        table.bind_lease(f"r{i}", lease)
+    table.lease_ended(11)
+    # 10 blocks short of the watermark (20 of 100 free wanted): the ended entry's blocks cover it.
+    decisions = table.step(10, 100)
+    assert decisions.release == {"r1"} and decisions.revoke == []
+
+
+def test_eviction_frees_at_once_even_with_a_grace() -> None:
+    clock = FakeClock()
+    table = RetentionTable(clock, fallback_ttl_s=TTL, max_entries=1, free_kv_watermark=0.2, free_grace_s=GRACE)
+    table.retain("r1", 4, 100, CONV)
+    table.bind_lease("r1", 1)
+    clock.now += 1
+    table.retain("r2", 4, 100, CONV)
+    table.bind_lease("r2", 2)
+    decisions = table.step(None, None)
+    assert decisions.release == {"r1"} and decisions.revoke == [(1, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")]
