@@ -19,6 +19,7 @@ _HELP = """KV-cache-aware gateway for P/D-disaggregated vLLM (OpenAI HTTP + gRPC
 Settings come from KVBRIDGE_GATEWAY_* environment variables, e.g.
   KVBRIDGE_GATEWAY_HTTP_PORT=8080 KVBRIDGE_GATEWAY_GRPC_PORT=50053
   KVBRIDGE_GATEWAY_REGISTRY_ADDRESS=127.0.0.1:50051 KVBRIDGE_GATEWAY_LEASE_ADDRESS=127.0.0.1:50052
+  KVBRIDGE_GATEWAY_REGISTRY_CONNECTIONS=1 (more: spread lookups over a registry's server processes)
   KVBRIDGE_GATEWAY_PREFILL_ENGINES=http://p0:8000  KVBRIDGE_GATEWAY_DECODE_ENGINES=http://d0:8000
     (or a JSON list of {"url", "model", "engine_id", "kv_host", "kv_port", "block_size", "register_in_registry"})
   KVBRIDGE_GATEWAY_HASH_SECRET_HEX=<32..128 hex chars>  KVBRIDGE_GATEWAY_API_KEYS_FILE=keys.json

@@ -42,7 +42,7 @@ class GatewayApp:
         auth = auth or Authenticator.from_file(settings.api_keys_file)
         control = ControlPlane(settings.registry_address, settings.lease_address, api_key=settings.control_api_key,
                                timeout_s=settings.control_timeout_s, tracer=self.telemetry.tracer,
-                               tls=peer_tls)
+                               tls=peer_tls, registry_connections=settings.registry_connections)
         self.core = GatewayCore(settings, auth, control, secret, telemetry=self.telemetry)
         self.http_app = build_http_app(self.core)
         grpc_settings = (server_settings or ServerSettings()).model_copy(update={"host": settings.host})

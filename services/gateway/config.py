@@ -58,6 +58,9 @@ class GatewaySettings(BaseSettings):
     # Control plane (gRPC only). Empty address: run without it (no reuse, plain P/D routing).
     registry_address: str = "127.0.0.1:50051"
     lease_address: str = "127.0.0.1:50052"
+    # Connections to the registry, used in turn: more than one spreads lookups over a registry replica's
+    # server processes (KVBRIDGE_REGISTRY_SERVE_PROCESSES; SO_REUSEPORT spreads connections, not calls).
+    registry_connections: int = Field(default=1, ge=1, le=64)
     # API key the gateway presents to registry and lease manager (a service principal there).
     control_api_key: str | None = None
     control_timeout_s: float = Field(default=1.0, gt=0, le=30)

@@ -66,17 +66,25 @@ def _traced(name: str) -> Callable[[Callable[Concatenate[ControlPlane, P], Await
 
 class ControlPlane:
     def __init__(self, registry_address: str, lease_address: str, *, api_key: str | None, timeout_s: float,
-                 tracer: trace.Tracer | None = None, tls: PeerTlsSettings | None = None) -> None:
+                 tracer: trace.Tracer | None = None, tls: PeerTlsSettings | None = None,
+                 registry_connections: int = 1) -> None:
         self._timeout = timeout_s
         self._tracer = tracer or trace.get_tracer("kvbridge.gateway")
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channels: list[grpc.aio.Channel] = []
         self._registry: registry_pb2_grpc.RegistryServiceAsyncStub | None = None
         self._lease: lease_pb2_grpc.LeaseServiceAsyncStub | None = None
+        # Calls rotate over the registry connections: a replica with several server processes serves each
+        # connection from one of them.
+        self._registry_stubs: list[registry_pb2_grpc.RegistryServiceAsyncStub] = []
+        self._next_registry = 0
         if registry_address:
-            ch = peer_channel(registry_address, tls, interceptors=client_interceptors())
-            self._channels.append(ch)
-            self._registry = registry_pb2_grpc.RegistryServiceStub(ch)
+            for _ in range(max(1, registry_connections)):
+                ch = peer_channel(registry_address, tls, interceptors=client_interceptors(),
+                                  own_connection=registry_connections > 1)
+                self._channels.append(ch)
+                self._registry_stubs.append(registry_pb2_grpc.RegistryServiceStub(ch))
+            self._registry = self._registry_stubs[0]
         if lease_address:
             ch = peer_channel(lease_address, tls, interceptors=client_interceptors())
             self._channels.append(ch)
@@ -91,9 +99,10 @@ class ControlPlane:
             await ch.close()
 
     def _reg(self) -> registry_pb2_grpc.RegistryServiceAsyncStub:
-        if self._registry is None:
+        if not self._registry_stubs:
             raise ControlPlaneError("no registry configured")
-        return self._registry
+        self._next_registry = (self._next_registry + 1) % len(self._registry_stubs)
+        return self._registry_stubs[self._next_registry]
 
     def _lse(self) -> lease_pb2_grpc.LeaseServiceAsyncStub:
         if self._lease is None:

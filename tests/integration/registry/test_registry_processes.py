@@ -132,3 +132,39 @@ def test_more_than_one_process_is_refused_on_the_embedded_store() -> None:
                           text=True, timeout=60)
     assert done.returncode == 2
     assert "needs etcd" in done.stderr
+
+
+async def test_a_gateway_with_several_registry_connections_reaches_every_process(  # type: ignore[no-untyped-def]
+        etcd_server, tmp_path: Path) -> None:
+    """One HTTP/2 connection lands on one process; the gateway's registry_connections spread its lookups."""
+    from kvbridge_services.gateway.control import ControlPlane
+
+    from .conftest import BLOCK, MODEL, chain
+
+    store = etcd_store([etcd_server.endpoint])
+    helper = Env(store, KeyLayout(), None, None, None, None)  # type: ignore[arg-type]
+    port, metrics = free_port(), two_free_ports()
+    target = f"127.0.0.1:{port}"
+    proc = start_supervisor(etcd_server.endpoint, port, metrics, tmp_path / "registry.log")
+    control = ControlPlane(target, "", api_key=None, timeout_s=5, registry_connections=8)
+    try:
+        async with grpc.aio.insecure_channel(target) as channel:
+            helper.stub = registry_pb2_grpc.RegistryServiceStub(channel)
+            await helper.engine()
+            await helper.register(TOKENS, conv="shared")
+        hashes = chain([*TOKENS, 1])
+        for _ in range(200):
+            found = await control.lookup(tenant="acme", model=MODEL, conversation_key="shared", block_hashes=hashes,
+                                         block_size=BLOCK, min_tokens=BLOCK)
+            if found.verdict == HIT:
+                per_process = await asyncio.to_thread(lambda: [hits(metrics + i) for i in range(PROCESSES)])
+                if all(per_process):
+                    break
+            await asyncio.sleep(0.01)
+        # 8 connections land on both processes with probability 1 - 2/2^8 (the kernel hashes each one).
+        assert all(per_process), per_process
+    finally:
+        await control.close()
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        await store.close()
