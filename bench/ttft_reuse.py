@@ -41,9 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvbridge import hashchain  # noqa: E402
-
-from tests.e2e.pd_client import PREFIX_DIGEST, REUSE_FIELDS, completion, random_tokens  # noqa: E402
+from tests.e2e.pd_client import completion, prefill_params_for, random_tokens  # noqa: E402
 from tests.fixtures.tiny_model import BENCH, ModelShape, build  # noqa: E402
 from tests.fixtures.vllm_engines import Engine, run_pd_engines  # noqa: E402
 
@@ -176,12 +174,8 @@ def pd_turn_timed(prefill: Engine, decode: Engine, prompt: list[int], output_tok
 
     ``decode_extra``: fields added to D's kv_transfer_params (the kvbridge conversation, as a gateway sends).
     """
-    p_params: dict[str, Any] = {key: reuse[key] for key in REUSE_FIELDS if key in reuse} if reuse else \
-        {"do_remote_decode": True, "do_remote_prefill": False}
-    if reuse and 0 < int(reuse.get("remote_num_tokens") or 0) <= len(prompt):
-        # As the gateway sends it: P checks the pulled prefix is its own prompt's (docs/connector.md).
-        p_params[PREFIX_DIGEST] = hashchain.prefix_digest(prompt, int(reuse["remote_num_tokens"]))
-    p_time, p_response = timed_completion(prefill, prompt, 1, p_params)
+    # With the prefix digest, as the gateway sends it: P checks the pulled prefix is its own prompt's.
+    p_time, p_response = timed_completion(prefill, prompt, 1, prefill_params_for(prompt, reuse))
     prefill_params = dict(p_response["kv_transfer_params"])
     d_response = completion(decode, prompt, output_tokens, {**prefill_params, **(decode_extra or {})})
     output = list(d_response["choices"][0]["token_ids"])

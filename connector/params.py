@@ -21,10 +21,6 @@ EPOCH = "kvbridge_epoch"
 # Optional: overrides the served model name used in the hash chain and entry key.
 MODEL = "kvbridge_model"
 
-# On a prefill's pull: the digest of the verified prompt prefix, checked against P's own prompt
-# (kvbridge.hashchain.prefix_digest; docs/hash-chain.md).
-PREFIX_DIGEST = "kvbridge_prefix_digest"
-
 # Added by the connector to D's returned params once it retains blocks under kvbridge.
 RETAINED = "kvbridge_retained"
 
@@ -62,7 +58,7 @@ def parse_conversation(params: Mapping[str, Any] | None, default_model: str) -> 
 def prompt_prefix_problem(params: Mapping[str, Any], prompt_token_ids: Sequence[int], *, required: bool) -> str:
     """Why P must not pull what ``params`` offer for this prompt ("" when it may): the gateway's digest
     of the verified prefix must match P's own first ``remote_num_tokens`` prompt tokens."""
-    digest = params.get(PREFIX_DIGEST)
+    digest = params.get(hashchain.KV_PARAMS_PREFIX_DIGEST)
     if digest is None:
         return "no_prefix_digest" if required else ""
     tokens = params.get("remote_num_tokens")

@@ -31,6 +31,8 @@ from collections.abc import Sequence
 
 DOMAIN_TAG = "kvbridge.block-hash-chain.v1"
 PREFIX_DIGEST_TAG = "kvbridge.prompt-prefix.v1"
+# The kv_transfer_params field the gateway sends the digest in and P's connector checks.
+KV_PARAMS_PREFIX_DIGEST = "kvbridge_prefix_digest"
 HASH_BYTES = 16
 MIN_SECRET_BYTES = 16
 MAX_SECRET_BYTES = 64  # BLAKE2b's maximum key length

@@ -17,8 +17,6 @@ from kvbridge import telemetry as tel
 # Extra keys the gateway adds for D so a kvbridge connector there can register the new state.
 CONVERSATION_KEY_PARAM = "kvbridge_conversation_key"
 TENANT_PARAM = "kvbridge_tenant"
-# P recomputes this over its own prompt before pulling (docs/hash-chain.md, "Prompt-prefix digest").
-PREFIX_DIGEST_PARAM = "kvbridge_prefix_digest"
 EPOCH_PARAM = "kvbridge_epoch"
 
 _INTERNAL_BODY_KEYS = ("kv_transfer_params", "conversation_id")
@@ -113,7 +111,8 @@ def reuse_prefill_params(source: PullSource, tokens: int, block_size: int, *,
         "tp_size": max(1, source.tp_size),
         "pp_size": max(1, source.pp_size),
         "dcp_size": max(1, source.dcp_size),
-        PREFIX_DIGEST_PARAM: hashchain.prefix_digest(prompt_ids, tokens),
+        # P recomputes it over its own prompt before pulling (docs/hash-chain.md, "Prompt-prefix digest").
+        hashchain.KV_PARAMS_PREFIX_DIGEST: hashchain.prefix_digest(prompt_ids, tokens),
     }
     if source.expiry_time is not None:
         params["remote_blocks_expiry_time"] = source.expiry_time

@@ -14,8 +14,6 @@ from kvbridge import hashchain
 
 from tests.fixtures.vllm_engines import Engine
 
-PREFIX_DIGEST = "kvbridge_prefix_digest"  # the gateway's field (services/gateway/kvparams.py)
-
 # Fields of D's returned params a router sends back to P for a reuse pull.
 REUSE_FIELDS = (
     "do_remote_decode", "do_remote_prefill", "remote_block_ids", "remote_engine_id", "remote_request_id",
@@ -50,22 +48,28 @@ class TurnResult:
         return int(self.prefill_params.get("remote_prefill_cached_tokens") or 0)
 
 
+def prefill_params_for(prompt: list[int], reuse: dict[str, Any] | None,
+                       verified: list[int] | None = None) -> dict[str, Any]:
+    """P's kv_transfer_params: plain, or pulling what ``reuse`` (D's params of an earlier turn) offers, with
+    the prefix digest of ``verified`` (default: the prompt), as the gateway sends it for the tokens it verified."""
+    if reuse is None:
+        return {"do_remote_decode": True, "do_remote_prefill": False}
+    params = {key: reuse[key] for key in REUSE_FIELDS if key in reuse}
+    verified = prompt if verified is None else verified
+    pulled = int(reuse.get("remote_num_tokens") or 0)
+    if 0 < pulled <= len(verified):
+        params[hashchain.KV_PARAMS_PREFIX_DIGEST] = hashchain.prefix_digest(verified, pulled)
+    return params
+
+
 def pd_turn(
     prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int, *,
     reuse: dict[str, Any] | None = None, decode_extra: dict[str, Any] | None = None,
     verified: list[int] | None = None,
 ) -> TurnResult:
-    """One disaggregated turn; ``reuse`` is D's params from an earlier turn (pull them back), sent with
-    the prefix digest of ``verified`` (default: the prompt), as the gateway sends it for the tokens it
-    verified."""
-    p_params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
-    if reuse is not None:
-        p_params = {key: reuse[key] for key in REUSE_FIELDS if key in reuse}
-        verified = prompt if verified is None else verified
-        pulled = int(reuse.get("remote_num_tokens") or 0)
-        if 0 < pulled <= len(verified):
-            p_params[PREFIX_DIGEST] = hashchain.prefix_digest(verified, pulled)
-    p_response = completion(prefill, prompt, 1, p_params)
+    """One disaggregated turn; ``reuse`` is D's params from an earlier turn (pull them back; see
+    ``prefill_params_for``)."""
+    p_response = completion(prefill, prompt, 1, prefill_params_for(prompt, reuse, verified))
     prefill_params = dict(p_response["kv_transfer_params"])
     d_params = dict(prefill_params)
     d_params.update(decode_extra or {})

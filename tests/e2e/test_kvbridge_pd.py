@@ -18,7 +18,7 @@ from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.types.v1 import types_pb2
 
 from tests.e2e.conftest import ENTRY_LEASE_TTL_S, HASH_SECRET, OLD_TTL_S
-from tests.e2e.pd_client import PREFIX_DIGEST, REUSE_FIELDS, completion, pd_turn, random_tokens
+from tests.e2e.pd_client import completion, pd_turn, prefill_params_for, random_tokens
 from tests.fixtures.control_plane_procs import ControlPlaneProcs
 from tests.fixtures.vllm_engines import BLOCK_SIZE, Engine, EnginePool, PDEngines
 
@@ -258,10 +258,8 @@ def test_killed_decode_ends_its_leases_and_prefill_recomputes(
         assert verdict != registry_pb2.LOOKUP_VERDICT_HIT, "the dead engine's entry is still offered"
 
         # A router holding stale params anyway: P's pull fails and it recomputes, correctly.
-        pulled = first.decode_params["remote_num_tokens"]
-        stale = completion(prefill, follow_up, 1, {**{k: first.decode_params[k] for k in REUSE_FIELDS},
-                                                   PREFIX_DIGEST: hashchain.prefix_digest(follow_up, pulled)})
-        fresh = completion(prefill, follow_up, 1, {"do_remote_decode": True, "do_remote_prefill": False})
+        stale = completion(prefill, follow_up, 1, prefill_params_for(follow_up, first.decode_params))
+        fresh = completion(prefill, follow_up, 1, prefill_params_for(follow_up, None))
         assert stale["kv_transfer_params"].get("remote_prefill_cached_tokens", 0) == 0
         assert stale["choices"][0]["token_ids"] == fresh["choices"][0]["token_ids"]
     finally:

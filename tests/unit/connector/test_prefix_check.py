@@ -6,7 +6,6 @@ from typing import Any
 
 import pytest
 from kvbridge import hashchain
-from kvbridge_connector.params import PREFIX_DIGEST
 
 from .real_scheduler import FakeRequest, scheduler
 
@@ -22,7 +21,7 @@ def _offer(digest_tokens: list[int] | None, tokens: int = 96) -> dict[str, Any]:
         "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": tokens, "tp_size": 1,
     }
     if digest_tokens is not None:
-        params[PREFIX_DIGEST] = hashchain.prefix_digest(digest_tokens, tokens)
+        params[hashchain.KV_PARAMS_PREFIX_DIGEST] = hashchain.prefix_digest(digest_tokens, tokens)
     return params
 
 
@@ -36,7 +35,7 @@ def test_a_matching_digest_pulls(vllm_configs: dict[str, Any]) -> None:
 @pytest.mark.parametrize(("offer", "why"), [
     (_offer([*PROMPT[:50], 7, *PROMPT[51:]]), "a token inside the pulled prefix differs"),
     (_offer(None), "no digest"),
-    ({**_offer(PROMPT), PREFIX_DIGEST: 12}, "a digest of the wrong type"),
+    ({**_offer(PROMPT), hashchain.KV_PARAMS_PREFIX_DIGEST: 12}, "a digest of the wrong type"),
     ({**_offer(PROMPT), "remote_num_tokens": 500}, "more tokens than the prompt has"),
 ])
 def test_a_mismatching_or_missing_digest_declines_and_never_contacts_d(

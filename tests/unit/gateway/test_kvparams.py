@@ -30,7 +30,7 @@ def test_reuse_prefill_params_use_only_the_source_record() -> None:
     prompt = list(range(40))
     p = kvparams.reuse_prefill_params(src, 32, 16, prompt_ids=prompt)
     assert p["do_remote_decode"] is True and p["do_remote_prefill"] is False
-    assert p[kvparams.PREFIX_DIGEST_PARAM] == hashchain.prefix_digest(prompt, 32)
+    assert p[hashchain.KV_PARAMS_PREFIX_DIGEST] == hashchain.prefix_digest(prompt, 32)
     assert p["remote_block_ids"] == [[7, 8]] and p["remote_num_tokens"] == 32
     assert (p["remote_engine_id"], p["remote_request_id"], p["remote_host"], p["remote_port"]) == \
         ("d0", "r1", "10.0.0.5", 5600)
