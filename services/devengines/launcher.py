@@ -54,8 +54,6 @@ class EngineSpec:
     model_dir: Path
     log_dir: Path
     cpu_core: int = 0
-    # Where the worker's other threads go (NIXL's busy-polling progress thread among them); None: cpu_core.
-    helper_core: int | None = None
     kv_connector: str = STOCK_CONNECTOR
     kv_connector_module_path: str | None = None
     extra_config: dict[str, Any] = field(default_factory=dict)
@@ -258,26 +256,25 @@ def _group_workers(pgid: int) -> list[int]:
 
 
 def place_worker_threads(engine: Engine) -> str:
-    """Pin each worker's main thread (it runs the model) to ``cpu_core`` and its other threads to ``helper_core``.
+    """Pin every thread of the engine's worker processes to ``cpu_core``, the model's thread included.
 
     vLLM's CPU worker binds only OpenMP to VLLM_CPU_OMP_THREADS_BIND. On the 2-core dev VM the prefill worker's
     main thread was found on the decode core and NIXL's progress thread, which polls without pause, on the
-    prefill core: a 384-token prefill then took 52 s instead of ~2 s (bench/results/ttft.md). Threads created
-    later inherit the creating thread's core. Returns what was done, for the progress line.
+    prefill core: a 384-token prefill then took 52 s instead of ~2 s (bench/results/ttft.md). Moving P's NIXL
+    threads to the decode core instead overloaded that core. Threads created later inherit the creating
+    thread's core. Returns what was done, for the progress line.
     """
     if not hasattr(os, "sched_setaffinity"):
         return "not supported here"
-    cores = os.cpu_count() or 1
-    main_core = engine.spec.cpu_core % cores
-    helper_core = (engine.spec.helper_core if engine.spec.helper_core is not None else main_core) % cores
+    core = engine.spec.cpu_core % (os.cpu_count() or 1)
     placed = 0
     for pid in _group_workers(engine.process.pid):
         with suppress(OSError):
             for tid in (int(t) for t in os.listdir(f"/proc/{pid}/task")):
                 with suppress(OSError):
-                    os.sched_setaffinity(tid, {main_core if tid == pid else helper_core})
+                    os.sched_setaffinity(tid, {core})
                     placed += 1
-    return f"{placed} threads, main on core {main_core}, others on core {helper_core}"
+    return f"{placed} threads on core {core}"
 
 
 def wait_healthy(engines: list[Engine], timeout_s: float = DEFAULT_START_TIMEOUT_S, *,
@@ -328,8 +325,7 @@ def pd_specs(model_dir: Path, log_dir: Path, *, prefill_overrides: dict[str, Any
              decode_overrides: dict[str, Any] | None = None) -> tuple[EngineSpec, EngineSpec]:
     """Specs of one prefill (core 0) and one decode (core 1) engine; overrides are EngineSpec fields."""
     cores = os.cpu_count() or 1
-    # Each engine confined to its own core, NIXL threads included, like two one-core machines: moving P's
-    # busy NIXL progress thread onto the decode core overloaded it (D's READ of P's KV then stalled).
+    # Each engine confined to its own core, NIXL threads included (place_worker_threads): two one-core machines.
     prefill_spec = EngineSpec("prefill", "kv_producer", model_dir, log_dir, cpu_core=0)
     decode_spec = EngineSpec("decode", "kv_consumer", model_dir, log_dir, cpu_core=1 % cores)
     for spec, overrides in ((prefill_spec, prefill_overrides), (decode_spec, decode_overrides)):
