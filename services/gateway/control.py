@@ -72,7 +72,6 @@ class ControlPlane:
         self._tracer = tracer or trace.get_tracer("kvbridge.gateway")
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channels: list[grpc.aio.Channel] = []
-        self._registry: registry_pb2_grpc.RegistryServiceAsyncStub | None = None
         self._lease: lease_pb2_grpc.LeaseServiceAsyncStub | None = None
         # Calls rotate over the registry connections: a replica with several server processes serves each
         # connection from one of them.
@@ -84,7 +83,6 @@ class ControlPlane:
                                   own_connection=registry_connections > 1)
                 self._channels.append(ch)
                 self._registry_stubs.append(registry_pb2_grpc.RegistryServiceStub(ch))
-            self._registry = self._registry_stubs[0]
         if lease_address:
             ch = peer_channel(lease_address, tls, interceptors=client_interceptors())
             self._channels.append(ch)
@@ -92,7 +90,7 @@ class ControlPlane:
 
     @property
     def enabled(self) -> bool:
-        return self._registry is not None and self._lease is not None
+        return bool(self._registry_stubs) and self._lease is not None
 
     async def close(self) -> None:
         for ch in self._channels:
