@@ -16,6 +16,21 @@ from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
+def check_client_tls_files(settings: object, names: tuple[str, str, str], *, label: str = "") -> None:
+    """The (CA, client certificate, client key) fields of a TLS client: certificate and key together, a CA
+    for mutual TLS, and every given file readable. ValueError naming the fields otherwise."""
+    ca_name, cert_name, key_name = names
+    ca, cert, key = (getattr(settings, name) for name in names)
+    if (cert is None) != (key is None):
+        raise ValueError(f"{label}{cert_name} and {key_name} must be given together")
+    if cert is not None and ca is None:
+        raise ValueError(f"{label}{cert_name}/{key_name} (mutual TLS) need {ca_name}")
+    for name in names:
+        path: Path | None = getattr(settings, name)
+        if path is not None and not (path.is_file() and os.access(path, os.R_OK)):
+            raise ValueError(f"{label}{name} {str(path)!r} is not a readable file")
+
+
 class StoreSettings(BaseSettings):
     """Where state lives: etcd when endpoints are given, else the embedded store."""
 
@@ -57,14 +72,7 @@ class StoreSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check_etcd_tls(self) -> StoreSettings:
-        if (self.etcd_cert_file is None) != (self.etcd_key_file is None):
-            raise ValueError("etcd_cert_file and etcd_key_file must be given together")
-        if self.etcd_cert_file is not None and self.etcd_ca_file is None:
-            raise ValueError("etcd_cert_file/etcd_key_file (mutual TLS) need etcd_ca_file")
-        for name in ("etcd_ca_file", "etcd_cert_file", "etcd_key_file"):
-            path: Path | None = getattr(self, name)
-            if path is not None and not (path.is_file() and os.access(path, os.R_OK)):
-                raise ValueError(f"{name} {str(path)!r} is not a readable file")
+        check_client_tls_files(self, ("etcd_ca_file", "etcd_cert_file", "etcd_key_file"))
         return self
 
     @property
@@ -136,13 +144,7 @@ class PeerTlsSettings(BaseSettings):
 
     @model_validator(mode="after")
     def _check(self) -> PeerTlsSettings:
-        if (self.cert_file is None) != (self.key_file is None):
-            raise ValueError("peer cert_file and key_file must be given together")
-        if self.cert_file is not None and self.ca_file is None:
-            raise ValueError("peer cert_file/key_file (mutual TLS) need ca_file")
-        for path in (self.ca_file, self.cert_file, self.key_file):
-            if path is not None and not path.is_file():
-                raise ValueError(f"{path}: not a readable file")
+        check_client_tls_files(self, ("ca_file", "cert_file", "key_file"), label="peer ")
         return self
 
     @property
