@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import os
 import signal
 import socket
@@ -10,6 +11,8 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -82,27 +85,53 @@ async def lookup_on_new_connection(target: str, helper: Env) -> registry_pb2.Loo
         return await helper.lookup(TOKENS, conv="shared")
 
 
+@dataclass
+class Supervised:
+    proc: subprocess.Popen[bytes]
+    target: str
+    metrics: int  # worker i serves /metrics on metrics + i
+    helper: Env
+
+    async def register_shared(self) -> None:
+        """An engine and the conversation "shared" (TOKENS), registered through the port."""
+        async with grpc.aio.insecure_channel(self.target) as channel:
+            self.helper.stub = registry_pb2_grpc.RegistryServiceStub(channel)
+            await self.helper.engine()
+            await self.helper.register(TOKENS, conv="shared")
+
+    async def hits_per_process(self) -> list[float]:
+        return await asyncio.to_thread(lambda: [hits(self.metrics + i) for i in range(PROCESSES)])
+
+
+@contextlib.asynccontextmanager
+async def supervised_registry(endpoint: str, tmp_path: Path) -> AsyncIterator[Supervised]:
+    """A registry with PROCESSES server processes on real etcd, with a test helper on its own store client."""
+    store = etcd_store([endpoint])
+    port, metrics = free_port(), two_free_ports()
+    proc = start_supervisor(endpoint, port, metrics, tmp_path / "registry.log")
+    try:
+        yield Supervised(proc, f"127.0.0.1:{port}", metrics,
+                         Env(store, KeyLayout(), None, None, None, None))  # type: ignore[arg-type]
+    finally:
+        os.killpg(proc.pid, signal.SIGTERM)
+        assert proc.wait(timeout=30) == 0
+        await store.close()
+
+
 async def test_processes_share_the_port_see_every_registration_and_survive_a_kill(  # type: ignore[no-untyped-def]
         etcd_server, tmp_path: Path) -> None:
-    store = etcd_store([etcd_server.endpoint])
-    helper = Env(store, KeyLayout(), None, None, None, None)  # type: ignore[arg-type]
-    port, metrics = free_port(), two_free_ports()
-    target = f"127.0.0.1:{port}"
-    proc = start_supervisor(etcd_server.endpoint, port, metrics, tmp_path / "registry.log")
-    try:
+    async with supervised_registry(etcd_server.endpoint, tmp_path) as registry:
+        proc, target, helper = registry.proc, registry.target, registry.helper
         workers = children(proc.pid)
         assert len(workers) == PROCESSES
-        async with grpc.aio.insecure_channel(target) as channel:
-            helper.stub = registry_pb2_grpc.RegistryServiceStub(channel)
-            await helper.engine()
-            await helper.register(TOKENS, conv="shared")
+        await registry.register_shared()
         registered = time.monotonic()
         # New connections until both processes answered a hit: each one's own index saw the entry within 1 s.
         for _ in range(64):
             while (await lookup_on_new_connection(target, helper)).verdict != HIT:
                 assert time.monotonic() - registered < 1.0, "a process did not see the registration within 1 s"
                 await asyncio.sleep(0.01)
-            per_process = await asyncio.to_thread(lambda: [hits(metrics + i) for i in range(PROCESSES)])
+            per_process = await registry.hits_per_process()
             if all(per_process):
                 break
         assert all(per_process), per_process
@@ -119,10 +148,6 @@ async def test_processes_share_the_port_see_every_registration_and_survive_a_kil
             assert time.monotonic() < deadline, "the killed process was not restarted"
             await asyncio.sleep(0.1)
         assert workers[1] in children(proc.pid)
-    finally:
-        os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        await store.close()
 
 
 def test_more_than_one_process_is_refused_on_the_embedded_store() -> None:
@@ -141,30 +166,20 @@ async def test_a_gateway_with_several_registry_connections_reaches_every_process
 
     from .conftest import BLOCK, MODEL, chain
 
-    store = etcd_store([etcd_server.endpoint])
-    helper = Env(store, KeyLayout(), None, None, None, None)  # type: ignore[arg-type]
-    port, metrics = free_port(), two_free_ports()
-    target = f"127.0.0.1:{port}"
-    proc = start_supervisor(etcd_server.endpoint, port, metrics, tmp_path / "registry.log")
-    control = ControlPlane(target, "", api_key=None, timeout_s=5, registry_connections=8)
-    try:
-        async with grpc.aio.insecure_channel(target) as channel:
-            helper.stub = registry_pb2_grpc.RegistryServiceStub(channel)
-            await helper.engine()
-            await helper.register(TOKENS, conv="shared")
-        hashes = chain([*TOKENS, 1])
-        for _ in range(200):
-            found = await control.lookup(tenant="acme", model=MODEL, conversation_key="shared", block_hashes=hashes,
-                                         block_size=BLOCK, min_tokens=BLOCK)
-            if found.verdict == HIT:
-                per_process = await asyncio.to_thread(lambda: [hits(metrics + i) for i in range(PROCESSES)])
-                if all(per_process):
-                    break
-            await asyncio.sleep(0.01)
-        # 8 connections land on both processes with probability 1 - 2/2^8 (the kernel hashes each one).
-        assert all(per_process), per_process
-    finally:
-        await control.close()
-        os.killpg(proc.pid, signal.SIGTERM)
-        assert proc.wait(timeout=30) == 0
-        await store.close()
+    async with supervised_registry(etcd_server.endpoint, tmp_path) as registry:
+        control = ControlPlane(registry.target, "", api_key=None, timeout_s=5, registry_connections=8)
+        try:
+            await registry.register_shared()
+            hashes = chain([*TOKENS, 1])
+            for _ in range(200):
+                found = await control.lookup(tenant="acme", model=MODEL, conversation_key="shared",
+                                             block_hashes=hashes, block_size=BLOCK, min_tokens=BLOCK)
+                if found.verdict == HIT:
+                    per_process = await registry.hits_per_process()
+                    if all(per_process):
+                        break
+                await asyncio.sleep(0.01)
+            # 8 connections land on both processes with probability 1 - 2/2^8 (the kernel hashes each one).
+            assert all(per_process), per_process
+        finally:
+            await control.close()
