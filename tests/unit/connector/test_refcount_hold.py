@@ -42,9 +42,9 @@ def _step(sched: Any) -> Any:
     return sched.build_connector_meta(SchedulerOutput.make_empty())
 
 
-EXTRA = {"kvbridge_registry": "127.0.0.1:1", "kvbridge_hash_secret": "unit-hash-secret-0123456789abcdef",
-         "kvbridge_model": "tiny", "kvbridge_fallback_ttl_s": 1, "kvbridge_free_grace_s": 0.3}
 GRACE_S = 0.3
+EXTRA = {"kvbridge_registry": "127.0.0.1:1", "kvbridge_hash_secret": "unit-hash-secret-0123456789abcdef",
+         "kvbridge_model": "tiny", "kvbridge_fallback_ttl_s": 1, "kvbridge_free_grace_s": GRACE_S}
 
 
 def test_refcount_hold_frees_the_request_but_keeps_its_blocks_until_the_lease_ends(
