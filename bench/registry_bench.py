@@ -307,7 +307,7 @@ def entry_sizes() -> list[tuple[int, int, int, int]]:
     rows = []
     for n_tokens in (2048, 8192, 24576):
         req = entry_request(tokens_for(n_tokens), "conv-000001", 12345678901, 3)
-        from kvbridge_services.registry.hashrecord import HashRecord
+        from kvbridge_services.common.hashrecord import HashRecord
 
         rec = HashRecord.from_chain(list(req.entry.block_hashes), 4)
         stored = registry_pb2.Entry()

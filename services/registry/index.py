@@ -16,22 +16,12 @@ from dataclasses import dataclass, field
 
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
-
-from .hashrecord import HashRecord
+from kvbridge_services.common.entrylookup import record_of
+from kvbridge_services.common.hashrecord import HashRecord
 
 log = logging.getLogger(__name__)
 
 EntryId = tuple[str, str, str]  # (tenant, model, conversation_key)
-
-
-def record_of(entry: registry_pb2.Entry) -> HashRecord:
-    """The hash record of a stored (compact) entry."""
-    return HashRecord.from_stored(
-        entry.block_hashes,
-        entry.chain_stride or 1,
-        entry.final_block_hash,
-        entry.token_count // entry.block_size,
-    )
 
 
 @dataclass(slots=True)

@@ -27,6 +27,7 @@ from .index import RegistryIndex
 Ctx = grpc.aio.ServicerContext[Any, Any]
 _MAX_PROGRESS_S = 300.0
 _DEFAULT_PROGRESS_S = 10.0
+_SNAPSHOT_PAGE = 500  # entries per snapshot message
 _ENTRY_BYTES_MAX_AGE_S = 10.0  # summing every entry's size is O(entries): at most this often
 
 
@@ -210,21 +211,24 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 
         start = request.start_revision
         if start == 0:
-            snapshot = registry_pb2.WatchEntriesResponse(snapshot_complete=True)
+            # One message per page, so a large snapshot never exceeds a message size limit; later pages may be
+            # read at later revisions, which the watch from the first page's revision on then replays
+            # (watchers keep the higher mod_revision of each entry).
             after: bytes | None = None
             while True:
-                kvs, revision = await self._store.range_prefix(prefix, start_after=after, limit=500)
+                kvs, revision = await self._store.range_prefix(prefix, start_after=after, limit=_SNAPSHOT_PAGE)
                 start = start or revision
+                page = registry_pb2.WatchEntriesResponse(revision=start, snapshot_complete=len(kvs) < _SNAPSHOT_PAGE)
                 for kv in kvs:
                     entry = registry_pb2.Entry.FromString(kv.value)
                     if wanted(entry):
-                        snapshot.events.add(type=registry_pb2.EntryEvent.TYPE_PUT, entry=entry,
-                                            revision=kv.mod_revision)
-                if len(kvs) < 500:
+                        page.events.add(type=registry_pb2.EntryEvent.TYPE_PUT, entry=entry,
+                                        revision=kv.mod_revision)
+                if page.events or page.snapshot_complete:
+                    yield page
+                if page.snapshot_complete:
                     break
                 after = kvs[-1].key
-            snapshot.revision = start
-            yield snapshot
             start += 1
         try:
             async for batch in self._store.watch_prefix(prefix, start_revision=start, progress_interval_s=progress):

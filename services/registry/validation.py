@@ -10,8 +10,7 @@ from kvbridge.errors import InvalidArgument, Reason, invalid_field
 from kvbridge.hashchain import HASH_BYTES, MAX_BLOCK_SIZE
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
-
-from .hashrecord import PackedChain
+from kvbridge_services.common.hashrecord import PackedChain
 
 ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
 # Served model names ("Qwen/Qwen3-0.6B", "org/model@rev"): printable ASCII without spaces.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from kvbridge import hashchain
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
-from kvbridge_services.registry.hashrecord import HashRecord
+from kvbridge_services.common.hashrecord import HashRecord
 from kvbridge_services.registry.index import RegistryIndex
 
 S = b"0123456789abcdef"

@@ -742,7 +742,9 @@ class WatchEntriesResponse(_message.Message):
     revision: _builtins.int
     """Store revision this message brings the watcher up to."""
     snapshot_complete: _builtins.bool
-    """True on the message that ends the initial snapshot."""
+    """The initial snapshot comes in one or more messages (pages of entries);
+    true on the last of them.
+    """
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___EntryEvent]: ...
     def __init__(

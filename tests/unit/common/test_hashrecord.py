@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import pytest
 from kvbridge import hashchain
-from kvbridge_services.registry.hashrecord import HashRecord, stored_bytes
+from kvbridge_services.common.hashrecord import HashRecord, stored_bytes
 
 S = b"0123456789abcdef"
 

@@ -1,0 +1,50 @@
+"""What a keyed lookup reads from a stored entry: its hash record, and the location it answers with.
+
+Shared by the registry's index and the gateway's entry mirror, so both answer a hit with the same
+location for the same entry.
+"""
+
+from __future__ import annotations
+
+from kvbridge.registry.v1 import registry_pb2
+from kvbridge.types.v1 import types_pb2
+
+from .hashrecord import HashRecord
+
+
+def record_of(entry: registry_pb2.Entry) -> HashRecord:
+    """The hash record of a stored (compact) entry, as the registry persists it and watchers receive it."""
+    return HashRecord.from_stored(
+        entry.block_hashes,
+        entry.chain_stride or 1,
+        entry.final_block_hash,
+        entry.token_count // entry.block_size,
+    )
+
+
+def answer_hit(
+    response: registry_pb2.LookupEntryResponse, entry: registry_pb2.Entry, engine: types_pb2.Engine, blocks: int,
+    min_tokens: int,
+) -> bool:
+    """Fills ``response`` for ``blocks`` verified blocks of ``entry`` on ``engine``; True for a HIT,
+    False when the verified tokens stay below ``min_tokens`` (verdict BELOW_THRESHOLD)."""
+    tokens = min(blocks * entry.block_size, entry.token_count)
+    blocks = tokens // entry.block_size
+    response.verified_tokens = tokens
+    loc = response.location
+    loc.engine.CopyFrom(engine)
+    loc.engine_request_id = entry.engine_request_id
+    for group in entry.block_ids:
+        # A C-level copy then a cut: slicing the ids into Python ints and back cost ~12 µs per 512 blocks.
+        ids = loc.block_ids.add()
+        ids.CopyFrom(group)
+        if blocks < len(ids.ids):
+            del ids.ids[blocks:]
+    loc.lease_id = entry.lease_id
+    loc.epoch = entry.epoch
+    if entry.HasField("expire_time"):
+        loc.expire_time.CopyFrom(entry.expire_time)
+    loc.conversation_key = entry.key.conversation_key
+    hit = tokens >= min_tokens
+    response.verdict = registry_pb2.LOOKUP_VERDICT_HIT if hit else registry_pb2.LOOKUP_VERDICT_BELOW_THRESHOLD
+    return hit
