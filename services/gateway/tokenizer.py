@@ -23,7 +23,7 @@ import asyncio
 import copy
 import inspect
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -33,12 +33,17 @@ import jinja2.ext
 import jinja2.parser
 from jinja2 import nodes
 
+from .prefixcache import PrefixCache, encoded
+
 log = logging.getLogger(__name__)
 
 ATTR_TOKENIZE_PATH = "kvbridge.tokenize.path"  # turn span attribute: local (this module) | engine (P's /tokenize)
-# Rendering + encoding cost ~0.1 ms per call plus ~0.2 us per character (fast tokenizer, dev tokenizer; 96k
-# characters took 18 ms): past ~1 ms, i.e. this many characters, a turn is tokenized on the worker thread.
+# Encoding costs ~0.1 ms per call plus ~0.2 us per character (fast tokenizer, dev tokenizer; 96k characters took
+# 18 ms): past ~1 ms, i.e. this many characters to encode, the encoding runs on the worker thread.
 OFFLOAD_CHARS = 4096
+# Previous prompt encodings kept for the next turn (prefixcache): bytes over all models, conversations per model.
+PREFIX_CACHE_BYTES = 256 * 1024 * 1024
+PREFIX_CACHE_CONVERSATIONS = 100_000
 # Turns waiting for the worker thread beyond this go to P's /tokenize instead (the queue stays bounded).
 MAX_OFFLOADED = 32
 _CHAT_ROLES = frozenset({"system", "user", "assistant"})  # developer/tool/function: vLLM rewrites them
@@ -121,17 +126,32 @@ class ModelTokenizer:
             "messages", "conversation"}
 
     def ids(self, kind: str, body: Mapping[str, Any], *, on_worker: bool = False) -> list[int] | None:
-        tok = self._worker_tok if on_worker else self._tok
+        prepared = self.prepare(kind, body)
+        if prepared is None:
+            return None
+        return self.encode(prepared[0], prepared[1], on_worker=on_worker)[0]
+
+    def prepare(self, kind: str, body: Mapping[str, Any]) -> tuple[str, bool] | None:
+        """(text to encode, add_special_tokens) as vLLM would encode them, or None (ask P)."""
         if kind == "chat":
-            return self._chat_ids(tok, body)
+            return self._chat_text(self._tok, body)
         prompt = body.get("prompt")
         add_special = body.get("add_special_tokens", True)
         if not isinstance(prompt, str) or not prompt or not isinstance(add_special, bool):
             return None
-        return self._encode(tok, prompt, add_special)
+        return prompt, add_special
+
+    def encode(self, text: str, add_special: bool, *, on_worker: bool = False) -> tuple[list[int], list[int]]:
+        """Token ids and each token's end offset in ``text``."""
+        # vLLM calls tok(text, add_special_tokens=..., truncation=False), i.e. the Rust backend's encode_batch
+        # on [text] with no truncation or padding: the same ids as its encode() (set up by _prepare_backend),
+        # without encode_batch's thread-pool hand-off (~0.3 ms per call measured on a busy 2-core host).
+        tok = self._worker_tok if on_worker else self._tok
+        enc = tok.backend_tokenizer.encode(text, add_special_tokens=add_special)
+        return list(enc.ids), [end for _, end in enc.offsets]
 
     # -- chat ---------------------------------------------------------------------------------
-    def _chat_ids(self, tok: Any, body: Mapping[str, Any]) -> list[int] | None:
+    def _chat_text(self, tok: Any, body: Mapping[str, Any]) -> tuple[str, bool] | None:
         if self.template is None or body.get("tools") is not None or body.get("chat_template") is not None:
             return None
         add_generation_prompt = body.get("add_generation_prompt", True)
@@ -147,7 +167,7 @@ class ModelTokenizer:
         text = render(_as_strings(texts))
         if text is not None and self.template_loops_content and render(_as_parts(texts)) != text:
             return None  # the template tells the two content formats apart: only vLLM knows which it uses
-        return None if text is None else self._encode(tok, text, add_special)
+        return None if text is None else (text, add_special)
 
     def _template_kwargs(self, raw: object) -> dict[str, Any] | None:
         if raw is None:
@@ -175,12 +195,6 @@ class ModelTokenizer:
             return text if isinstance(text, str) else None
         return render
 
-    @staticmethod
-    def _encode(tok: Any, text: str, add_special: bool) -> list[int]:
-        # vLLM calls tok(text, add_special_tokens=..., truncation=False), i.e. the Rust backend's encode_batch
-        # on [text] with no truncation or padding: the same ids as its encode() (set up by _prepare_backend),
-        # without encode_batch's thread-pool hand-off (~0.3 ms per call measured on a busy 2-core host).
-        return list(tok.backend_tokenizer.encode(text, add_special_tokens=add_special).ids)
 
 
 def _prepare_backend(tok: Any) -> None:
@@ -236,28 +250,17 @@ def _as_parts(texts: list[tuple[str, list[str], str | None]]) -> list[dict[str, 
     return [_message(role, [{"type": "text", "text": p} for p in parts], name) for role, parts, name in texts]
 
 
-def _size(kind: str, body: Mapping[str, Any]) -> int:
-    """Characters to tokenize (cheap estimate, before rendering)."""
-    if kind != "chat":
-        prompt = body.get("prompt")
-        return len(prompt) if isinstance(prompt, str) else 0
-    total = 0
-    for msg in body.get("messages") or ():
-        content = msg.get("content") if isinstance(msg, dict) else None
-        if isinstance(content, str):
-            total += len(content)
-        elif isinstance(content, list):
-            total += sum(len(p.get("text") or "") for p in content if isinstance(p, dict)
-                         and isinstance(p.get("text"), str))
-    return total
-
-
 class LocalTokenizers:
-    """The gateway's local tokenizers by model; long prompts go to one worker thread (bounded queue)."""
+    """The gateway's local tokenizers by model. A conversation's turn re-encodes only what follows its
+    previous turn's prompt (``prefixcache``); long texts to encode go to one worker thread (bounded queue)."""
 
     def __init__(self, dirs: Mapping[str, Path], *, offload_chars: int = OFFLOAD_CHARS,
-                 max_offloaded: int = MAX_OFFLOADED) -> None:
+                 max_offloaded: int = MAX_OFFLOADED, prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+                 prefix_cache_conversations: int = PREFIX_CACHE_CONVERSATIONS) -> None:
         self._by_model = {model: ModelTokenizer(model, Path(path)) for model, path in dirs.items()}
+        self._prefixes = {model: PrefixCache(max_conversations=prefix_cache_conversations,
+                                             max_bytes=prefix_cache_bytes // max(1, len(dirs)))
+                          for model in self._by_model} if prefix_cache_bytes > 0 else {}
         self._offload_chars = offload_chars
         self._max_offloaded = max_offloaded
         self._offloaded = 0
@@ -269,14 +272,49 @@ class LocalTokenizers:
     def models(self) -> list[str]:
         return sorted(self._by_model)
 
-    async def ids(self, model: str, kind: str, body: Mapping[str, Any]) -> list[int] | None:
+    def reused_tokens(self) -> int:
+        """Tokens taken from a conversation's previous encoding instead of encoded again (all models)."""
+        return sum(p.reused_tokens for p in self._prefixes.values())
+
+    async def ids(self, model: str, kind: str, body: Mapping[str, Any],
+                  conversation: Hashable | None = None) -> list[int] | None:
         """Token ids as vLLM's /tokenize would return them, or None (no tokenizer, unsupported request,
-        or the worker thread's queue is full): then the caller asks P."""
+        or the worker thread's queue is full): then the caller asks P. ``conversation``: the turn's
+        conversation identity, under which its encoding is kept for the next turn."""
         tok = self._by_model.get(model)
         if tok is None:
             return None
-        if _size(kind, body) < self._offload_chars:
-            return tok.ids(kind, body)
+        prepared = tok.prepare(kind, body)
+        if prepared is None:
+            return None
+        text, add_special = prepared
+        # Only without special tokens: a post-processor's BOS/EOS would sit inside a spliced encoding.
+        prefixes = self._prefixes.get(model) if conversation is not None and not add_special else None
+        resume = prefixes.resume(conversation, text) if prefixes is not None else None
+        if resume is not None:
+            assert prefixes is not None
+            tail = await self._encode(tok, text[resume.char:], add_special)
+            if tail is None:
+                return None
+            spliced = prefixes.splice(resume, text, *tail)
+            if spliced is not None and prefixes.due_for_verification():
+                full = await self._encode(tok, text, add_special)
+                if full is not None and full[0] != list(spliced.ids):
+                    prefixes.disable(f"a spliced encoding differed from the full one ({model!r})")
+                    return full[0]
+            if spliced is not None:
+                prefixes.store(conversation, spliced)
+                return list(spliced.ids)
+        whole = await self._encode(tok, text, add_special)
+        if whole is None:
+            return None
+        if prefixes is not None:
+            prefixes.store(conversation, encoded(text, *whole))
+        return whole[0]
+
+    async def _encode(self, tok: ModelTokenizer, text: str, add_special: bool) -> tuple[list[int], list[int]] | None:
+        if len(text) < self._offload_chars:
+            return tok.encode(text, add_special)
         if self._offloaded >= self._max_offloaded:
             return None
         if self._pool is None:
@@ -284,7 +322,7 @@ class LocalTokenizers:
         self._offloaded += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._pool, lambda: tok.ids(kind, body, on_worker=True))
+                self._pool, lambda: tok.encode(text, add_special, on_worker=True))
         finally:
             self._offloaded -= 1
 

@@ -204,4 +204,4 @@ def test_encoding_equals_the_hf_call_vllm_makes(dirs: dict[str, Path], tokenizer
 
     hf = AutoTokenizer.from_pretrained(str(dirs["bos"]), local_files_only=True)
     expected = hf(text, add_special_tokens=add_special, truncation=False)["input_ids"]
-    assert ModelTokenizer._encode(tokenizers["bos"]._tok, text, add_special) == expected
+    assert tokenizers["bos"].encode(text, add_special)[0] == expected
