@@ -271,6 +271,7 @@ class Level:
     cpu_s: dict[str, float] = field(default_factory=dict)
     router_overhead_mean_s: float = float("nan")  # the gateway's own histogram (excludes engine time)
     tokenize_paths: dict[str, float] = field(default_factory=dict)  # kvbridge_gateway_tokenize_total deltas
+    lookup_sources: dict[str, float] = field(default_factory=dict)  # kvbridge_gateway_lookups_total deltas
     seconds: float = 0.0
 
 
@@ -366,16 +367,23 @@ async def _router_overhead(gw: str) -> tuple[float, float]:
     return vals.get("_sum", 0.0), vals.get("_count", 0.0)
 
 
-async def _tokenize_paths(gw: str) -> dict[str, float]:
-    """kvbridge_gateway_tokenize_total by path (local, engine, request)."""
+async def _counters(gw: str) -> dict[str, dict[str, float]]:
+    """The gateway's per-turn counters by label: tokenize path (local, engine, request) and lookup source
+    (mirror, registry)."""
     async with aiohttp.ClientSession() as http, http.get(gw + "/metrics") as resp:
         text = await resp.text()
-    out: dict[str, float] = {}
+    wanted = {"kvbridge_gateway_tokenize_total{": 'path="', "kvbridge_gateway_lookups_total{": 'source="'}
+    out: dict[str, dict[str, float]] = {name: {} for name in wanted}
     for line in text.splitlines():
-        if line.startswith("kvbridge_gateway_tokenize_total{"):
-            path = line.split('path="', 1)[1].split('"', 1)[0]
-            out[path] = float(line.rsplit(" ", 1)[1])
+        for name, label in wanted.items():
+            if line.startswith(name) and label in line:
+                value = line.split(label, 1)[1].split('"', 1)[0]
+                out[name][value] = float(line.rsplit(" ", 1)[1])
     return out
+
+
+def _deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
 
 
 async def run_level(procs: Procs, concurrency: int, seconds: float, args: argparse.Namespace) -> Level:
@@ -386,13 +394,13 @@ async def run_level(procs: Procs, concurrency: int, seconds: float, args: argpar
     tasks = [asyncio.create_task(worker(i, level, procs, args, record_from, stop_at)) for i in range(concurrency)]
     metrics_at_start: tuple[float, float] | None = None
     cpu0: dict[str, float] = {}
-    tok0: dict[str, float] = {}
+    counters0: dict[str, dict[str, float]] = {}
     while not all(t.done() for t in tasks):
         await asyncio.sleep(1.0)
         now = time.monotonic()
         if metrics_at_start is None and now >= record_from:
             metrics_at_start, cpu0 = await _router_overhead(procs.gateway_url), procs.cpu()
-            tok0 = await _tokenize_paths(procs.gateway_url)
+            counters0 = await _counters(procs.gateway_url)
         if metrics_at_start is not None and int(now - start) % 5 == 0:
             added = [p.gateway_s - p.direct_s for p in level.pairs]
             print(f"  [{concurrency:>2} conv] t={now - start:5.1f}s pairs={len(level.pairs):5d} "
@@ -406,8 +414,10 @@ async def run_level(procs: Procs, concurrency: int, seconds: float, args: argpar
         cpu1 = procs.cpu()
         level.cpu_s = {k: cpu1[k] - cpu0[k] for k in cpu1}
         s1, c1 = await _router_overhead(procs.gateway_url)
-        tok1 = await _tokenize_paths(procs.gateway_url)
-        level.tokenize_paths = {k: v - tok0.get(k, 0.0) for k, v in tok1.items() if v > tok0.get(k, 0.0)}
+        counters1 = await _counters(procs.gateway_url)
+        tok, lookups = "kvbridge_gateway_tokenize_total{", "kvbridge_gateway_lookups_total{"
+        level.tokenize_paths = _deltas(counters0.get(tok, {}), counters1[tok])
+        level.lookup_sources = _deltas(counters0.get(lookups, {}), counters1[lookups])
         if c1 > metrics_at_start[1]:
             level.router_overhead_mean_s = (s1 - metrics_at_start[0]) / (c1 - metrics_at_start[1])
     return level
@@ -489,6 +499,8 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
     row("gateway's own router-overhead metric, mean (ms)", lambda lv: _ms(lv.router_overhead_mean_s))
     row("turns by tokenize path (gateway metric)", lambda lv: ", ".join(
         f"{k}: {v:.0f}" for k, v in sorted(lv.tokenize_paths.items())) or "-")
+    row("lookups by source (gateway metric)", lambda lv: ", ".join(
+        f"{k}: {v:.0f}" for k, v in sorted(lv.lookup_sources.items())) or "-")
     row("target p50 added ≤ 2 ms", lambda lv: "met" if pct(added(lv), 0.5) <= 0.002 else "**not met**")
     row("reuse verdicts (gateway)", lambda lv: ", ".join(f"{k}: {v}" for k, v in
                                                          sorted(Counter(p.verdict for p in lv.pairs).items())))

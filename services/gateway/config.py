@@ -92,12 +92,22 @@ class GatewaySettings(BaseSettings):
     entry_lease_ttl_s: float = Field(default=300.0, gt=0, le=86_400)
     # Content-addressed lookups for requests without a conversation key.
     content_lookup: bool = False
+    # Keyed lookups answered from the gateway's own WatchEntries-fed copy of the registry's entries (ADR 0008):
+    # no round trip before the prefill. Only hits are answered from it, only while it is in sync (a message
+    # within entry_mirror_stale_after_s); the rest go to the registry. Beyond max_entries, entries stay
+    # registry-only.
+    entry_mirror: bool = True
+    entry_mirror_max_entries: int = Field(default=100_000, ge=1, le=10_000_000)
+    entry_mirror_stale_after_s: float = Field(default=3.0, ge=0.3, le=300)
 
     # Local tokenization: model name -> directory with that model's HF tokenizer files (tokenizer.json,
     # tokenizer_config.json, chat template), the same the engines load. Listed models are tokenized in the
     # gateway instead of by P's /tokenize (one round trip less per turn); others, and requests the local
     # tokenizer cannot reproduce exactly, still use /tokenize. JSON in the env: {"model": "/path"}.
     tokenizers: dict[str, Path] = Field(default_factory=dict)
+    # A conversation's previous prompt encoding is kept so its next turn encodes only the new text (bounded LRU
+    # over all models; 0 turns it off).
+    tokenizer_prefix_cache_mb: int = Field(default=256, ge=0, le=65_536)
 
     # Limits.
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)

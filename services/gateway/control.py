@@ -9,7 +9,7 @@ from __future__ import annotations
 import functools
 import logging
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Concatenate, ParamSpec, TypeVar
 
 import grpc
@@ -33,9 +33,10 @@ _LEASE = "kvbridge.lease.v1.LeaseService/"
 class ControlPlaneError(Exception):
     """The registry or lease manager failed or is not configured."""
 
-    def __init__(self, message: str, *, reason: str = "") -> None:
+    def __init__(self, message: str, *, reason: str = "", code: str = "") -> None:
         super().__init__(message)
         self.reason = reason
+        self.code = code  # the gRPC status name, when the failure was a call's
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -110,7 +111,7 @@ class ControlPlane:
     @staticmethod
     def _wrap(exc: grpc.RpcError, what: str) -> ControlPlaneError:
         err: KvbridgeError = from_rpc_error(exc)
-        return ControlPlaneError(f"{what}: {err}", reason=err.reason or err.code.name)
+        return ControlPlaneError(f"{what}: {err}", reason=err.reason or err.code.name, code=err.code.name)
 
     # -- registry ----------------------------------------------------------------------
     @_traced(_REGISTRY + "LookupEntry")
@@ -126,6 +127,20 @@ class ControlPlane:
         except grpc.RpcError as exc:
             raise self._wrap(exc, "LookupEntry") from exc
         return resp
+
+    async def watch_entries(self, *, progress_interval_s: float, lifetime_s: float
+                            ) -> AsyncIterator[registry_pb2.WatchEntriesResponse]:
+        """Every tenant's entries (a service principal's watch): a snapshot, then changes, until the stream's
+        deadline ``lifetime_s``. Untraced: it outlives any one turn."""
+        req = registry_pb2.WatchEntriesRequest(progress_interval=_duration(progress_interval_s))
+        call = self._reg().WatchEntries(req, timeout=lifetime_s, metadata=self._metadata)
+        try:
+            async for message in call:
+                yield message
+        except grpc.RpcError as exc:
+            raise self._wrap(exc, "WatchEntries") from exc
+        finally:
+            call.cancel()
 
     @_traced(_REGISTRY + "GetEntry")
     async def entry_epoch(self, *, tenant: str, model: str, conversation_key: str) -> int:

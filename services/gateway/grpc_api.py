@@ -76,6 +76,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             close = getattr(stream, "aclose", None)
             if close is not None:
                 await close()
+            result.finish()
 
     @stream_boundary
     async def CreateChatCompletion(

@@ -11,6 +11,7 @@ from kvbridge import telemetry as tel
 from kvbridge.errors import InvalidArgument, KvbridgeError, Reason, ResourceExhausted
 from opentelemetry import trace
 from starlette.applications import Starlette
+from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -146,9 +147,9 @@ def build_http_app(core: GatewayCore) -> Starlette:
             headers = {REUSE_HEADER: result.verdict.header()}
             if result.stream is not None:
                 release = False
-                return StreamingResponse(_release_after(result.stream, core), media_type="text/event-stream",
+                return StreamingResponse(_release_after(result, core), media_type="text/event-stream",
                                          headers={**headers, "cache-control": "no-cache"})
-            return JSONResponse(result.body, headers=headers)
+            return JSONResponse(result.body, headers=headers, background=BackgroundTask(_finish, result))
         except ClientError as exc:
             return JSONResponse(exc.body, status_code=exc.status)
         finally:
@@ -189,7 +190,14 @@ def build_http_app(core: GatewayCore) -> Starlette:
     return Starlette(routes=routes)
 
 
-async def _release_after(stream: AsyncIterator[bytes], core: GatewayCore) -> AsyncIterator[bytes]:
+async def _finish(result: TurnResult) -> None:
+    """Post-turn work, once the response is sent (async, so Starlette runs it in the loop, not a thread)."""
+    result.finish()
+
+
+async def _release_after(result: TurnResult, core: GatewayCore) -> AsyncIterator[bytes]:
+    stream = result.stream
+    assert stream is not None
     try:
         async for chunk in stream:
             yield chunk
@@ -199,6 +207,7 @@ async def _release_after(stream: AsyncIterator[bytes], core: GatewayCore) -> Asy
             await close()
         core.inflight -= 1
         core.metrics.inflight.dec()
+        result.finish()
 
 
 __all__ = ["build_http_app", "error_response", "REUSE_HEADER"]

@@ -27,6 +27,16 @@ class GatewayMetrics:
         self.tokenize = Counter("kvbridge_gateway_tokenize_total",
                                 "Turns tokenized, by where the ids came from: local (the gateway's own tokenizer), "
                                 "engine (P's /tokenize), request (token ids the client sent)", ["path"], registry=r)
+        self.tokenize_reused_tokens = Gauge(
+            "kvbridge_gateway_tokenize_reused_tokens", "Prompt tokens taken from a conversation's previous "
+            "encoding instead of encoded again (local tokenization; grows like a counter)", registry=r)
+        self.lookups = Counter("kvbridge_gateway_lookups_total",
+                               "Keyed and content lookups, by who answered: mirror (the gateway's copy of the "
+                               "registry's entries) or registry (a round trip)", ["source"], registry=r)
+        self.mirror_entries = Gauge("kvbridge_gateway_entry_mirror_entries",
+                                    "Entries in the gateway's copy of the registry's entries", registry=r)
+        self.mirror_in_sync = Gauge("kvbridge_gateway_entry_mirror_in_sync",
+                                    "1 while the copy of the registry's entries may answer lookups", registry=r)
         self.reuse_retries = Counter("kvbridge_gateway_reuse_retries_total",
                                      "Prefills retried without D params after a failure on the reuse path",
                                      registry=r)

@@ -30,6 +30,7 @@ from .config import GatewaySettings
 from .control import ControlPlane, ControlPlaneError
 from .engines import DECODE, PREFILL, EnginePool, EngineState
 from .metrics import GatewayMetrics
+from .mirror import EntryMirror
 from .renewer import ConversationRenewer
 from .requests import Turn
 from .tokenizer import ATTR_TOKENIZE_PATH, LocalTokenizers
@@ -64,6 +65,15 @@ class TurnResult:
     # Non-streaming: D's response (internal fields removed). Streaming: D's SSE bytes as they arrive.
     body: dict[str, Any] | None = None
     stream: AsyncIterator[bytes] | None = None
+    after: list[Callable[[], None]] = field(default_factory=list)
+
+    def finish(self) -> None:
+        """Starts the post-turn work (lease renewal, compatibility-mode registration, the turn's log line).
+        Front doors call it once the client has its answer (or the stream ended), so none of that work
+        runs between D's answer and the client's."""
+        after, self.after = self.after, []
+        for step in after:
+            step()
 
 
 @dataclass(slots=True)
@@ -85,8 +95,11 @@ class _Plan:
 class TurnRouter:
     def __init__(self, settings: GatewaySettings, pool: EnginePool, control: ControlPlane,
                  http: EngineHttp, metrics: GatewayMetrics, secret: bytes, *,
-                 telemetry: Telemetry | None = None, tokenizers: LocalTokenizers | None = None) -> None:
-        """``tokenizers``: the gateway's own tokenizers (None: every turn is tokenized by P's /tokenize)."""
+                 telemetry: Telemetry | None = None, tokenizers: LocalTokenizers | None = None,
+                 mirror: EntryMirror | None = None) -> None:
+        """``tokenizers``: the gateway's own tokenizers (None: every turn is tokenized by P's /tokenize).
+        ``mirror``: the gateway's copy of the registry's entries (None: every lookup is a registry call)."""
+        self._mirror = mirror
         self._s = settings
         self._tokenizers = tokenizers
         self._telemetry = telemetry or Telemetry.disabled("kvbridge-gateway")
@@ -112,14 +125,20 @@ class TurnRouter:
             plan = _Plan()
             prefill = await self._pool.choose_live(turn.model, PREFILL)
             decode = await self._pool.choose_live(turn.model, DECODE)
-            if turn.conversation_key and self._control.enabled:
-                self._renewer.touch(turn.tenant, turn.model, turn.conversation_key)
             plan = await self._plan(turn, prefill, plan)
             p_params = await self._prefill(turn, plan, prefill)
             self._record_verdict(span, plan, prefill, decode)
-            log.info("turn tenant=%s model=%s key=%r reuse=%s", turn.tenant, turn.model, turn.conversation_key,
-                     plan.verdict.header())
-            return await self._decode(turn, plan, decode, p_params)
+            result = await self._decode(turn, plan, decode, p_params)
+            result.after.insert(0, lambda: self._after_turn(turn, plan))
+            return result
+
+    def _after_turn(self, turn: Turn, plan: _Plan) -> None:
+        # The conversation's lease is renewed after the turn rather than before it: what this turn's
+        # prefill pulled is covered by D's free grace, and the TTL now counts from the last answer.
+        if turn.conversation_key and self._control.enabled:
+            self._renewer.touch(turn.tenant, turn.model, turn.conversation_key)
+        log.info("turn tenant=%s model=%s key=%r reuse=%s", turn.tenant, turn.model, turn.conversation_key,
+                 plan.verdict.header())
 
     def _record_verdict(self, span: trace.Span, plan: _Plan, prefill: EngineState, decode: EngineState) -> None:
         verdict, _, reason = plan.verdict.label.partition(":")
@@ -159,7 +178,8 @@ class TurnRouter:
             self._metrics.tokenize.labels("request").inc()
             return turn.prompt_token_ids
         if self._tokenizers is not None:
-            local = await self._tokenizers.ids(turn.model, turn.kind, turn.body)
+            local = await self._tokenizers.ids(turn.model, turn.kind, turn.body,
+                                               (turn.tenant, turn.conversation_key) if turn.conversation_key else None)
             if local is not None:
                 self._metrics.tokenize.labels("local").inc()
                 trace.get_current_span().set_attribute(ATTR_TOKENIZE_PATH, "local")
@@ -218,6 +238,18 @@ class TurnRouter:
             plan.verdict.label = "miss"
             return
         hashes = hashchain.chain(self._secret, turn.tenant, turn.model, turn.cache_salt, b, plan.prompt_ids)
+        if self._mirror is not None:
+            found = self._mirror.lookup(tenant=turn.tenant, model=turn.model,
+                                        conversation_key=turn.conversation_key, block_hashes=hashes,
+                                        block_size=b, min_tokens=threshold, engine_record=self._engine_record)
+            if found is not None:
+                self._metrics.lookups.labels("mirror").inc()
+                self._apply_lookup(turn, plan, found)
+                if plan.verdict.label == "hit":
+                    return
+                # Declined here (consumed, busy, ...): the registry may hold a newer entry than the copy.
+                plan.verdict = ReuseVerdict(prompt_tokens=plan.verdict.prompt_tokens)
+                plan.next_epoch, plan.verified_tokens = None, 0
         try:
             found = await self._control.lookup(tenant=turn.tenant, model=turn.model,
                                                conversation_key=turn.conversation_key, block_hashes=hashes,
@@ -226,6 +258,15 @@ class TurnRouter:
             log.warning("registry lookup failed, no reuse this turn: %s", exc)
             plan.verdict.label = "declined:registry_unavailable"
             return
+        self._metrics.lookups.labels("registry").inc()
+        self._apply_lookup(turn, plan, found)
+
+    def _engine_record(self, engine_id: str) -> types_pb2.Engine | None:
+        """The registry's record of an engine, as the pool last listed it (the mirror's Location.engine)."""
+        state = self._pool.find(engine_id)
+        return state.record if state is not None else None
+
+    def _apply_lookup(self, turn: Turn, plan: _Plan, found: registry_pb2.LookupEntryResponse) -> None:
         loc = found.location
         if found.HasField("location") and loc.conversation_key == turn.conversation_key:
             plan.next_epoch = int(loc.epoch) + 1
@@ -383,13 +424,15 @@ class TurnRouter:
         self._pool.answered(engine)
         self._metrics.ttft.labels(_reuse_label(plan)).observe(time.perf_counter() - plan.started)
         retained_params = data.pop("kv_transfer_params", None)
+        result = TurnResult(plan.verdict, body=data)
         if register:
             seq = _sequence(turn, data)
             if seq is not None:
-                self._spawn(self._register(turn, plan, engine, retained_params, seq), turn)
+                result.after.append(lambda: self._spawn(self._register(turn, plan, engine, retained_params, seq),
+                                                        turn))
         if not turn.client_wants_token_ids:
             _drop_token_ids(data)
-        return TurnResult(plan.verdict, body=data)
+        return result
 
     async def _decode_stream(self, turn: Turn, plan: _Plan, engine: EngineState, path: str,
                              body: dict[str, Any]) -> TurnResult:

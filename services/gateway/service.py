@@ -16,6 +16,7 @@ from .config import GatewaySettings, StaticEngine
 from .control import ControlPlane, ControlPlaneError
 from .engines import DECODE, PREFILL, EnginePool
 from .metrics import GatewayMetrics
+from .mirror import EntryMirror, follow_registry
 from .requests import Limits
 from .router import TurnRouter
 from .tokenizer import LocalTokenizers
@@ -27,6 +28,7 @@ log = logging.getLogger(__name__)
 TENANT_HEADER = "x-kvbridge-tenant"
 DEFAULT_TENANT = "default"
 _NODE_LEASE_TTL_S = 30.0
+_MIRROR_STREAM_LIFETIME_S = 600.0  # each entry watch's deadline; the next one starts with a fresh snapshot
 
 
 class GatewayCore:
@@ -41,11 +43,22 @@ class GatewayCore:
         self.pool = EnginePool(self.http, health_timeout_s=settings.health_timeout_s,
                                kv_usage_weight=settings.kv_usage_weight)
         # Loaded now: a tokenizer directory that does not load stops the gateway at start (TokenizerConfigError).
-        self.tokenizers = LocalTokenizers(settings.tokenizers) if settings.tokenizers else None
+        self.tokenizers = LocalTokenizers(settings.tokenizers,
+                                          prefix_cache_bytes=settings.tokenizer_prefix_cache_mb * 1024 * 1024) \
+            if settings.tokenizers else None
         if self.tokenizers is not None:
             log.info("local tokenization for models: %s", ", ".join(self.tokenizers.models()))
+            tokenizers = self.tokenizers
+            self.metrics.tokenize_reused_tokens.set_function(lambda: float(tokenizers.reused_tokens()))
+        self.mirror = EntryMirror(max_entries=settings.entry_mirror_max_entries,
+                                  stale_after_s=settings.entry_mirror_stale_after_s) \
+            if settings.entry_mirror and control.enabled and settings.reuse_enabled else None
+        if self.mirror is not None:
+            mirror = self.mirror
+            self.metrics.mirror_entries.set_function(lambda: len(mirror))
+            self.metrics.mirror_in_sync.set_function(lambda: 1.0 if mirror.in_sync() else 0.0)
         self.router = TurnRouter(settings, self.pool, control, self.http, self.metrics, secret,
-                                 telemetry=self.telemetry, tokenizers=self.tokenizers)
+                                 telemetry=self.telemetry, tokenizers=self.tokenizers, mirror=self.mirror)
         self.limits = Limits(max_messages=settings.max_messages, max_prompt_tokens=settings.max_prompt_tokens)
         self.inflight = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -83,6 +96,10 @@ class GatewayCore:
             self._tasks.append(asyncio.create_task(self._registry_loop()))
         if self._node_leases:
             self._tasks.append(asyncio.create_task(self._node_lease_loop()))
+        if self.mirror is not None:
+            self._tasks.append(asyncio.create_task(follow_registry(
+                self.control, self.mirror, progress_interval_s=self.settings.entry_mirror_stale_after_s / 3,
+                stream_lifetime_s=_MIRROR_STREAM_LIFETIME_S)))
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -150,8 +167,11 @@ class GatewayCore:
                 kv_host=spec.kv_host, kv_port=spec.kv_port, dp_size=1, tp_size=1, pp_size=1, dcp_size=1,
                 block_size=spec.block_size or self.settings.default_block_size, kv_group_count=1,
                 capabilities=["bidirectional_kv_xfer"], node_lease_id=lease_id)
-            await self.control.register_engine(rec)
+            registered = await self.control.register_engine(rec)
             self._node_leases[spec.engine_id] = lease_id
+            state = self.pool.find(spec.engine_id)
+            if state is not None:  # what the entry mirror's hits name as the source engine
+                state.record = registered
             log.info("registered static engine %s (%s)", spec.engine_id, spec.url)
         except ControlPlaneError as exc:
             log.warning("cannot register static engine %s: %s", spec.engine_id, exc)

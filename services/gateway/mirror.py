@@ -1,0 +1,154 @@
+"""The gateway's own copy of the registry's entries, fed by WatchEntries: keyed lookups without a round trip.
+
+A turn cannot start its prefill before it knows what to pull, so the registry lookup's round trip sat on
+every turn's critical path. The copy answers it in microseconds. Answering from a copy that lags the
+registry by milliseconds is safe (ADR 0008):
+
+- the registry answers from its own watch-fed index, so it lags the store too; the copy adds one hop;
+- a hit is still verified: here the prompt's hash chain against the entry's, on P the prefix digest
+  against P's own prompt (ADR 0007), so lag can cost a recompute, never a wrong answer;
+- an entry whose lease ended a moment ago still has its blocks: the connector frees them only
+  ``kvbridge_free_grace_s`` after the lease ends (stock vLLM frees on its own schedule, leases or not);
+- the copy answers only hits, only while in sync (snapshot loaded, a message within ``stale_after_s``);
+  every other case, and any hit the router then declines, goes to the registry as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvbridge.registry.v1 import registry_pb2
+from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common.entrylookup import answer_hit, record_of
+from kvbridge_services.common.hashrecord import HashRecord
+
+from .control import ControlPlane, ControlPlaneError
+
+log = logging.getLogger(__name__)
+
+EntryId = tuple[str, str, str]  # (tenant, model, conversation key)
+EngineRecords = Callable[[str], "types_pb2.Engine | None"]
+
+_PUT = registry_pb2.EntryEvent.TYPE_PUT
+_DELETE = registry_pb2.EntryEvent.TYPE_DELETE
+_BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class MirroredEntry:
+    entry: registry_pb2.Entry
+    record: HashRecord
+    revision: int  # the store's mod_revision of this version
+
+
+class EntryMirror:
+    """Entries by (tenant, model, conversation key), at most ``max_entries`` (the rest stay registry-only)."""
+
+    def __init__(self, *, max_entries: int, stale_after_s: float,
+                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+        self._max_entries = max_entries
+        self._stale_after_s = stale_after_s
+        self._clock = clock
+        self._wall_clock = wall_clock
+        self._entries: dict[EntryId, MirroredEntry] = {}
+        self._loading = True  # until the snapshot's last page
+        self._last_message: float | None = None
+        self.revision = 0  # the store revision the copy is up to (for status and tests)
+        self.skipped = 0  # entries not kept: the copy was full, or the entry was unusable
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def reset(self) -> None:
+        """Forget everything: the next stream starts with a snapshot."""
+        self._entries.clear()
+        self._loading = True
+        self._last_message = None
+        self.revision = 0
+
+    def in_sync(self) -> bool:
+        last = self._last_message
+        return not self._loading and last is not None and self._clock() - last <= self._stale_after_s
+
+    def apply(self, message: registry_pb2.WatchEntriesResponse) -> None:
+        """One WatchEntries message: snapshot pages, events, or a progress heartbeat."""
+        for event in message.events:
+            key = event.entry.key
+            eid = (key.tenant, key.model, key.conversation_key)
+            if event.type == _PUT:
+                self._put(eid, event.entry, event.revision)
+            elif event.type == _DELETE:
+                old = self._entries.get(eid)
+                if old is not None and old.revision < event.revision:
+                    del self._entries[eid]
+        if message.snapshot_complete:
+            self._loading = False
+        self.revision = max(self.revision, message.revision)
+        self._last_message = self._clock()
+
+    def _put(self, eid: EntryId, entry: registry_pb2.Entry, revision: int) -> None:
+        old = self._entries.get(eid)
+        if old is not None and old.revision >= revision:
+            return  # a snapshot page read later already holds a newer version
+        if entry.block_size == 0 or entry.token_count < entry.block_size or not entry.final_block_hash:
+            self.skipped += 1
+            return
+        if old is None and len(self._entries) >= self._max_entries:
+            self.skipped += 1
+            return
+        self._entries[eid] = MirroredEntry(entry, record_of(entry), revision)
+
+    def lookup(self, *, tenant: str, model: str, conversation_key: str, block_hashes: Sequence[bytes],
+               block_size: int, min_tokens: int, engine_record: EngineRecords
+               ) -> registry_pb2.LookupEntryResponse | None:
+        """The registry's answer for a keyed lookup when it is a HIT the copy can vouch for; else None (ask
+        the registry: not in sync, no entry here, expired, engine unknown, mismatch, below threshold)."""
+        if not conversation_key or not self.in_sync():
+            return None
+        item = self._entries.get((tenant, model, conversation_key))
+        if item is None:
+            return None
+        entry = item.entry
+        if entry.block_size != block_size:
+            return None
+        exp = entry.expire_time
+        if entry.HasField("expire_time") and exp.seconds + exp.nanos / 1e9 <= self._wall_clock():
+            return None
+        engine = engine_record(entry.engine_id)
+        if engine is None:
+            return None
+        blocks = item.record.verified_blocks(block_hashes)
+        response = registry_pb2.LookupEntryResponse(prompt_block_tokens=len(block_hashes) * block_size)
+        if blocks == 0 or not answer_hit(response, entry, engine, blocks, min_tokens):
+            return None
+        return response
+
+
+async def follow_registry(control: ControlPlane, mirror: EntryMirror, *, progress_interval_s: float,
+                          stream_lifetime_s: float) -> None:
+    """Keeps ``mirror`` up to date until cancelled. Every stream, a fresh one after its lifetime deadline or
+    after a failure, starts with a snapshot: resuming at a revision could silently skip changes if the
+    registry's store restarted with its revisions reset (the in-memory dev store)."""
+    failures = 0
+    while True:
+        mirror.reset()
+        try:
+            async for message in control.watch_entries(progress_interval_s=progress_interval_s,
+                                                       lifetime_s=stream_lifetime_s):
+                mirror.apply(message)
+                failures = 0
+        except ControlPlaneError as exc:
+            mirror.reset()
+            if exc.code in ("PERMISSION_DENIED", "UNAUTHENTICATED", "UNIMPLEMENTED"):
+                log.error("entry mirror off (lookups go to the registry): the registry refuses this gateway's "
+                          "watch: %s", exc)
+                return
+            if exc.code != "DEADLINE_EXCEEDED":  # the stream's own lifetime: reopen at once
+                delay = _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
+                failures += 1
+                log.warning("entry mirror: watch broken (retry in %.1fs): %s", delay, exc)
+                await asyncio.sleep(delay)
