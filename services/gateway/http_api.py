@@ -75,19 +75,32 @@ async def _until_disconnect(request: Request) -> None:
 
 
 async def _race_disconnect(request: Request, work: Awaitable[TurnResult]) -> TurnResult | None:
-    """Runs ``work``; cancels it (closing upstream requests) if the client goes away first."""
-    task = asyncio.ensure_future(work)
+    """Runs ``work`` in this task; cancels it (closing upstream requests) if the client goes away first.
+
+    The work runs in the handler's own task rather than a task of its own: one task and one loop
+    iteration less per turn; the disconnect watcher cancels the handler instead.
+    """
+    handler = asyncio.current_task()
+    assert handler is not None
+    client_gone = False
+
+    def on_watcher_done(watcher: asyncio.Future[None]) -> None:
+        nonlocal client_gone
+        if not watcher.cancelled():  # the client disconnected (or the receive channel failed)
+            client_gone = True
+            handler.cancel()
+
     watcher = asyncio.ensure_future(_until_disconnect(request))
+    watcher.add_done_callback(on_watcher_done)
     try:
-        done, _ = await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if task in done:
-            return task.result()
-        task.cancel()
-        return None
+        return await work
+    except asyncio.CancelledError:
+        if client_gone and handler.uncancel() == 0:
+            return None
+        raise
     finally:
+        watcher.remove_done_callback(on_watcher_done)
         watcher.cancel()
-        if not task.done():
-            task.cancel()
 
 
 def build_http_app(core: GatewayCore) -> Starlette:

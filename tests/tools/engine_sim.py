@@ -14,7 +14,7 @@ import socket
 import time
 import uuid
 import zlib
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -218,6 +218,7 @@ class Stats:
     remote_pulled_tokens: int = 0
     running: int = 0
     stalled: int = 0  # generations that hit the stall_s pause
+    cancelled: int = 0  # non-streaming generations abandoned because the client went away
     last_kv_transfer_params: dict[str, Any] | None = None
     kv_transfer_params_seen: list[dict[str, Any] | None] = field(default_factory=list)
     bodies_seen: list[dict[str, Any]] = field(default_factory=list)
@@ -381,6 +382,29 @@ class Engine:
 # ---- HTTP --------------------------------------------------------------------------------
 
 
+async def _collect(steps: AsyncIterator[dict[str, Any]]) -> list[int]:
+    return [s["token"] async for s in steps]
+
+
+async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, list[int]]) -> list[int] | None:
+    """``work``'s result, or None after cancelling it when the client disconnects first."""
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watcher = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if task.done():
+            return task.result()
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        return None
+    finally:
+        watcher.cancel()
+
+
 def _error(status: int, message: str) -> JSONResponse:
     return JSONResponse({"error": {"message": message, "type": "BadRequestError" if status < 500 else "InternalError",
                                    "code": status}}, status_code=status)
@@ -411,7 +435,10 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return StreamingResponse(_sse(head, steps, chat, created, want_ids, include_usage, body["model"],
                                           engine.detok), media_type="text/event-stream")
-        tokens = [s["token"] async for s in steps]
+        tokens = await _unless_disconnected(request, _collect(steps))
+        if tokens is None:  # like vLLM's with_cancellation: the client left, the request is aborted
+            engine.stats.cancelled += 1
+            return Response(status_code=499)
         text = "".join(engine.detok(t) for t in tokens)
         choice: dict[str, Any] = {"index": 0, "finish_reason": "length", "logprobs": None, "stop_reason": None}
         if chat:
@@ -498,7 +525,7 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         s = engine.stats
         return JSONResponse({"engine_id": engine.engine_id, "requests": s.requests,
                              "remote_pulled_tokens": s.remote_pulled_tokens, "running": s.running,
-                             "stalled": s.stalled, "held_requests": sorted(engine.kv.held),
+                             "stalled": s.stalled, "cancelled": s.cancelled, "held_requests": sorted(engine.kv.held),
                              "last_kv_transfer_params": s.last_kv_transfer_params,
                              "kv_transfer_params_seen": s.kv_transfer_params_seen,
                              "bodies_seen": s.bodies_seen})
