@@ -120,3 +120,15 @@ async def test_the_mirror_loads_a_multi_page_snapshot(stack: Stack) -> None:
     for p in pages:
         fresh.apply(p)
     assert fresh.in_sync() and len(fresh) >= 620
+
+
+async def test_an_idle_mirror_stays_in_sync_on_progress_heartbeats(stack: Stack) -> None:
+    """No entry changes for longer than entry_mirror_stale_after_s (3 s): the registry's progress
+    heartbeats keep the copy answering."""
+    mirror = mirror_of(stack)
+    async with asyncio.timeout(10):
+        while not mirror.in_sync():  # noqa: ASYNC110 - polling another component
+            await asyncio.sleep(0.02)
+    revision = mirror.revision
+    await asyncio.sleep(stack.gateway.core.settings.entry_mirror_stale_after_s + 1.0)
+    assert mirror.in_sync() and mirror.revision >= revision
