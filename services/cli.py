@@ -251,6 +251,8 @@ BENCHES: dict[str, tuple[str, str]] = {
     "lease": ("lease_bench.py", "lease manager with 100k active leases: renewals/s, expiry lateness, store ops"),
     "gateway-overhead": ("gateway_overhead.py",
                          "gateway latency added per turn vs calling simulated P/D engines directly"),
+    "tokenize": ("tokenize_bench.py",
+                 "gateway tokenization per turn vs prompt length: incremental encoding vs the whole prompt"),
     "load": ("load_run.py", "concurrent multi-turn conversations through gateway + registry + lease on etcd"),
     "ttft-reuse": ("ttft_reuse.py", "multi-turn TTFT with/without pulling decode KV back (starts 2 vLLM engines)"),
 }

@@ -109,3 +109,29 @@ async def test_a_splice_that_differs_from_the_full_encoding_turns_splicing_off(d
         assert not cache.enabled and len(cache) == 0
     finally:
         tokenizers.close()
+
+
+async def test_byte_level_bpe_with_special_tokens_splices_exactly(tmp_path: Path) -> None:
+    """A GPT-style tokenizer (byte-level BPE, ChatML special tokens between messages) over varied text:
+    unicode, tabs, newlines, repeated spaces, code. Every turn's spliced ids equal a full encoding."""
+    import random
+
+    from tests.fixtures.bpe_tokenizer import build_bpe_tokenizer, sample_text
+
+    bpe = build_bpe_tokenizer(tmp_path / "bpe")
+    cached = LocalTokenizers({"m": bpe})
+    plain = LocalTokenizers({"m": bpe}, prefix_cache_bytes=0)
+    rng = random.Random(11)
+    try:
+        for conv in range(12):
+            msgs = [{"role": "system", "content": sample_text(rng, 20)},
+                    {"role": "user", "content": sample_text(rng, 120)}]
+            for _ in range(6):
+                body = {"messages": list(msgs)}
+                assert await cached.ids("m", "chat", body, ("acme", f"c{conv}")) == await plain.ids("m", "chat", body)
+                msgs += [{"role": "assistant", "content": sample_text(rng, rng.randint(1, 30))},
+                         {"role": "user", "content": sample_text(rng, rng.randint(1, 40))}]
+        assert cached._prefixes["m"].enabled and cached.reused_tokens() > 12 * 5 * 100
+    finally:
+        cached.close()
+        plain.close()
