@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -131,6 +132,13 @@ def _cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def _pinned(cpus: set[int] | None) -> Callable[[], None] | None:
+    """A child-process hook confining it to ``cpus`` (None: wherever the scheduler likes)."""
+    if cpus is None:
+        return None
+    return lambda: os.sched_setaffinity(0, cpus)
+
+
 @dataclass
 class Procs:
     tmp: Path
@@ -162,7 +170,8 @@ class Procs:
             if self.tokenizer_dir is not None:
                 cmd += ["--hf-tokenizer", str(self.tokenizer_dir)]
             log = open(self.tmp / f"sim-{eid}.log", "wb")  # noqa: SIM115 - lives as long as the process
-            self.sims.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log))
+            self.sims.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log,
+                                              preexec_fn=_pinned(args.other_cpus)))
             url = f"http://127.0.0.1:{port}"
             if role == "prefill":
                 self.prefill_url = url
@@ -182,7 +191,9 @@ class Procs:
         if profile:
             cmd += ["--profile", str(profile)]
         log = open(self.tmp / log_name, "ab")  # noqa: SIM115 - lives as long as the process
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True)
+        cpus = args.gateway_cpus if role == "gateway" else args.other_cpus
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
+                                preexec_fn=_pinned(cpus))
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line.startswith("READY "):
@@ -539,7 +550,9 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
         f"do_remote_decode{pull_note}, then decode with P's params), alternating which goes first, "
         f"with identical prompts. "
         f"Warm-up {args.warmup_s} s per level not counted. Machine: 2 cores shared with other engineers' work "
-        f"(load averages below).",
+        f"(load averages below)"
+        + (f"; the gateway pinned to CPU(s) {sorted(args.gateway_cpus)}, every other process (simulators, control "
+           f"plane, load client) to CPU(s) {sorted(args.other_cpus)}." if args.gateway_cpus is not None else "."),
         "",
         *rows,
         "",
@@ -613,6 +626,10 @@ async def bench(args: argparse.Namespace, procs: Procs) -> tuple[list[Level], Pa
     return levels, prof_path
 
 
+def _cpu_set(text: str) -> set[int]:
+    return {int(c) for c in text.split(",") if c.strip()}
+
+
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "serve":
         serve_main(sys.argv[2:])
@@ -641,7 +658,15 @@ def main() -> None:
                    "the gateway asks P's /tokenize; sim: the simulators' whitespace tokenizer, P's /tokenize")
     p.add_argument("--out", type=Path, default=Path("bench/results/gateway"))
     p.add_argument("--logs-dir", type=Path, help="keep process logs here (default: a temporary directory)")
+    p.add_argument("--gateway-cpus", type=_cpu_set, help="pin the gateway process to these CPUs (e.g. 0), as a "
+                   "deployment gives it cores of its own; needs --other-cpus")
+    p.add_argument("--other-cpus", type=_cpu_set, help="pin the simulators, the control plane and this load client "
+                   "to these CPUs (e.g. 1)")
     args = p.parse_args()
+    if (args.gateway_cpus is None) != (args.other_cpus is None):
+        p.error("--gateway-cpus and --other-cpus go together")
+    if args.other_cpus is not None:
+        os.sched_setaffinity(0, args.other_cpus)  # this load client
     command = "python bench/gateway_overhead.py " + " ".join(sys.argv[1:])
     args.out.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="gw-overhead-") as tmp:
