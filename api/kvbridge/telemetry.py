@@ -43,6 +43,7 @@ ATTR_PULL_BYTES = "kvbridge.pull.bytes"
 ATTR_PULL_SECONDS = "kvbridge.pull.seconds"
 ATTR_VERDICT = "kvbridge.reuse.verdict"
 ATTR_REASON = "kvbridge.reuse.reason"
+ATTR_LOOKUP_SOURCE = "kvbridge.lookup.source"  # who answered a turn's lookup: mirror | registry
 
 _TRACEPARENT_RE = re.compile(r"[0-9a-f]{2}-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}")
 _HASH_HEX_CHARS = 16  # 64 bits: enough to tell conversations apart in a trace backend

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import contextvars
 import logging
 import time
 from collections import OrderedDict
@@ -68,7 +69,7 @@ class TurnResult:
     after: list[Callable[[], None]] = field(default_factory=list)
 
     def finish(self) -> None:
-        """Starts the post-turn work (lease renewal, compatibility-mode registration, the turn's log line).
+        """Starts the post-turn work (compatibility-mode registration, the turn's log line).
         Front doors call it once the client has its answer (or the stream ended), so none of that work
         runs between D's answer and the client's."""
         after, self.after = self.after, []
@@ -126,6 +127,10 @@ class TurnRouter:
             prefill = await self._pool.choose_live(turn.model, PREFILL)
             decode = await self._pool.choose_live(turn.model, DECODE)
             plan = await self._plan(turn, prefill, plan)
+            if turn.conversation_key and self._control.enabled:
+                # Renewed before P may pull the conversation's blocks (an entry near its deadline must outlive
+                # the pull), and after the lookup: the renewer's write goes out while P works, not before it.
+                self._renewer.touch(turn.tenant, turn.model, turn.conversation_key)
             p_params = await self._prefill(turn, plan, prefill)
             self._record_verdict(span, plan, prefill, decode)
             result = await self._decode(turn, plan, decode, p_params)
@@ -133,10 +138,6 @@ class TurnRouter:
             return result
 
     def _after_turn(self, turn: Turn, plan: _Plan) -> None:
-        # The conversation's lease is renewed after the turn rather than before it: what this turn's
-        # prefill pulled is covered by D's free grace, and the TTL now counts from the last answer.
-        if turn.conversation_key and self._control.enabled:
-            self._renewer.touch(turn.tenant, turn.model, turn.conversation_key)
         log.info("turn tenant=%s model=%s key=%r reuse=%s", turn.tenant, turn.model, turn.conversation_key,
                  plan.verdict.header())
 
@@ -246,6 +247,7 @@ class TurnRouter:
                 self._metrics.lookups.labels("mirror").inc()
                 self._apply_lookup(turn, plan, found)
                 if plan.verdict.label == "hit":
+                    trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "mirror")
                     return
                 # Declined here (consumed, busy, ...): the registry may hold a newer entry than the copy.
                 plan.verdict = ReuseVerdict(prompt_tokens=plan.verdict.prompt_tokens)
@@ -259,6 +261,7 @@ class TurnRouter:
             plan.verdict.label = "declined:registry_unavailable"
             return
         self._metrics.lookups.labels("registry").inc()
+        trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "registry")
         self._apply_lookup(turn, plan, found)
 
     def _engine_record(self, engine_id: str) -> types_pb2.Engine | None:
@@ -428,8 +431,10 @@ class TurnRouter:
         if register:
             seq = _sequence(turn, data)
             if seq is not None:
-                result.after.append(lambda: self._spawn(self._register(turn, plan, engine, retained_params, seq),
-                                                        turn))
+                # Started after the response, in this turn's context: the registration stays in the turn's trace.
+                turn_context = contextvars.copy_context()
+                result.after.append(lambda: turn_context.run(
+                    self._spawn, self._register(turn, plan, engine, retained_params, seq), turn))
         if not turn.client_wants_token_ids:
             _drop_token_ids(data)
         return result
