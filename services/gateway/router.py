@@ -69,7 +69,7 @@ class TurnResult:
     after: list[Callable[[], None]] = field(default_factory=list)
 
     def finish(self) -> None:
-        """Starts the post-turn work (compatibility-mode registration, the turn's log line).
+        """Starts the post-turn work (the renewal's write, compatibility-mode registration, the turn's log line).
         Front doors call it once the client has its answer (or the stream ended), so none of that work
         runs between D's answer and the client's."""
         after, self.after = self.after, []
@@ -129,7 +129,7 @@ class TurnRouter:
             plan = await self._plan(turn, prefill, plan)
             if turn.conversation_key and self._control.enabled:
                 # Renewed before P may pull the conversation's blocks (an entry near its deadline must outlive
-                # the pull), and after the lookup: the renewer's write goes out while P works, not before it.
+                # the pull); the renewer writes it once the turn ends, or within 0.5 s of a long turn.
                 self._renewer.touch(turn.tenant, turn.model, turn.conversation_key)
             p_params = await self._prefill(turn, plan, prefill)
             self._record_verdict(span, plan, prefill, decode)
@@ -138,6 +138,7 @@ class TurnRouter:
             return result
 
     def _after_turn(self, turn: Turn, plan: _Plan) -> None:
+        self._renewer.flush_soon()  # the renewal touched before the prefill goes out now
         log.info("turn tenant=%s model=%s key=%r reuse=%s", turn.tenant, turn.model, turn.conversation_key,
                  plan.verdict.header())
 

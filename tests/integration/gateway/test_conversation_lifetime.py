@@ -35,12 +35,32 @@ async def test_touches_keep_a_conversation_lease_alive_over_one_stream() -> None
                 assert (await leases.get(renewed)).lease_id == renewed
                 with pytest.raises(NotFound):
                     await leases.get(idle)  # nobody renewed it: expired after its TTL
-                assert renewer.streams_opened == 1 and renewer.sent >= 10
+                # Touches 0.3 s apart are written at most MAX_DELAY_S (0.5 s) after the first pending one.
+                assert renewer.streams_opened == 1 and renewer.sent >= 5
             finally:
                 await renewer.stop()
             await asyncio.sleep(2 * TTL_S)
             with pytest.raises(NotFound):
                 await leases.get(renewed)  # renewals stopped: the lease ends like any other
+
+
+async def test_a_touch_is_written_when_the_turn_ends_or_within_the_maximum_delay() -> None:
+    async with running_stack() as stack:
+        patient = ConversationRenewer(stack.gateway.core.control, max_delay_s=30.0)
+        prompt = ConversationRenewer(stack.gateway.core.control, max_delay_s=0.3)
+        try:
+            patient.touch("acme", MODEL, "c1")
+            prompt.touch("acme", MODEL, "c1")
+            await asyncio.sleep(0.1)
+            assert patient.sent == 0 and prompt.sent == 0  # not mid-turn
+            patient.flush_soon()  # the turn ended
+            async with asyncio.timeout(5):
+                while patient.sent < 1 or prompt.sent < 1:  # noqa: ASYNC110 - polling the renewers
+                    await asyncio.sleep(0.02)
+            assert prompt.sent == 1  # a long turn: written once the maximum delay passed
+        finally:
+            await patient.stop()
+            await prompt.stop()
 
 
 async def test_the_renewer_reopens_its_stream_after_the_lease_manager_restarts() -> None:
