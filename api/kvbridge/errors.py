@@ -146,6 +146,28 @@ _BY_CODE: dict[grpc.StatusCode, type[KvbridgeError]] = {
 _CODE_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 
 
+def reason_number(reason: str) -> int:
+    """The ``kvbridge.types.v1.ErrorReason`` value of a machine reason, for a reason carried in a message field
+    rather than a status (0, ERROR_REASON_UNSPECIFIED, for one the enum does not know)."""
+    from kvbridge.types.v1 import types_pb2
+
+    try:
+        return int(types_pb2.ErrorReason.Value(PROTO_PREFIX + reason))
+    except ValueError:
+        return 0
+
+
+def reason_name(number: int) -> str:
+    """The machine reason of an ``ErrorReason`` value ("" for UNSPECIFIED or an unknown value)."""
+    from kvbridge.types.v1 import types_pb2
+
+    try:
+        name = types_pb2.ErrorReason.Name(number)  # type: ignore[arg-type]
+    except ValueError:
+        return ""
+    return "" if number == 0 else name.removeprefix(PROTO_PREFIX)
+
+
 def invalid_field(field: str, message: str) -> InvalidArgument:
     """The usual validation error: INVALID_ARGUMENT / INVALID_FIELD, naming the field."""
     return InvalidArgument(Reason.INVALID_FIELD, f"{field}: {message}", metadata={"field": field})

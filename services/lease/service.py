@@ -10,7 +10,15 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
-from kvbridge.errors import InvalidArgument, Reason, ResourceExhausted, Unavailable, invalid_field
+from kvbridge.errors import (
+    InvalidArgument,
+    KvbridgeError,
+    Reason,
+    ResourceExhausted,
+    Unavailable,
+    invalid_field,
+    reason_number,
+)
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.types.v1 import types_pb2
 
@@ -100,13 +108,18 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
             set_duration(status.ttl, record.ttl_s)
         for i, ref in enumerate(request.conversations):
             field = f"conversations[{i}]"
-            conv = (
-                v.printable(principal.tenant_for(ref.tenant, field=f"{field}.tenant"), f"{field}.tenant", 128),
-                v.printable(ref.model, f"{field}.model", 256),
-                v.printable(ref.conversation_key, f"{field}.conversation_key", 256),
-            )
             status = statuses.add()
             status.conversation.CopyFrom(ref)
+            try:
+                conv = (
+                    v.printable(principal.tenant_for(ref.tenant, field=f"{field}.tenant"), f"{field}.tenant", 128),
+                    v.printable(ref.model, f"{field}.model", 256),
+                    v.printable(ref.conversation_key, f"{field}.conversation_key", 256),
+                )
+            except KvbridgeError as exc:
+                # One bad ref must not end a stream that renews many others (a shared Heartbeater's).
+                status.error = reason_number(exc.reason)  # type: ignore[assignment]
+                continue
             status.conversation.tenant = conv[0]
             lease_id = self._m.table.conversation_lease(conv) or 0
             record = renew(lease_id, tenant) if lease_id else None

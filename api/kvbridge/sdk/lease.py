@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf import duration_pb2
 
-from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable, from_rpc_error
+from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable, from_rpc_error, reason_name
 from kvbridge.lease.v1 import lease_pb2 as pb
 from kvbridge.lease.v1 import lease_pb2_grpc as pb_grpc
 from kvbridge.types.v1 import types_pb2
@@ -112,6 +112,9 @@ class Heartbeater:
     gone is dropped and reported to ``on_lost``. A conversation stays registered
     until removed: it may have no lease yet (before its first turn finished) or
     get a new one with its next turn; ``on_lost`` hears when a lease it had ends.
+    A conversation the server refuses (``LeaseStatus.error``: malformed, or another
+    tenant's) is dropped and reported to ``on_lost``; the stream and every other
+    lease on it carry on.
     A broken stream is re-opened with backoff; nothing waits forever. It reconnects to the leader a
     NOT_LEADER names, and back to the client's configured target when that leader stops answering
     (the stream shares the client's channel and redirect state).
@@ -258,6 +261,14 @@ class Heartbeater:
                 if key not in self._conversations:
                     # The server reports the tenant it resolved; a ref sent with tenant "" is filed under "".
                     key = ("", c.model, c.conversation_key)
+                if status.error:
+                    # Refused (malformed, or another tenant's): it will never renew, so stop sending it.
+                    log.warning("lease keep-alive refused conversation %r: %s", c.conversation_key,
+                                reason_name(status.error))
+                    self.remove_conversation(*key)
+                    if self._on_lost is not None:
+                        self._on_lost(status)
+                    continue
                 if status.alive:
                     if key in self._conversations:
                         self._alive_conversations.add(key)

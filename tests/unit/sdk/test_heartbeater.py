@@ -37,3 +37,19 @@ async def test_conversations_stay_registered_and_loss_is_reported_once() -> None
     hb._handle(pb.KeepAliveResponse(statuses=[_status("k9", alive=True, ttl_s=0.01)]))
     assert hb.interval_s == MIN_INTERVAL_S
     await client.close()
+
+
+async def test_a_refused_conversation_is_dropped_and_reported() -> None:
+    from kvbridge.errors import reason_number
+
+    lost: list[pb.LeaseStatus] = []
+    client = LeaseClient("127.0.0.1:1", ClientOptions())
+    hb = Heartbeater(client, interval_s=5.0, on_lost=lost.append)
+    hb.add_conversation("globex", "m", "k1")  # another tenant's: the server refuses it
+    hb.add_conversation("acme", "m", "k2")
+    refused = _status("k1", alive=False, tenant="globex")
+    refused.error = reason_number("TENANT_FORBIDDEN")  # type: ignore[assignment]
+    hb._handle(pb.KeepAliveResponse(statuses=[refused, _status("k2", alive=True)]))
+    assert [s.conversation.conversation_key for s in lost] == ["k1"]
+    assert [c.conversation_key for r in hb._batches() for c in r.conversations] == ["k2"]  # k1 is not resent
+    await client.close()

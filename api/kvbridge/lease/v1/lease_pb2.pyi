@@ -242,10 +242,17 @@ class LeaseStatus(_message.Message):
     TTL_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
     CONVERSATION_FIELD_NUMBER: _builtins.int
+    ERROR_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.int
     alive: _builtins.bool
     """False: the lease is gone; reason says why."""
     reason: _types_pb2.RevokeReason.ValueType
+    error: _types_pb2.ErrorReason.ValueType
+    """Set when this conversation could not even be looked up: a malformed ref
+    (INVALID_FIELD) or another tenant's (TENANT_FORBIDDEN). The request's other
+    ids and conversations are renewed regardless and the stream stays open;
+    sending the same ref again gets the same answer.
+    """
     @_builtins.property
     def deadline(self) -> _timestamp_pb2.Timestamp: ...
     @_builtins.property
@@ -263,10 +270,11 @@ class LeaseStatus(_message.Message):
         ttl: _duration_pb2.Duration | None = ...,
         reason: _types_pb2.RevokeReason.ValueType = ...,
         conversation: Global___ConversationRef | None = ...,
+        error: _types_pb2.ErrorReason.ValueType = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["conversation", b"conversation", "deadline", b"deadline", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "conversation", b"conversation", "deadline", b"deadline", "lease_id", b"lease_id", "reason", b"reason", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["alive", b"alive", "conversation", b"conversation", "deadline", b"deadline", "error", b"error", "lease_id", b"lease_id", "reason", b"reason", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
