@@ -27,7 +27,7 @@ Settings come from KVBRIDGE_GATEWAY_* environment variables, e.g.
   KVBRIDGE_GATEWAY_TOKENIZERS='{"<model>": "/path/to/model"}'  (tokenize in-process with the model's HF
     tokenizer + chat template instead of P's /tokenize; see docs/gateway.md, "Tokenization")
   KVBRIDGE_GATEWAY_TOKENIZER_PREFIX_CACHE_MB=256 (a conversation's next turn encodes only its new text; 0: off)
-  KVBRIDGE_GATEWAY_ENTRY_MIRROR=true  KVBRIDGE_GATEWAY_ENTRY_MIRROR_MAX_ENTRIES=100000
+  KVBRIDGE_GATEWAY_ENTRY_MIRROR=true  KVBRIDGE_GATEWAY_ENTRY_MIRROR_MAX_ENTRIES=50000
     (keyed lookups answered from a WatchEntries-fed copy of the registry's entries; docs/gateway.md, "Lookups")
 TLS: KVBRIDGE_TLS_CERT_FILE/_KEY_FILE (+ _CLIENT_CA_FILE: mTLS) for the gRPC front door; towards the registry
   and lease manager KVBRIDGE_PEER_CA_FILE (+ KVBRIDGE_PEER_CERT_FILE/_KEY_FILE: mTLS, _SERVER_NAME).

@@ -95,9 +95,10 @@ class GatewaySettings(BaseSettings):
     # Keyed lookups answered from the gateway's own WatchEntries-fed copy of the registry's entries (ADR 0008):
     # no round trip before the prefill. Only hits are answered from it, only while it is in sync (a message
     # within entry_mirror_stale_after_s); the rest go to the registry. Beyond max_entries, entries stay
-    # registry-only.
+    # registry-only. An entry of an 8K-token conversation is ~4 KB (hash checkpoints and block ids), so the default
+    # bounds the copy near 200 MB.
     entry_mirror: bool = True
-    entry_mirror_max_entries: int = Field(default=100_000, ge=1, le=10_000_000)
+    entry_mirror_max_entries: int = Field(default=50_000, ge=1, le=10_000_000)
     entry_mirror_stale_after_s: float = Field(default=3.0, ge=0.3, le=300)
 
     # Local tokenization: model name -> directory with that model's HF tokenizer files (tokenizer.json,

@@ -100,7 +100,10 @@ class EntryMirror:
         if old is None and len(self._entries) >= self._max_entries:
             self.skipped += 1
             return
-        self._entries[eid] = MirroredEntry(entry, record_of(entry), revision)
+        # A copy of its own: a sub-message would keep the whole received message (a 500-entry page) alive.
+        own = registry_pb2.Entry()
+        own.CopyFrom(entry)
+        self._entries[eid] = MirroredEntry(own, record_of(own), revision)
 
     def lookup(self, *, tenant: str, model: str, conversation_key: str, block_hashes: Sequence[bytes],
                block_size: int, min_tokens: int, engine_record: EngineRecords
