@@ -22,6 +22,19 @@ def record_of(entry: registry_pb2.Entry) -> HashRecord:
     )
 
 
+def unusable(entry: registry_pb2.Entry, block_size: int, now_s: float, *,
+             engine_known: bool) -> registry_pb2.LookupVerdict.ValueType | None:
+    """Why a stored entry cannot answer a lookup at all (before its hashes are compared), or None."""
+    exp = entry.expire_time
+    if entry.HasField("expire_time") and exp.seconds + exp.nanos / 1e9 <= now_s:
+        return registry_pb2.LOOKUP_VERDICT_EXPIRED
+    if entry.block_size != block_size:
+        return registry_pb2.LOOKUP_VERDICT_BLOCK_SIZE_MISMATCH
+    if not engine_known:
+        return registry_pb2.LOOKUP_VERDICT_ENGINE_GONE
+    return None
+
+
 def answer_hit(
     response: registry_pb2.LookupEntryResponse, entry: registry_pb2.Entry, engine: types_pb2.Engine, blocks: int,
     min_tokens: int,

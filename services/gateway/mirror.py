@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
-from kvbridge_services.common.entrylookup import answer_hit, record_of
+from kvbridge_services.common.entrylookup import answer_hit, record_of, unusable
 from kvbridge_services.common.hashrecord import HashRecord
 
 from .control import ControlPlane, ControlPlaneError
@@ -116,14 +116,10 @@ class EntryMirror:
         if item is None:
             return None
         entry = item.entry
-        if entry.block_size != block_size:
-            return None
-        exp = entry.expire_time
-        if entry.HasField("expire_time") and exp.seconds + exp.nanos / 1e9 <= self._wall_clock():
-            return None
         engine = engine_record(entry.engine_id)
-        if engine is None:
+        if unusable(entry, block_size, self._wall_clock(), engine_known=engine is not None) is not None:
             return None
+        assert engine is not None
         blocks = item.record.verified_blocks(block_hashes)
         response = registry_pb2.LookupEntryResponse(prompt_block_tokens=len(block_hashes) * block_size)
         if blocks == 0 or not answer_hit(response, entry, engine, blocks, min_tokens):

@@ -24,7 +24,7 @@ from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.auth import Principal
-from kvbridge_services.common.entrylookup import answer_hit
+from kvbridge_services.common.entrylookup import answer_hit, unusable
 from kvbridge_services.common.hashrecord import HashRecord
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.base import (
@@ -451,13 +451,7 @@ class Registry:
         return self._answer(response, item, blocks, request.min_tokens)
 
     def _unusable(self, item: IndexedEntry, block_size: int, now_s: float) -> Verdict.ValueType | None:
-        if item.expired(now_s):
-            return registry_pb2.LOOKUP_VERDICT_EXPIRED
-        if item.entry.block_size != block_size:
-            return registry_pb2.LOOKUP_VERDICT_BLOCK_SIZE_MISMATCH
-        if item.entry.engine_id not in self.index.engines:
-            return registry_pb2.LOOKUP_VERDICT_ENGINE_GONE
-        return None
+        return unusable(item.entry, block_size, now_s, engine_known=item.entry.engine_id in self.index.engines)
 
     def _answer(
         self, response: registry_pb2.LookupEntryResponse, item: IndexedEntry, blocks: int, min_tokens: int

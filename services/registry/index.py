@@ -32,10 +32,6 @@ class IndexedEntry:
     mod_revision: int
     last_used: float = field(default_factory=time.monotonic)
 
-    def expired(self, now_s: float) -> bool:
-        exp = self.entry.expire_time
-        return self.entry.HasField("expire_time") and (exp.seconds + exp.nanos / 1e9) <= now_s
-
 
 class RegistryIndex:
     def __init__(self, max_entries: int = 1_000_000, max_engines: int = 10_000, content_stride: int = 16) -> None:
