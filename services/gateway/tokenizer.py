@@ -125,16 +125,17 @@ class ModelTokenizer:
         self._reserved_kwargs = frozenset(inspect.signature(self._tok.apply_chat_template).parameters) | {
             "messages", "conversation"}
 
-    def ids(self, kind: str, body: Mapping[str, Any], *, on_worker: bool = False) -> list[int] | None:
+    def ids(self, kind: str, body: Mapping[str, Any]) -> list[int] | None:
+        """``prepare`` then ``encode``, in this thread (tests; the gateway goes through LocalTokenizers)."""
         prepared = self.prepare(kind, body)
         if prepared is None:
             return None
-        return self.encode(prepared[0], prepared[1], on_worker=on_worker)[0]
+        return self.encode(*prepared)[0]
 
     def prepare(self, kind: str, body: Mapping[str, Any]) -> tuple[str, bool] | None:
         """(text to encode, add_special_tokens) as vLLM would encode them, or None (ask P)."""
         if kind == "chat":
-            return self._chat_text(self._tok, body)
+            return self._chat_text(body)
         prompt = body.get("prompt")
         add_special = body.get("add_special_tokens", True)
         if not isinstance(prompt, str) or not prompt or not isinstance(add_special, bool):
@@ -151,7 +152,7 @@ class ModelTokenizer:
         return list(enc.ids), [end for _, end in enc.offsets]
 
     # -- chat ---------------------------------------------------------------------------------
-    def _chat_text(self, tok: Any, body: Mapping[str, Any]) -> tuple[str, bool] | None:
+    def _chat_text(self, body: Mapping[str, Any]) -> tuple[str, bool] | None:
         if self.template is None or body.get("tools") is not None or body.get("chat_template") is not None:
             return None
         add_generation_prompt = body.get("add_generation_prompt", True)
@@ -163,7 +164,7 @@ class ModelTokenizer:
         texts = _message_texts(body.get("messages"))
         if kwargs is None or texts is None:
             return None
-        render = self._renderer(tok, add_generation_prompt, continue_final, kwargs)
+        render = self._renderer(add_generation_prompt, continue_final, kwargs)
         text = render(_as_strings(texts))
         if text is not None and self.template_loops_content and render(_as_parts(texts)) != text:
             return None  # the template tells the two content formats apart: only vLLM knows which it uses
@@ -182,13 +183,14 @@ class ModelTokenizer:
             return None
         return kwargs
 
-    def _renderer(self, tok: Any, add_generation_prompt: bool, continue_final: bool,
+    def _renderer(self, add_generation_prompt: bool, continue_final: bool,
                   kwargs: dict[str, Any]) -> Callable[[list[dict[str, Any]]], str | None]:
         def render(conversation: list[dict[str, Any]]) -> str | None:
             try:
-                text = tok.apply_chat_template(conversation, tools=None, chat_template=self.template, tokenize=False,
-                                               add_generation_prompt=add_generation_prompt,
-                                               continue_final_message=continue_final, return_dict=False, **kwargs)
+                text = self._tok.apply_chat_template(
+                    conversation, tools=None, chat_template=self.template, tokenize=False,
+                    add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
+                    return_dict=False, **kwargs)
             except Exception as exc:  # noqa: BLE001 - the template rejected the request: P's /tokenize reports it
                 log.debug("chat template failed for %r: %s", self.model, exc)
                 return None
