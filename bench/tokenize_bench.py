@@ -21,6 +21,7 @@ import statistics
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -36,10 +37,9 @@ def dev_text(rng: random.Random, words: int) -> str:
     return " ".join(f"w{rng.randrange(400) + 10}" for _ in range(words))
 
 
-async def measure(tokenizer_dir: Path, text_of: object, contexts: list[int], turns: int,
+async def measure(tokenizer_dir: Path, text: Callable[[random.Random, int], str], contexts: list[int], turns: int,
                   label: str) -> list[tuple[int, float, float, int]]:
     """(context tokens, median ms incremental, median ms whole, turns) per context length."""
-    text = text_of  # type: ignore[assignment]
     cached = LocalTokenizers({"m": tokenizer_dir})
     whole = LocalTokenizers({"m": tokenizer_dir}, prefix_cache_bytes=0)
     rng = random.Random(5)

@@ -18,6 +18,8 @@ from google.protobuf import any_pb2
 from google.rpc import error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
+from kvbridge.types.v1 import types_pb2
+
 DOMAIN = "kvbridge.dev"
 PROTO_PREFIX = "ERROR_REASON_"
 
@@ -149,8 +151,6 @@ _CODE_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 def reason_number(reason: str) -> int:
     """The ``kvbridge.types.v1.ErrorReason`` value of a machine reason, for a reason carried in a message field
     rather than a status (0, ERROR_REASON_UNSPECIFIED, for one the enum does not know)."""
-    from kvbridge.types.v1 import types_pb2
-
     try:
         return int(types_pb2.ErrorReason.Value(PROTO_PREFIX + reason))
     except ValueError:
@@ -159,8 +159,6 @@ def reason_number(reason: str) -> int:
 
 def reason_name(number: int) -> str:
     """The machine reason of an ``ErrorReason`` value ("" for UNSPECIFIED or an unknown value)."""
-    from kvbridge.types.v1 import types_pb2
-
     try:
         name = types_pb2.ErrorReason.Name(number)  # type: ignore[arg-type]
     except ValueError:
