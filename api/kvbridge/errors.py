@@ -48,6 +48,7 @@ class Reason(enum.StrEnum):
     UPSTREAM_FAILED = "UPSTREAM_FAILED"
     OVERLOADED = "OVERLOADED"
     INVALID_PAGE_TOKEN = "INVALID_PAGE_TOKEN"
+    ENGINE_RESTARTED = "ENGINE_RESTARTED"
 
 
 class KvbridgeError(Exception):
