@@ -22,24 +22,25 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from google.protobuf import duration_pb2 as google_dot_protobuf_dot_duration__pb2
 from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvbridge/types/v1/types.proto\x12\x11kvbridge.types.v1\x1a\x1fgoogle/protobuf/timestamp.proto\"\x86\x03\n\x06\x45ngine\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12+\n\x04role\x18\x02 \x01(\x0e\x32\x1d.kvbridge.types.v1.EngineRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x10\n\x08http_url\x18\x04 \x01(\t\x12\x0f\n\x07kv_host\x18\x05 \x01(\t\x12\x0f\n\x07kv_port\x18\x06 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x07 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0f\n\x07pp_size\x18\n \x01(\r\x12\x10\n\x08\x64\x63p_size\x18\x0b \x01(\r\x12\x12\n\nblock_size\x18\x0c \x01(\r\x12\x16\n\x0ekv_group_count\x18\r \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x0e \x01(\x04\x12\x14\n\x0c\x63\x61pabilities\x18\x0f \x03(\t\x12\x15\n\rnode_lease_id\x18\x10 \x01(\x04\x12\x31\n\rregistered_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\r*\xce\x05\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_REASON_INVALID_FIELD\x10\x01\x12\x1a\n\x16\x45RROR_REASON_TOO_LARGE\x10\x02\x12 \n\x1c\x45RROR_REASON_UNAUTHENTICATED\x10\x03\x12!\n\x1d\x45RROR_REASON_TENANT_FORBIDDEN\x10\x04\x12 \n\x1c\x45RROR_REASON_ENTRY_NOT_FOUND\x10\x05\x12!\n\x1d\x45RROR_REASON_ENGINE_NOT_FOUND\x10\x06\x12 \n\x1c\x45RROR_REASON_LEASE_NOT_FOUND\x10\x07\x12\x1c\n\x18\x45RROR_REASON_STALE_EPOCH\x10\x08\x12%\n!ERROR_REASON_IDEMPOTENCY_CONFLICT\x10\t\x12 \n\x1c\x45RROR_REASON_BUDGET_EXCEEDED\x10\n\x12\"\n\x1e\x45RROR_REASON_STORE_UNAVAILABLE\x10\x0b\x12\x1b\n\x17\x45RROR_REASON_NOT_LEADER\x10\x0c\x12\x1f\n\x1b\x45RROR_REASON_LEASE_MISMATCH\x10\r\x12!\n\x1d\x45RROR_REASON_TTL_OUT_OF_RANGE\x10\x0e\x12 \n\x1c\x45RROR_REASON_MODEL_NOT_FOUND\x10\x0f\x12$\n ERROR_REASON_NO_ENGINE_AVAILABLE\x10\x10\x12 \n\x1c\x45RROR_REASON_UPSTREAM_FAILED\x10\x11\x12\x1b\n\x17\x45RROR_REASON_OVERLOADED\x10\x12\x12#\n\x1f\x45RROR_REASON_INVALID_PAGE_TOKEN\x10\x13\x12!\n\x1d\x45RROR_REASON_ENGINE_RESTARTED\x10\x14*p\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_ROLE_PREFILL\x10\x01\x12\x16\n\x12\x45NGINE_ROLE_DECODE\x10\x02\x12\x14\n\x10\x45NGINE_ROLE_BOTH\x10\x03*\xa7\x02\n\x0cRevokeReason\x12\x1d\n\x19REVOKE_REASON_UNSPECIFIED\x10\x00\x12\x1c\n\x18REVOKE_REASON_SUPERSEDED\x10\x01\x12\x1f\n\x1bREVOKE_REASON_CLIENT_CLOSED\x10\x02\x12)\n%REVOKE_REASON_EVICTED_MEMORY_PRESSURE\x10\x03\x12\x1d\n\x19REVOKE_REASON_ENGINE_GONE\x10\x04\x12\x18\n\x14REVOKE_REASON_BUDGET\x10\x05\x12\x19\n\x15REVOKE_REASON_EXPIRED\x10\x06\x12\x1a\n\x16REVOKE_REASON_OPERATOR\x10\x07\x12\x1e\n\x1aREVOKE_REASON_MAX_LIFETIME\x10\x08\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvbridge/types/v1/types.proto\x12\x11kvbridge.types.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\"\xb7\x03\n\x06\x45ngine\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12+\n\x04role\x18\x02 \x01(\x0e\x32\x1d.kvbridge.types.v1.EngineRole\x12\r\n\x05model\x18\x03 \x01(\t\x12\x10\n\x08http_url\x18\x04 \x01(\t\x12\x0f\n\x07kv_host\x18\x05 \x01(\t\x12\x0f\n\x07kv_port\x18\x06 \x01(\r\x12\x0f\n\x07\x64p_rank\x18\x07 \x01(\r\x12\x0f\n\x07\x64p_size\x18\x08 \x01(\r\x12\x0f\n\x07tp_size\x18\t \x01(\r\x12\x0f\n\x07pp_size\x18\n \x01(\r\x12\x10\n\x08\x64\x63p_size\x18\x0b \x01(\r\x12\x12\n\nblock_size\x18\x0c \x01(\r\x12\x16\n\x0ekv_group_count\x18\r \x01(\r\x12\x17\n\x0ftotal_kv_blocks\x18\x0e \x01(\x04\x12\x14\n\x0c\x63\x61pabilities\x18\x0f \x03(\t\x12\x15\n\rnode_lease_id\x18\x10 \x01(\x04\x12\x31\n\rregistered_at\x18\x11 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12/\n\x0coffer_window\x18\x12 \x01(\x0b\x32\x19.google.protobuf.Duration\"\x17\n\x08\x42lockIds\x12\x0b\n\x03ids\x18\x01 \x03(\r*\xce\x05\n\x0b\x45rrorReason\x12\x1c\n\x18\x45RROR_REASON_UNSPECIFIED\x10\x00\x12\x1e\n\x1a\x45RROR_REASON_INVALID_FIELD\x10\x01\x12\x1a\n\x16\x45RROR_REASON_TOO_LARGE\x10\x02\x12 \n\x1c\x45RROR_REASON_UNAUTHENTICATED\x10\x03\x12!\n\x1d\x45RROR_REASON_TENANT_FORBIDDEN\x10\x04\x12 \n\x1c\x45RROR_REASON_ENTRY_NOT_FOUND\x10\x05\x12!\n\x1d\x45RROR_REASON_ENGINE_NOT_FOUND\x10\x06\x12 \n\x1c\x45RROR_REASON_LEASE_NOT_FOUND\x10\x07\x12\x1c\n\x18\x45RROR_REASON_STALE_EPOCH\x10\x08\x12%\n!ERROR_REASON_IDEMPOTENCY_CONFLICT\x10\t\x12 \n\x1c\x45RROR_REASON_BUDGET_EXCEEDED\x10\n\x12\"\n\x1e\x45RROR_REASON_STORE_UNAVAILABLE\x10\x0b\x12\x1b\n\x17\x45RROR_REASON_NOT_LEADER\x10\x0c\x12\x1f\n\x1b\x45RROR_REASON_LEASE_MISMATCH\x10\r\x12!\n\x1d\x45RROR_REASON_TTL_OUT_OF_RANGE\x10\x0e\x12 \n\x1c\x45RROR_REASON_MODEL_NOT_FOUND\x10\x0f\x12$\n ERROR_REASON_NO_ENGINE_AVAILABLE\x10\x10\x12 \n\x1c\x45RROR_REASON_UPSTREAM_FAILED\x10\x11\x12\x1b\n\x17\x45RROR_REASON_OVERLOADED\x10\x12\x12#\n\x1f\x45RROR_REASON_INVALID_PAGE_TOKEN\x10\x13\x12!\n\x1d\x45RROR_REASON_ENGINE_RESTARTED\x10\x14*p\n\nEngineRole\x12\x1b\n\x17\x45NGINE_ROLE_UNSPECIFIED\x10\x00\x12\x17\n\x13\x45NGINE_ROLE_PREFILL\x10\x01\x12\x16\n\x12\x45NGINE_ROLE_DECODE\x10\x02\x12\x14\n\x10\x45NGINE_ROLE_BOTH\x10\x03*\xa7\x02\n\x0cRevokeReason\x12\x1d\n\x19REVOKE_REASON_UNSPECIFIED\x10\x00\x12\x1c\n\x18REVOKE_REASON_SUPERSEDED\x10\x01\x12\x1f\n\x1bREVOKE_REASON_CLIENT_CLOSED\x10\x02\x12)\n%REVOKE_REASON_EVICTED_MEMORY_PRESSURE\x10\x03\x12\x1d\n\x19REVOKE_REASON_ENGINE_GONE\x10\x04\x12\x18\n\x14REVOKE_REASON_BUDGET\x10\x05\x12\x19\n\x15REVOKE_REASON_EXPIRED\x10\x06\x12\x1a\n\x16REVOKE_REASON_OPERATOR\x10\x07\x12\x1e\n\x1aREVOKE_REASON_MAX_LIFETIME\x10\x08\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbridge.types.v1.types_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ERRORREASON']._serialized_start=504
-  _globals['_ERRORREASON']._serialized_end=1222
-  _globals['_ENGINEROLE']._serialized_start=1224
-  _globals['_ENGINEROLE']._serialized_end=1336
-  _globals['_REVOKEREASON']._serialized_start=1339
-  _globals['_REVOKEREASON']._serialized_end=1634
-  _globals['_ENGINE']._serialized_start=86
-  _globals['_ENGINE']._serialized_end=476
-  _globals['_BLOCKIDS']._serialized_start=478
-  _globals['_BLOCKIDS']._serialized_end=501
+  _globals['_ERRORREASON']._serialized_start=585
+  _globals['_ERRORREASON']._serialized_end=1303
+  _globals['_ENGINEROLE']._serialized_start=1305
+  _globals['_ENGINEROLE']._serialized_end=1417
+  _globals['_REVOKEREASON']._serialized_start=1420
+  _globals['_REVOKEREASON']._serialized_end=1715
+  _globals['_ENGINE']._serialized_start=118
+  _globals['_ENGINE']._serialized_end=557
+  _globals['_BLOCKIDS']._serialized_start=559
+  _globals['_BLOCKIDS']._serialized_end=582
 # @@protoc_insertion_point(module_scope)

@@ -5,6 +5,7 @@ isort:skip_file
 
 from collections import abc as _abc
 from google.protobuf import descriptor as _descriptor
+from google.protobuf import duration_pb2 as _duration_pb2
 from google.protobuf import message as _message
 from google.protobuf import timestamp_pb2 as _timestamp_pb2
 from google.protobuf.internal import containers as _containers
@@ -221,6 +222,7 @@ class Engine(_message.Message):
     CAPABILITIES_FIELD_NUMBER: _builtins.int
     NODE_LEASE_ID_FIELD_NUMBER: _builtins.int
     REGISTERED_AT_FIELD_NUMBER: _builtins.int
+    OFFER_WINDOW_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     """Stable engine id (vLLM's engine_id), [A-Za-z0-9._:-]{1,128}."""
     role: Global___EngineRole.ValueType
@@ -252,6 +254,16 @@ class Engine(_message.Message):
     def registered_at(self) -> _timestamp_pb2.Timestamp:
         """Set by the registry."""
 
+    @_builtins.property
+    def offer_window(self) -> _duration_pb2.Duration:
+        """How long a prefill may take from the gateway's lookup of one of this
+        engine's entries to the start of its READ of the blocks: the engine frees
+        a withdrawn entry's blocks no sooner than this plus the index lag bound
+        after the withdrawal. The gateway passes what is left of it to P, which
+        declines (recomputes) a READ that would start later. Unset: the engine
+        makes no such promise and its entries are not offered.
+        """
+
     def __init__(
         self,
         *,
@@ -272,10 +284,11 @@ class Engine(_message.Message):
         capabilities: _abc.Iterable[_builtins.str] | None = ...,
         node_lease_id: _builtins.int = ...,
         registered_at: _timestamp_pb2.Timestamp | None = ...,
+        offer_window: _duration_pb2.Duration | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _typing.Literal["registered_at", b"registered_at"]  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["offer_window", b"offer_window", "registered_at", b"registered_at"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "capabilities", b"capabilities", "dcp_size", b"dcp_size", "dp_rank", b"dp_rank", "dp_size", b"dp_size", "engine_id", b"engine_id", "http_url", b"http_url", "kv_group_count", b"kv_group_count", "kv_host", b"kv_host", "kv_port", b"kv_port", "model", b"model", "node_lease_id", b"node_lease_id", "pp_size", b"pp_size", "registered_at", b"registered_at", "role", b"role", "total_kv_blocks", b"total_kv_blocks", "tp_size", b"tp_size"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_size", b"block_size", "capabilities", b"capabilities", "dcp_size", b"dcp_size", "dp_rank", b"dp_rank", "dp_size", b"dp_size", "engine_id", b"engine_id", "http_url", b"http_url", "kv_group_count", b"kv_group_count", "kv_host", b"kv_host", "kv_port", b"kv_port", "model", b"model", "node_lease_id", b"node_lease_id", "offer_window", b"offer_window", "pp_size", b"pp_size", "registered_at", b"registered_at", "role", b"role", "total_kv_blocks", b"total_kv_blocks", "tp_size", b"tp_size"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
