@@ -644,7 +644,14 @@ class DeleteEntryRequest(_message.Message):
 
     KEY_FIELD_NUMBER: _builtins.int
     REASON_FIELD_NUMBER: _builtins.int
+    EXPECTED_EPOCH_FIELD_NUMBER: _builtins.int
     reason: _types_pb2.RevokeReason.ValueType
+    expected_epoch: _builtins.int
+    """Nonzero: delete only if the stored entry has this epoch, else
+    FAILED_PRECONDITION (STALE_EPOCH) and nothing is deleted. The gateway's
+    atomic consume of a single-use entry (compatibility mode): of the callers
+    that looked up the same entry, only the one whose delete succeeds pulls.
+    """
     @_builtins.property
     def key(self) -> Global___EntryKey: ...
     def __init__(
@@ -652,10 +659,11 @@ class DeleteEntryRequest(_message.Message):
         *,
         key: Global___EntryKey | None = ...,
         reason: _types_pb2.RevokeReason.ValueType = ...,
+        expected_epoch: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["key", b"key"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["key", b"key", "reason", b"reason"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["expected_epoch", b"expected_epoch", "key", b"key", "reason", b"reason"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
