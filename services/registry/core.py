@@ -512,8 +512,11 @@ class Registry:
         return registry_pb2.Entry.FromString(kv.value)
 
     async def delete_entry(
-        self, principal: Principal, key: registry_pb2.EntryKey, reason: types_pb2.RevokeReason.ValueType
+        self, principal: Principal, key: registry_pb2.EntryKey, reason: types_pb2.RevokeReason.ValueType,
+        *, expected_epoch: int = 0,
     ) -> registry_pb2.Entry:
+        """Deletes the conversation's entry (``expected_epoch`` nonzero: only if it has that epoch, in the same
+        compare-and-delete, so of several callers that saw the entry exactly one deletes it)."""
         v.check_entry_key("key", key)
         if reason not in types_pb2.RevokeReason.values():
             raise invalid_field("reason", "unknown revoke reason")
@@ -524,6 +527,12 @@ class Registry:
             if kv is None:
                 raise NotFound(Reason.ENTRY_NOT_FOUND, "no entry for this key")
             entry = registry_pb2.Entry.FromString(kv.value)
+            if expected_epoch and entry.epoch != expected_epoch:
+                raise FailedPrecondition(
+                    Reason.STALE_EPOCH,
+                    f"stored epoch {entry.epoch} is not the expected {expected_epoch}",
+                    metadata={"field": "expected_epoch", "stored_epoch": str(entry.epoch)},
+                )
             result = await self._store.txn(
                 [Compare.mod_revision_is(store_key, kv.mod_revision)], [Delete(store_key)], timeout=self._timeout
             )

@@ -185,7 +185,8 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def DeleteEntry(
         self, request: registry_pb2.DeleteEntryRequest, context: Ctx
     ) -> registry_pb2.DeleteEntryResponse:
-        entry = await self._registry.delete_entry(self._auth.authenticate(context), request.key, request.reason)
+        entry = await self._registry.delete_entry(self._auth.authenticate(context), request.key, request.reason,
+                                                   expected_epoch=request.expected_epoch)
         return registry_pb2.DeleteEntryResponse(entry=entry)
 
     @stream_boundary
