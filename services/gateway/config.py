@@ -87,8 +87,13 @@ class GatewaySettings(BaseSettings):
     default_block_size: int = Field(default=16, ge=1, le=1024)
     # Compatibility mode: stock vLLM, no connector: the gateway registers entries from D's responses.
     compat_registration: bool = True
-    # Stock vLLM frees D's blocks when P reads them: every entry serves one prefill.
+    # Stock vLLM frees D's blocks when P reads them: an entry of an engine without the kvbridge connector serves
+    # one prefill, taken in the registry (an atomic consume) before P pulls, so it holds across gateway replicas.
     single_use_entries: bool = True
+    # The stock decode engines' decoder_kv_blocks_ttl (vLLM kv_connector_extra_config, default 480 s): how long
+    # D holds a finished request's blocks. A gateway-registered entry expires this long after its decode request
+    # went out; renewals never extend it. Must not exceed the engines' own value.
+    compat_decoder_kv_blocks_ttl_s: float = Field(default=480.0, gt=0, le=86_400)
     entry_lease_ttl_s: float = Field(default=300.0, gt=0, le=86_400)
     # Content-addressed lookups for requests without a conversation key.
     content_lookup: bool = False

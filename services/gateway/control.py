@@ -175,6 +175,22 @@ class ControlPlane:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise self._wrap(exc, "DeleteEntry") from exc
 
+    @_traced(_REGISTRY + "DeleteEntry")
+    async def consume_entry(self, *, tenant: str, model: str, conversation_key: str, epoch: int) -> bool:
+        """Takes a single-use entry (compatibility mode): deletes it only if its stored epoch is still ``epoch``,
+        in one compare-and-delete. True: this caller took it and may pull its blocks; False: another caller (any
+        gateway replica, before a restart too) took it first, or a newer entry replaced it, and nothing is
+        deleted. Fails (ControlPlaneError) when the registry cannot be asked: then nobody may pull."""
+        key = registry_pb2.EntryKey(tenant=tenant, model=model, conversation_key=conversation_key)
+        req = registry_pb2.DeleteEntryRequest(key=key, reason=types_pb2.REVOKE_REASON_EXPIRED, expected_epoch=epoch)
+        try:
+            resp = await self._reg().DeleteEntry(req, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            if exc.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.FAILED_PRECONDITION):
+                return False
+            raise self._wrap(exc, "DeleteEntry") from exc
+        return int(resp.entry.epoch) == epoch
+
     @_traced(_REGISTRY + "ListEngines")
     async def list_engines(self, page_limit: int = 20) -> list[types_pb2.Engine]:
         engines: list[types_pb2.Engine] = []

@@ -42,6 +42,7 @@ class EngineState:
     outstanding: int = 0
     kv_usage: float = 0.0
     models: set[str] = field(default_factory=set)
+    adapters: set[str] = field(default_factory=set)  # served names /v1/models lists with a parent (LoRA adapters)
     last_check: float = 0.0
     ejected_until: float = 0.0  # monotonic; no new traffic before it unless nothing else is left
     consecutive_timeouts: int = 0
@@ -199,8 +200,10 @@ class EnginePool:
             if not engine.models:
                 models = await self._http.get(f"{engine.url}/v1/models", timeout_s=timeout)
                 if models.status == 200:
-                    engine.models = {str(m.get("id")) for m in models.json().get("data", [])[:64]
-                                     if isinstance(m, dict)}
+                    cards = [m for m in models.json().get("data", [])[:64] if isinstance(m, dict)]
+                    engine.adapters = {str(m.get("id")) for m in cards
+                                       if m.get("parent") and m.get("parent") != m.get("id")}
+                    engine.models = {str(m.get("id")) for m in cards}
             metrics = await self._http.get(f"{engine.url}/metrics", timeout_s=timeout)
             if metrics.status == 200:
                 match = _KV_USAGE.search(metrics.text)

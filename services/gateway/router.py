@@ -12,7 +12,6 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -26,7 +25,7 @@ from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.telemetry import Telemetry
 from opentelemetry import trace
 
-from . import kvparams
+from . import kvparams, reuse
 from .config import GatewaySettings
 from .control import ControlPlane, ControlPlaneError
 from .engines import DECODE, PREFILL, EnginePool, EngineState
@@ -34,30 +33,19 @@ from .metrics import GatewayMetrics
 from .mirror import EntryMirror
 from .renewer import ConversationRenewer
 from .requests import Turn
+from .reuse import NoReuse, ReusePlan, ReuseVerdict
 from .tokenizer import ATTR_TOKENIZE_PATH, LocalTokenizers
 from .upstream import TRANSPORT_ERRORS, ClientError, EngineHttp, UpstreamError, UpstreamStream
 
 log = logging.getLogger(__name__)
 
-_MAX_CONSUMED = 100_000  # cap of the single-use table (LRU eviction)
+__all__ = ["ReuseVerdict", "TurnResult", "TurnRouter"]
+
 _MAX_BACKGROUND = 10_000  # cap of pending post-turn tasks (registrations beyond it are skipped)
-_LOOKUP_DECLINES = {
-    registry_pb2.LOOKUP_VERDICT_EXPIRED: "expired",
-    registry_pb2.LOOKUP_VERDICT_MISMATCH: "mismatch",
-    registry_pb2.LOOKUP_VERDICT_BELOW_THRESHOLD: "below_threshold",
-    registry_pb2.LOOKUP_VERDICT_ENGINE_GONE: "engine_gone",
-    registry_pb2.LOOKUP_VERDICT_BLOCK_SIZE_MISMATCH: "block_size_mismatch",
-}
-
-
-@dataclass(slots=True)
-class ReuseVerdict:
-    label: str = "miss"  # hit | miss | declined:<reason>
-    tokens: int = 0  # verified tokens (hit: those P pulled)
-    prompt_tokens: int = 0
-
-    def header(self) -> str:
-        return f"{self.label};tokens={self.tokens}"
+_MAX_CLOCKS = 10_000  # cap of the engine clock table (one row per decode engine)
+# A deadline closer than this counts as passed (vLLM's P uses the same slack on D's expiry).
+_EXPIRY_MARGIN_S = 5.0
+_EXPIRY_PARAM = "remote_blocks_expiry_time"
 
 
 @dataclass(slots=True)
@@ -84,13 +72,14 @@ class _Plan:
     prompt_ids: list[int] | None = None
     block_size: int = 16
     verdict: ReuseVerdict = field(default_factory=ReuseVerdict)
-    source: kvparams.PullSource | None = None
-    source_key: tuple[str, str] | None = None
-    reuse_tokens: int = 0
+    features: reuse.RequestFeatures = field(default_factory=reuse.RequestFeatures)
+    pull: ReusePlan | None = None  # what P pulls (a hit), single-use entries already consumed
     next_epoch: int | None = None
     verified_tokens: int = 0  # what the registry verified (before flooring / declining)
     started: float = field(default_factory=time.perf_counter)
     engine_seconds: float = 0.0  # time inside prefill calls (excluded from router overhead)
+    decode_sent_s: float = 0.0  # wall time the decode request went out / its response came back
+    decode_answered_s: float = 0.0
 
 
 class TurnRouter:
@@ -111,7 +100,11 @@ class TurnRouter:
         self._metrics = metrics
         self._secret = hashchain.check_secret(secret)
         self._pulling: set[tuple[str, str]] = set()
-        self._consumed: OrderedDict[tuple[str, str], None] = OrderedDict()
+        self._policy = reuse.Policy(threshold_tokens=settings.reuse_threshold_tokens,
+                                    single_use_entries=settings.single_use_entries, expiry_margin_s=_EXPIRY_MARGIN_S)
+        # Stock D's clock minus wall time, a lower bound learned from its responses (compatibility mode): turns
+        # an entry's deadline into the remote_blocks_expiry_time P checks on D's clock.
+        self._clock_offsets: dict[str, float] = {}
         self._background: set[asyncio.Task[None]] = set()
         self._renewer = ConversationRenewer(control)
         self._pending_by_conversation: dict[tuple[str, str, str], set[asyncio.Task[None]]] = {}
@@ -126,7 +119,7 @@ class TurnRouter:
             plan = _Plan()
             prefill = await self._pool.choose_live(turn.model, PREFILL)
             decode = await self._pool.choose_live(turn.model, DECODE)
-            plan = await self._plan(turn, prefill, plan)
+            plan = await self._plan(turn, prefill, decode, plan)
             if turn.conversation_key and self._control.enabled:
                 # Renewed before P may pull the conversation's blocks (an entry near its deadline must outlive
                 # the pull); the renewer writes it once the turn ends, or within 0.5 s of a long turn.
@@ -143,17 +136,17 @@ class TurnRouter:
                  plan.verdict.header())
 
     def _record_verdict(self, span: trace.Span, plan: _Plan, prefill: EngineState, decode: EngineState) -> None:
-        verdict, _, reason = plan.verdict.label.partition(":")
-        pulled = plan.verdict.tokens if verdict == "hit" else 0
+        v = plan.verdict
+        pulled = v.tokens if v.hit else 0
         span.set_attributes({
-            tel.ATTR_VERDICT: verdict, tel.ATTR_REASON: reason, tel.ATTR_VERIFIED_TOKENS: plan.verified_tokens,
+            tel.ATTR_VERDICT: v.verdict, tel.ATTR_REASON: v.span_reason, tel.ATTR_VERIFIED_TOKENS: plan.verified_tokens,
             tel.ATTR_PULLED_TOKENS: pulled, "kvbridge.prompt_tokens": plan.verdict.prompt_tokens,
             "kvbridge.prefill.engine_id": prefill.engine_id or prefill.url,
             "kvbridge.decode.engine_id": decode.engine_id or decode.url,
         })
-        if plan.source is not None:
-            span.set_attribute("kvbridge.source.engine_id", plan.source.engine_id)
-        self._metrics.count_verdict(plan.verdict.label)
+        if plan.pull is not None:
+            span.set_attribute("kvbridge.source.engine_id", plan.pull.source.engine_id)
+        self._metrics.reuse.labels(v.verdict, v.metric_reason).inc()
         self._metrics.verified_tokens.inc(plan.verified_tokens)
         self._metrics.pulled_tokens.inc(pulled)
         self._metrics.prompt_tokens.inc(plan.verdict.prompt_tokens)
@@ -212,23 +205,41 @@ class TurnRouter:
         return self._tracer.start_as_current_span(name, kind=trace.SpanKind.CLIENT, attributes={
             tel.ATTR_ENGINE: engine.engine_id or engine.url, "server.address": engine.url})
 
-    async def _plan(self, turn: Turn, prefill: EngineState, plan: _Plan) -> _Plan:
+    def _is_adapter(self, model: str, *engines: EngineState) -> bool:
+        """Whether ``model`` names a LoRA adapter (or alias) of the engines rather than the model they register
+        under: the kvbridge connector registers (and hashes) under the engine's model name, so the chain would
+        not tell the adapter's KV from the base model's."""
+        for e in engines:
+            if model in e.adapters or (e.record is not None and e.record.model and e.record.model != model):
+                return True
+        return False
+
+    async def _plan(self, turn: Turn, prefill: EngineState, decode: EngineState, plan: _Plan) -> _Plan:
         plan.block_size = self._block_size(prefill)
-        wants_reuse = self._s.reuse_enabled and self._control.enabled and (
-            turn.conversation_key or self._s.content_lookup)
-        needs_tokens = wants_reuse or (self._s.compat_registration and turn.conversation_key)
-        if not needs_tokens:
+        plan.features = reuse.request_features(turn.body, lora_adapter=self._is_adapter(turn.model, prefill, decode))
+        wants_reuse = bool(self._s.reuse_enabled and self._control.enabled and (
+            turn.conversation_key or self._s.content_lookup))
+        early = reuse.screen(plan.features, wants_reuse=wants_reuse, prompt_tokens=None, policy=self._policy)
+        if early is not None:
+            plan.verdict.outcome = early
+        register = self._s.compat_registration and bool(turn.conversation_key) and plan.features.covered
+        if early is not None and not register:
             return plan
         try:
             plan.prompt_ids = await self._tokenize(turn, prefill)
         except ClientError:
             raise
         except UpstreamError as exc:
-            plan.verdict.label = "declined:tokenize_failed"
+            if early is None:
+                plan.verdict.outcome = NoReuse.TOKENIZE_FAILED
             log.warning("tokenize failed, no reuse this turn: %s", exc)
             return plan
         plan.verdict.prompt_tokens = len(plan.prompt_ids)
-        if not wants_reuse:
+        if early is not None:
+            return plan
+        short = reuse.screen(plan.features, wants_reuse=True, prompt_tokens=len(plan.prompt_ids), policy=self._policy)
+        if short is not None:
+            plan.verdict.outcome = short
             return plan
         await self._lookup(turn, plan)
         return plan
@@ -236,9 +247,6 @@ class TurnRouter:
     async def _lookup(self, turn: Turn, plan: _Plan) -> None:
         assert plan.prompt_ids is not None
         b, threshold = plan.block_size, self._s.reuse_threshold_tokens
-        if len(plan.prompt_ids) <= threshold:
-            plan.verdict.label = "miss"
-            return
         hashes = hashchain.chain(self._secret, turn.tenant, turn.model, turn.cache_salt, b, plan.prompt_ids)
         if self._mirror is not None:
             found = self._mirror.lookup(tenant=turn.tenant, model=turn.model,
@@ -246,8 +254,8 @@ class TurnRouter:
                                         block_size=b, min_tokens=threshold, engine_record=self._engine_record)
             if found is not None:
                 self._metrics.lookups.labels("mirror").inc()
-                self._apply_lookup(turn, plan, found)
-                if plan.verdict.label == "hit":
+                await self._apply_lookup(turn, plan, found)
+                if plan.verdict.hit:
                     trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "mirror")
                     return
                 # Declined here (consumed, busy, ...): the registry may hold a newer entry than the copy.
@@ -259,67 +267,51 @@ class TurnRouter:
                                                block_size=b, min_tokens=threshold)
         except ControlPlaneError as exc:
             log.warning("registry lookup failed, no reuse this turn: %s", exc)
-            plan.verdict.label = "declined:registry_unavailable"
+            plan.verdict.outcome = NoReuse.REGISTRY_UNAVAILABLE
             return
         self._metrics.lookups.labels("registry").inc()
         trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "registry")
-        self._apply_lookup(turn, plan, found)
+        await self._apply_lookup(turn, plan, found)
 
     def _engine_record(self, engine_id: str) -> types_pb2.Engine | None:
         """The registry's record of an engine, as the pool last listed it (the mirror's Location.engine)."""
         state = self._pool.find(engine_id)
         return state.record if state is not None else None
 
-    def _apply_lookup(self, turn: Turn, plan: _Plan, found: registry_pb2.LookupEntryResponse) -> None:
+    async def _apply_lookup(self, turn: Turn, plan: _Plan, found: registry_pb2.LookupEntryResponse) -> None:
+        """Decides on the lookup's answer; a single-use entry is then consumed in the registry before P may pull."""
+        assert plan.prompt_ids is not None
         loc = found.location
         if found.HasField("location") and loc.conversation_key == turn.conversation_key:
             plan.next_epoch = int(loc.epoch) + 1
         plan.verdict.tokens = plan.verified_tokens = int(found.verified_tokens)
-        if found.verdict == registry_pb2.LOOKUP_VERDICT_NOT_FOUND:
-            plan.verdict.label = "miss"
+        if found.verdict == registry_pb2.LOOKUP_VERDICT_HIT:
+            plan.verdict.tokens = kvparams.reusable_tokens(plan.verified_tokens, len(plan.prompt_ids), plan.block_size)
+        engine_id = loc.engine.engine_id
+        local = self._pool.find(engine_id) if engine_id else None
+        source = reuse.SourceState(healthy=local.healthy if local is not None else None,
+                                   pulling=(engine_id, loc.engine_request_id) in self._pulling,
+                                   clock_offset_s=self._clock_offsets.get(engine_id))
+        decided = reuse.decide(plan.features, wants_reuse=True, prompt_tokens=len(plan.prompt_ids), lookup=found,
+                               block_size=plan.block_size, source=source, policy=self._policy, now_s=time.time())
+        if isinstance(decided, NoReuse):
+            plan.verdict.outcome = decided
             return
-        if found.verdict != registry_pb2.LOOKUP_VERDICT_HIT:
-            plan.verdict.label = "declined:" + _LOOKUP_DECLINES.get(found.verdict, "lookup")
-            return
-        self._choose_source(plan, loc, int(found.verified_tokens))
-
-    def _choose_source(self, plan: _Plan, loc: registry_pb2.Location, verified: int) -> None:
-        assert plan.prompt_ids is not None
-        engine = loc.engine
-        k = kvparams.reusable_tokens(verified, len(plan.prompt_ids), plan.block_size)
-        plan.verdict.tokens = k
-        key = (engine.engine_id, loc.engine_request_id)
-        local = self._pool.find(engine.engine_id)
-        reason = ""
-        if k < self._s.reuse_threshold_tokens:
-            reason = "below_threshold"
-        elif int(engine.block_size or plan.block_size) != plan.block_size:
-            reason = "block_size_mismatch"
-        elif not engine.kv_host or not engine.kv_port:
-            reason = "no_kv_endpoint"
-        elif local is not None and not local.healthy:
-            reason = "engine_unhealthy"
-        elif key in self._consumed:
-            reason = "consumed"
-        elif key in self._pulling:
-            reason = "busy"
-        if not reason:
+        if decided.consume:
             try:
-                groups = [list(g.ids) for g in loc.block_ids]
-                kvparams.truncate_groups(groups, k, plan.block_size)
-            except ValueError:
-                reason = "bad_location"
-        if reason:
-            plan.verdict.label = f"declined:{reason}"
-            return
-        plan.source = kvparams.PullSource(
-            engine_id=engine.engine_id, request_id=loc.engine_request_id, host=engine.kv_host,
-            port=int(engine.kv_port), block_groups=groups, tp_size=int(engine.tp_size or 1),
-            # No expiry: vLLM compares it with D's monotonic clock; the lease manager guards lifetime instead.
-            pp_size=int(engine.pp_size or 1), dcp_size=int(engine.dcp_size or 1), expiry_time=None)
-        plan.source_key = key
-        plan.reuse_tokens = k
-        plan.verdict.label = "hit"
+                took = await self._control.consume_entry(tenant=turn.tenant, model=turn.model,
+                                                         conversation_key=decided.conversation_key,
+                                                         epoch=decided.epoch)
+            except ControlPlaneError as exc:
+                log.warning("could not consume a single-use entry, no reuse this turn: %s", exc)
+                plan.verdict.outcome = NoReuse.REGISTRY_UNAVAILABLE
+                return
+            if not took:
+                plan.verdict.outcome = NoReuse.CONSUMED
+                return
+        plan.pull = decided
+        plan.verdict.tokens = decided.tokens
+        plan.verdict.outcome = None
 
     # -- step 2: prefill ---------------------------------------------------------------------
     def _prefill_body(self, turn: Turn, params: dict[str, Any]) -> dict[str, Any]:
@@ -351,27 +343,25 @@ class TurnRouter:
             raise UpstreamError(f"prefill on {engine.url}: {exc}") from exc
 
     async def _prefill(self, turn: Turn, plan: _Plan, engine: EngineState) -> dict[str, Any]:
-        if plan.source is not None and plan.source_key is not None:
-            params = kvparams.reuse_prefill_params(plan.source, plan.reuse_tokens, plan.block_size,
+        if plan.pull is not None:
+            pull = plan.pull
+            params = kvparams.reuse_prefill_params(pull.source, pull.tokens, plan.block_size,
                                                   prompt_ids=plan.prompt_ids or ())
-            self._pulling.add(plan.source_key)
-            if self._s.single_use_entries:
-                self._mark_consumed(plan.source_key)
+            self._pulling.add(pull.key)
             try:
                 returned = await self._prefill_once(turn, plan, engine, params)
                 cached = returned.get("remote_prefill_cached_tokens")
                 if isinstance(cached, int) and cached == 0:
-                    plan.verdict.label = "declined:recomputed"  # P chose (or had) to recompute
+                    plan.verdict.outcome = NoReuse.RECOMPUTED  # P chose (or had) to recompute
                 return returned
             except (UpstreamError, ClientError) as exc:
+                # A single-use entry is already consumed (the registry deleted it): nobody tries it again.
                 log.warning("prefill with D params failed; retrying without them: %s", exc)
                 self._metrics.reuse_retries.inc()
                 timed_out = isinstance(exc, UpstreamError) and exc.timed_out
-                plan.verdict.label = "declined:prefill_timeout" if timed_out else "declined:prefill_failed"
-                if self._s.single_use_entries and turn.conversation_key and self._control.enabled:
-                    self._spawn(self._forget_entry(turn), turn)
+                plan.verdict.outcome = NoReuse.PREFILL_TIMEOUT if timed_out else NoReuse.PREFILL_FAILED
             finally:
-                self._pulling.discard(plan.source_key)
+                self._pulling.discard(pull.key)
             with contextlib.suppress(Unavailable):  # the retry may go to another P if this one looks broken
                 engine = await self._pool.choose_live(turn.model, PREFILL)
         try:
@@ -396,20 +386,17 @@ class TurnRouter:
         elif exc.transport:
             self._pool.mark_failed(engine, str(exc))
 
-    def _mark_consumed(self, key: tuple[str, str]) -> None:
-        self._consumed[key] = None
-        self._consumed.move_to_end(key)
-        while len(self._consumed) > _MAX_CONSUMED:
-            self._consumed.popitem(last=False)
-
     # -- step 3: decode ----------------------------------------------------------------------
     async def _decode(self, turn: Turn, plan: _Plan, engine: EngineState, p_params: dict[str, Any]) -> TurnResult:
         epoch = _epoch_for(plan)
         body = dict(turn.body)
-        body["kv_transfer_params"] = kvparams.decode_params(p_params, tenant=turn.tenant,
-                                                            conversation_key=turn.conversation_key, epoch=epoch)
+        # A turn whose KV the chain does not cover (multimodal, LoRA) gives D no conversation: a connector there
+        # registers nothing, and neither does the gateway.
+        covered = plan.features.covered
+        body["kv_transfer_params"] = kvparams.decode_params(
+            p_params, tenant=turn.tenant, conversation_key=turn.conversation_key if covered else "", epoch=epoch)
         register = (self._s.compat_registration and self._control.enabled and bool(turn.conversation_key)
-                    and not turn.stream)
+                    and not turn.stream and covered)
         if register:
             body["return_token_ids"] = True
         path = "/v1/chat/completions" if turn.kind == "chat" else "/v1/completions"
@@ -418,6 +405,7 @@ class TurnRouter:
             return await self._decode_stream(turn, plan, engine, path, body)
         with self._engine_span("kvbridge.gateway.decode", engine):
             async with self._pool.using(engine):
+                plan.decode_sent_s = time.time()
                 try:
                     data = await self._http.post_json(engine.url + path, body,
                                            timeout_s=turn.timeout_s or self._s.decode_timeout_s,
@@ -425,6 +413,7 @@ class TurnRouter:
                 except UpstreamError as exc:
                     self._engine_failed(engine, exc)
                     raise _upstream_failure("decode", exc) from exc
+                plan.decode_answered_s = time.time()
         self._pool.answered(engine)
         self._metrics.ttft.labels(_reuse_label(plan)).observe(time.perf_counter() - plan.started)
         retained_params = data.pop("kv_transfer_params", None)
@@ -488,14 +477,6 @@ class TurnRouter:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
 
-    async def _forget_entry(self, turn: Turn) -> None:
-        """A failed pull may have consumed D's single-use blocks: nobody may try them again."""
-        try:
-            await self._control.delete_entry(tenant=turn.tenant, model=turn.model,
-                                             conversation_key=turn.conversation_key)
-        except ControlPlaneError as exc:
-            log.warning("could not delete a consumed entry: %s", exc)
-
     async def _register(self, turn: Turn, plan: _Plan, engine: EngineState, params: object, seq: list[int]) -> None:
         retained = kvparams.retained_from_decode(params, len(seq))
         if retained is None:
@@ -504,6 +485,18 @@ class TurnRouter:
         if engine.engine_id and retained.engine_id != engine.engine_id:
             log.warning("D %s reported engine id %s; not registering", engine.url, retained.engine_id)
             self._metrics.registrations.labels("engine_mismatch").inc()
+            return
+        # Stock D holds the blocks for its fixed decoder_kv_blocks_ttl from when it finished, so no later than
+        # decode_sent + ttl: the entry's deadline, which no lease renewal extends (lookups refuse an entry past
+        # it). D's own deadline on its clock tells how its clock relates to ours (for P's expiry check).
+        ttl = self._s.compat_decoder_kv_blocks_ttl_s
+        expire_s = plan.decode_sent_s + ttl
+        d_expiry = params.get(_EXPIRY_PARAM) if isinstance(params, dict) else None
+        if isinstance(d_expiry, int | float) and not isinstance(d_expiry, bool):
+            self._learn_clock(retained.engine_id, float(d_expiry) - ttl - plan.decode_answered_s)
+        remaining = expire_s - time.time() - _EXPIRY_MARGIN_S
+        if remaining <= 0:
+            self._metrics.registrations.labels("expired").inc()
             return
         b = self._block_size(engine)
         full = retained.token_count // b
@@ -518,13 +511,14 @@ class TurnRouter:
             lease_id = await self._control.grant_lease(
                 kind=lease_pb2.LEASE_KIND_ENTRY, tenant=turn.tenant, engine_id=retained.engine_id, model=turn.model,
                 conversation_key=turn.conversation_key, retained_tokens=retained.token_count,
-                ttl_s=self._s.entry_lease_ttl_s)
+                ttl_s=min(self._s.entry_lease_ttl_s, remaining))
             entry = registry_pb2.Entry(
                 key=registry_pb2.EntryKey(tenant=turn.tenant, model=turn.model,
                                           conversation_key=turn.conversation_key),
                 engine_id=retained.engine_id, engine_request_id=retained.request_id, block_ids=groups,
                 block_size=b, token_count=retained.token_count, block_hashes=hashes, chain_stride=1,
                 final_block_hash=hashes[-1], lease_id=lease_id, epoch=_epoch_for(plan))
+            entry.expire_time.FromNanoseconds(int(expire_s * 1e9))
             try:
                 await self._control.register_entry(entry)
                 self._metrics.registrations.labels("ok").inc()
@@ -545,6 +539,14 @@ class TurnRouter:
                     await self._control.revoke_lease(lease_id)
 
 
+    def _learn_clock(self, engine_id: str, offset_low: float) -> None:
+        """Keeps the largest lower bound of D's clock minus ours (D finished before our receive time)."""
+        old = self._clock_offsets.get(engine_id)
+        if old is None and len(self._clock_offsets) >= _MAX_CLOCKS:
+            self._clock_offsets.pop(next(iter(self._clock_offsets)))
+        self._clock_offsets[engine_id] = offset_low if old is None else max(old, offset_low)
+
+
 def _epoch_for(plan: _Plan) -> int:
     """Epochs are microseconds of wall time, and above the one the lookup saw.
 
@@ -556,7 +558,7 @@ def _epoch_for(plan: _Plan) -> int:
 
 
 def _reuse_label(plan: _Plan) -> str:
-    return "hit" if plan.verdict.label == "hit" else "none"
+    return "hit" if plan.verdict.hit else "none"
 
 
 async def _forward(upstream: UpstreamStream, engine: EngineState,

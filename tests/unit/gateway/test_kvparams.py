@@ -3,7 +3,7 @@ from __future__ import annotations
 import pytest
 from kvbridge import hashchain
 from kvbridge_services.gateway import kvparams
-from kvbridge_services.gateway.router import ReuseVerdict
+from kvbridge_services.gateway.reuse import NoReuse, ReuseVerdict
 
 
 def test_truncate_cuts_every_group_to_k_over_b() -> None:
@@ -64,6 +64,6 @@ def test_decode_params_carry_conversation_identity() -> None:
 
 
 def test_verdict_header_format() -> None:
-    assert ReuseVerdict("hit", 96).header() == "hit;tokens=96"
-    assert ReuseVerdict("miss").header() == "miss;tokens=0"
-    assert ReuseVerdict("declined:expired", 64).header() == "declined:expired;tokens=64"
+    assert ReuseVerdict(None, 96).header() == "hit;tokens=96"
+    assert ReuseVerdict(NoReuse.NOT_FOUND).header() == "miss;tokens=0"
+    assert ReuseVerdict(NoReuse.EXPIRED, 64).header() == "declined:expired;tokens=64"
