@@ -22,16 +22,23 @@ def record_of(entry: registry_pb2.Entry) -> HashRecord:
     )
 
 
-def unusable(entry: registry_pb2.Entry, block_size: int, now_s: float, *,
-             engine_known: bool) -> registry_pb2.LookupVerdict.ValueType | None:
-    """Why a stored entry cannot answer a lookup at all (before its hashes are compared), or None."""
+def unusable(entry: registry_pb2.Entry, block_size: int, now_s: float,
+             engine: types_pb2.Engine | None) -> registry_pb2.LookupVerdict.ValueType | None:
+    """Why a stored entry cannot answer a lookup at all (before its hashes are compared), or None.
+
+    ``engine``: the answering side's current record of the entry's engine (None: not registered). An entry
+    made by another incarnation of the engine (its node lease then, ``engine_incarnation``) than the one
+    registered now names blocks of a process that is gone: ENGINE_RESTARTED.
+    """
     exp = entry.expire_time
     if entry.HasField("expire_time") and exp.seconds + exp.nanos / 1e9 <= now_s:
         return registry_pb2.LOOKUP_VERDICT_EXPIRED
     if entry.block_size != block_size:
         return registry_pb2.LOOKUP_VERDICT_BLOCK_SIZE_MISMATCH
-    if not engine_known:
+    if engine is None:
         return registry_pb2.LOOKUP_VERDICT_ENGINE_GONE
+    if entry.engine_incarnation != engine.node_lease_id:
+        return registry_pb2.LOOKUP_VERDICT_ENGINE_RESTARTED
     return None
 
 

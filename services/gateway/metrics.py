@@ -37,6 +37,9 @@ class GatewayMetrics:
                                     "Entries in the gateway's copy of the registry's entries", registry=r)
         self.mirror_in_sync = Gauge("kvbridge_gateway_entry_mirror_in_sync",
                                     "1 while the copy of the registry's entries may answer lookups", registry=r)
+        self.mirror_lag = Gauge("kvbridge_gateway_entry_mirror_lag_seconds",
+                                "Seconds since the entry copy last heard from the registry's watch (-1: never)",
+                                registry=r)
         self.reuse_retries = Counter("kvbridge_gateway_reuse_retries_total",
                                      "Prefills retried without D params after a failure on the reuse path",
                                      registry=r)

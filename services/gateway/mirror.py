@@ -9,8 +9,11 @@ registry by milliseconds is safe (ADR 0008):
   against P's own prompt (ADR 0007), so lag can cost a recompute, never a wrong answer;
 - an entry whose lease ended a moment ago still has its blocks: the connector frees them only
   ``kvbridge_free_grace_s`` after the lease ends (stock vLLM frees on its own schedule, leases or not);
-- the copy answers only hits, only while in sync (snapshot loaded, a message within ``stale_after_s``);
-  every other case, and any hit the router then declines, goes to the registry as before.
+- the copy answers only hits, only while in sync (snapshot loaded, a message within ``stale_after_s``:
+  the registry's watch sends a progress heartbeat only once its store answered, so a frozen store or
+  registry stops the messages and the copy stops answering within that bound);
+  every other case, and any hit the router then declines, goes to the registry as before;
+- a hit names an entry of the engine's current incarnation only (``entrylookup.unusable``).
 """
 
 from __future__ import annotations
@@ -70,9 +73,16 @@ class EntryMirror:
         self._last_message = None
         self.revision = 0
 
-    def in_sync(self) -> bool:
+    def lag_s(self) -> float | None:
+        """Seconds since the copy last heard from the registry's watch (an event or a progress heartbeat, which
+        the registry sends only once its store answered); None before the first message."""
         last = self._last_message
-        return not self._loading and last is not None and self._clock() - last <= self._stale_after_s
+        return None if last is None else max(0.0, self._clock() - last)
+
+    def in_sync(self) -> bool:
+        """The snapshot is loaded and the copy lags by at most ``stale_after_s``: only then it answers hits."""
+        lag = self.lag_s()
+        return not self._loading and lag is not None and lag <= self._stale_after_s
 
     def apply(self, message: registry_pb2.WatchEntriesResponse) -> None:
         """One WatchEntries message: snapshot pages, events, or a progress heartbeat."""
@@ -117,9 +127,8 @@ class EntryMirror:
             return None
         entry = item.entry
         engine = engine_record(entry.engine_id)
-        if unusable(entry, block_size, self._wall_clock(), engine_known=engine is not None) is not None:
+        if engine is None or unusable(entry, block_size, self._wall_clock(), engine) is not None:
             return None
-        assert engine is not None
         blocks = item.record.verified_blocks(block_hashes)
         response = registry_pb2.LookupEntryResponse(prompt_block_tokens=len(block_hashes) * block_size)
         if blocks == 0 or not answer_hit(response, entry, engine, blocks, min_tokens):

@@ -57,6 +57,7 @@ class GatewayCore:
             mirror = self.mirror
             self.metrics.mirror_entries.set_function(lambda: len(mirror))
             self.metrics.mirror_in_sync.set_function(lambda: 1.0 if mirror.in_sync() else 0.0)
+            self.metrics.mirror_lag.set_function(lambda: -1.0 if (lag := mirror.lag_s()) is None else lag)
         self.router = TurnRouter(settings, self.pool, control, self.http, self.metrics, secret,
                                  telemetry=self.telemetry, tokenizers=self.tokenizers, mirror=self.mirror)
         self.limits = Limits(max_messages=settings.max_messages, max_prompt_tokens=settings.max_prompt_tokens)

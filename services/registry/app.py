@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import logging
 
+from grpc_health.v1 import health_pb2
 from kvbridge.registry.v1 import registry_pb2_grpc
 from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.common.config import PeerTlsSettings, ServerSettings
@@ -71,7 +72,8 @@ class RegistryApp:
             else:
                 releaser = LogOnlyReleaser()
         self.index = RegistryIndex(
-            self.settings.max_index_entries, self.settings.max_engines, self.settings.content_index_stride
+            self.settings.max_index_entries, self.settings.max_engines, self.settings.content_index_stride,
+            max_lag_s=self.settings.index_max_lag_s,
         )
         self.revoker = BackgroundRevoker(releaser)
         self.registry = Registry(
@@ -79,7 +81,10 @@ class RegistryApp:
             group_commit=_group_commit(self.settings, self.store),
         )
         self._sweeper: asyncio.Task[None] | None = None
-        self.feeder = IndexFeeder(store, self.keys, self.index, timeout_s=store_timeout_s)
+        max_lag = self.settings.index_max_lag_s
+        self.feeder = IndexFeeder(store, self.keys, self.index, timeout_s=store_timeout_s,
+                                  progress_interval_s=max_lag / 4, restart_after_s=max(5.0, 4 * max_lag))
+        self._readiness: asyncio.Task[None] | None = None
         servicer = RegistryServicer(self.registry, auth or Authenticator({}), store, self.keys,
                                     telemetry=self.telemetry)
         self.server = GrpcServer(
@@ -99,7 +104,27 @@ class RegistryApp:
         self.revoker.start()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_engines(), name="registry-engine-sweep")
         await self.server.start()
+        self._readiness = asyncio.get_running_loop().create_task(self._follow_freshness(),
+                                                                 name="registry-readiness")
         self.metrics_endpoint.start()
+
+    async def _follow_freshness(self) -> None:
+        """Health (readiness) follows the index's freshness: NOT_SERVING while it lags past its bound."""
+        serving = True  # what server.start() set
+        interval = min(0.25, self.settings.index_max_lag_s / 4)
+        while True:
+            fresh = self.index.fresh()
+            if fresh != serving:
+                serving = fresh
+                status = health_pb2.HealthCheckResponse.SERVING if fresh else health_pb2.HealthCheckResponse.NOT_SERVING
+                log.warning("registry index %s (lag %.1fs, bound %.1fs): health %s",
+                            "fresh again" if fresh else "stale", self.index.lag_s(), self.index.max_lag_s,
+                            "SERVING" if fresh else "NOT_SERVING")
+                for name in ("", SERVICE_NAME):
+                    result = self.server.health.set(name, status)
+                    if result is not None:
+                        await result
+            await asyncio.sleep(interval)
 
     async def _sweep_engines(self) -> None:
         while True:
@@ -110,6 +135,10 @@ class RegistryApp:
                 log.warning("engine sweep failed", exc_info=True)
 
     async def stop(self, grace_s: float | None = None) -> None:
+        if self._readiness is not None:
+            self._readiness.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._readiness
         await self.server.stop(grace_s)
         await self.registry.close()
         if self._sweeper is not None:

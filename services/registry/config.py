@@ -30,6 +30,11 @@ class RegistrySettings(BaseSettings):
     idempotency_ttl_s: int = Field(default=600, ge=10, le=86_400)
     # Content-addressed lookups verify at most this many candidate entries.
     max_content_candidates: int = Field(default=32, ge=1, le=1024)
+    # Freshness bound of the watch-fed index (docs/adr/0015): past this many seconds without hearing from the
+    # store (a watch event or a progress notification, asked for every quarter of it) lookups answer
+    # INDEX_STALE instead of a hit and the health status is NOT_SERVING; the watch is restarted once it has
+    # been silent for 4x this (at least 5 s).
+    index_max_lag_s: float = Field(default=2.5, ge=0.2, le=300)
     # How often engines whose node lease ended are deregistered.
     engine_sweep_interval_s: float = Field(default=2.0, gt=0, le=300)
     # LeaseService endpoint (host:port) for revoking superseded/evicted leases; empty: leases are

@@ -7,8 +7,9 @@ import base64
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from google.protobuf import timestamp_pb2
 from kvbridge.errors import (
@@ -67,12 +68,13 @@ def _digest_of(entry: registry_pb2.Entry) -> bytes:
 
 
 def _content_digest(entry: registry_pb2.Entry) -> bytes:
-    """Digest of what a registration stores, ignoring the server-set register_time."""
-    if not entry.HasField("register_time"):
+    """Digest of what a registration stores, ignoring the server-set register_time and engine_incarnation."""
+    if not entry.HasField("register_time") and not entry.engine_incarnation:
         return _digest_of(entry)
     copy = registry_pb2.Entry()
     copy.CopyFrom(entry)
     copy.ClearField("register_time")
+    copy.ClearField("engine_incarnation")
     return _digest_of(copy)
 
 
@@ -107,6 +109,8 @@ class _Registration:
     request_key: bytes
     lease_key: bytes
     engine_key: bytes
+    # The engine incarnation the caller registers for (0: whichever is registered now).
+    asserted_incarnation: int = 0
 
     @property
     def read_keys(self) -> tuple[bytes, bytes, bytes, bytes]:
@@ -155,6 +159,7 @@ class Registry:
         self.limits = v.Limits(settings.max_blocks_per_chain, settings.max_kv_groups)
         self._idem = _IdempotencyLease(store, settings.idempotency_ttl_s, store_timeout_s)
         self._batcher: RegistrationBatcher[registry_pb2.RegisterEntryResponse] | None = None
+        self._background: set[asyncio.Task[object]] = set()
         if group_commit:
             limits = BatchLimits(
                 window_s=settings.register_batch_window_ms / 1000,
@@ -199,7 +204,38 @@ class Registry:
         if not result.succeeded:
             raise self._lease_gone("engine.node_lease_id")
         self.index.put_engine(stored, result.revision)
+        previous = self.index.of_other_incarnations(stored)
+        if previous:
+            # This replica's lookups refuse them already (their incarnation is not the engine's); deleting them
+            # and revoking their leases runs off the RPC's path (the engine sweep retries what this misses).
+            log.info("engine %s registered as a new incarnation (node lease %d): dropping %d entries of the "
+                     "previous one", stored.engine_id, stored.node_lease_id, len(previous))
+            self._spawn(self.drop_other_incarnations(stored.engine_id))
         return stored
+
+    def _spawn(self, coro: Coroutine[Any, Any, object]) -> None:
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def drop_other_incarnations(self, engine_id: str) -> int:
+        """Deletes the indexed entries of ``engine_id`` made by another incarnation than the one registered in
+        the store now (a previous process under the same id), revoking their leases (ENGINE_GONE).
+
+        Each delete is conditional on the engine record being the one read here, so an index that lags the
+        store (an engine re-registered since) never deletes the current incarnation's entries.
+        """
+        engine_key = self._keys.engine(engine_id)
+        kv = await self._store.get(engine_key, timeout=self._timeout)
+        if kv is None:
+            return 0  # deregistered: lookups answer ENGINE_GONE; the node lease's end revokes the leases
+        current = types_pb2.Engine.FromString(kv.value)
+        dropped = 0
+        for item in self.index.of_other_incarnations(current):
+            if await self._delete_indexed(item, types_pb2.REVOKE_REASON_ENGINE_GONE,
+                                          Compare.mod_revision_is(engine_key, kv.mod_revision)):
+                dropped += 1
+        return dropped
 
     async def deregister_engine(self, principal: Principal, engine_id: str) -> None:
         principal.require_service()
@@ -233,6 +269,9 @@ class Registry:
                 self.index.delete_engine(engine.engine_id, result.revision)
                 log.info("engine %s deregistered: node lease %d ended", engine.engine_id, engine.node_lease_id)
                 removed += 1
+        for engine in list(self.index.engines.values()):
+            if self.index.of_other_incarnations(engine):
+                await self.drop_other_incarnations(engine.engine_id)
         return removed
 
     def get_engine(self, engine_id: str) -> types_pb2.Engine:
@@ -269,6 +308,7 @@ class Registry:
         stored.block_hashes.extend(record.checkpoints)
         stored.chain_stride = record.stride
         stored.final_block_hash = record.final
+        stored.ClearField("engine_incarnation")  # the registry sets it from its engine record
         digest = _digest_of(stored)  # before register_time is set: same as _content_digest, without a copy
         stored.register_time.CopyFrom(_now_ts(self._clock))
         return stored, digest
@@ -288,6 +328,7 @@ class Registry:
             request_key=self._keys.registry_request(request.request_id),
             lease_key=self._keys.lease(entry.lease_id),
             engine_key=self._keys.engine(entry.engine_id),
+            asserted_incarnation=request.entry.engine_incarnation,
         )
         if self._batcher is None:
             return await self._register_alone(reg, None)
@@ -304,6 +345,9 @@ class Registry:
         """Stop group commit; registrations still queued are answered UNAVAILABLE."""
         if self._batcher is not None:
             await self._batcher.close()
+        for task in list(self._background):
+            task.cancel()
+        await asyncio.gather(*self._background, return_exceptions=True)
 
     async def _register_alone(
         self, reg: _Registration, plan: PlannedWrite[registry_pb2.RegisterEntryResponse] | None
@@ -335,11 +379,22 @@ class Registry:
         lease_kv, engine_kv = reads[reg.lease_key], reads[reg.engine_key]
         if record_kv is not None:
             return _replay(record_kv, reg.digest, reg.request_id)
-        self._check_engine(engine_kv, entry)
+        engine = self._check_engine(engine_kv, entry)
+        if reg.asserted_incarnation and reg.asserted_incarnation != engine.node_lease_id:
+            raise FailedPrecondition(
+                Reason.ENGINE_RESTARTED,
+                f"engine {entry.engine_id!r} registered again (incarnation {engine.node_lease_id}) since these "
+                f"blocks were retained (incarnation {reg.asserted_incarnation})",
+                metadata={"field": "entry.engine_incarnation", "engine_incarnation": str(engine.node_lease_id)},
+            )
+        # Bound to the incarnation the registry knows, never to what a caller says (docs/adr/0010).
+        entry.engine_incarnation = engine.node_lease_id
         lease = self._parse_lease(lease_kv, "entry.lease_id")
         _check_entry_lease(lease, entry)
         current = registry_pb2.Entry.FromString(current_kv.value) if current_kv is not None else None
-        if current is not None:
+        # An entry of a previous incarnation of the same engine is garbage whatever its epoch: replace it.
+        if current is not None and not (current.engine_id == entry.engine_id
+                                        and current.engine_incarnation != entry.engine_incarnation):
             if current.epoch > entry.epoch or (
                 current.epoch == entry.epoch and _content_digest(current) != reg.digest
             ):
@@ -356,7 +411,7 @@ class Registry:
         response = registry_pb2.RegisterEntryResponse(
             entry=entry, superseded_epoch=current.epoch if current is not None else 0
         )
-        assert lease_kv is not None
+        assert lease_kv is not None and engine_kv is not None
         cas = Compare.absent(reg.entry_key) if current_kv is None else Compare.mod_revision_is(
             reg.entry_key, current_kv.mod_revision
         )
@@ -369,7 +424,9 @@ class Registry:
             return response
 
         return PlannedWrite(
-            compares=(cas, _exists(reg.lease_key), _exists(reg.engine_key), Compare.absent(reg.request_key)),
+            # The engine record unchanged since the read: the entry is bound to the incarnation registered now.
+            compares=(cas, _exists(reg.lease_key), Compare.mod_revision_is(reg.engine_key, engine_kv.mod_revision),
+                      Compare.absent(reg.request_key)),
             puts=(
                 Put(reg.entry_key, entry.SerializeToString(), lease=lease_kv.lease),
                 Put(reg.request_key, _RECORD_VERSION + reg.digest + response.SerializeToString(), lease=idem_lease),
@@ -377,7 +434,7 @@ class Registry:
             on_commit=on_commit,
         )
 
-    def _check_engine(self, engine_kv: KeyValue | None, entry: registry_pb2.Entry) -> None:
+    def _check_engine(self, engine_kv: KeyValue | None, entry: registry_pb2.Entry) -> types_pb2.Engine:
         if engine_kv is None:
             raise FailedPrecondition(
                 Reason.ENGINE_NOT_FOUND,
@@ -391,6 +448,7 @@ class Registry:
             raise invalid_field("entry.block_size", f"engine {entry.engine_id!r} uses block size {engine.block_size}")
         if engine.kv_group_count and len(entry.block_ids) != engine.kv_group_count:
             raise invalid_field("entry.block_ids", f"engine {entry.engine_id!r} has {engine.kv_group_count} KV groups")
+        return engine
 
     def _parse_lease(self, lease_kv: KeyValue | None, field: str) -> lease_pb2.Lease:
         if lease_kv is None:
@@ -410,10 +468,12 @@ class Registry:
                 return
             await self._delete_indexed(victim, types_pb2.REVOKE_REASON_BUDGET)
 
-    async def _delete_indexed(self, item: IndexedEntry, reason: types_pb2.RevokeReason.ValueType) -> bool:
+    async def _delete_indexed(self, item: IndexedEntry, reason: types_pb2.RevokeReason.ValueType,
+                              *also: Compare) -> bool:
+        """Deletes ``item`` if unchanged in the store (and ``also`` holds), revoking its lease with ``reason``."""
         key = self._keys.entry(*item.id)
         result = await self._store.txn(
-            [Compare.mod_revision_is(key, item.mod_revision)], [Delete(key)], timeout=self._timeout
+            [Compare.mod_revision_is(key, item.mod_revision), *also], [Delete(key)], timeout=self._timeout
         )
         # Either we deleted it, or it changed/vanished in the store; the watch brings the truth.
         self.index.delete_entry(item.id, result.revision if result.succeeded else item.mod_revision + 1)
@@ -429,6 +489,10 @@ class Registry:
         prompt = v.check_lookup_request(request, self.limits)
         tenant = principal.tenant_for(request.tenant)
         response = registry_pb2.LookupEntryResponse(prompt_block_tokens=len(prompt) * request.block_size)
+        if not self.index.fresh():
+            # The index lags the store past its bound: a hit could name an entry deleted meanwhile.
+            response.verdict = registry_pb2.LOOKUP_VERDICT_INDEX_STALE
+            return response
         if request.conversation_key:
             item = self.index.entries.get((tenant, request.model, request.conversation_key))
             if item is None:
@@ -451,7 +515,7 @@ class Registry:
         return self._answer(response, item, blocks, request.min_tokens)
 
     def _unusable(self, item: IndexedEntry, block_size: int, now_s: float) -> Verdict.ValueType | None:
-        return unusable(item.entry, block_size, now_s, engine_known=item.entry.engine_id in self.index.engines)
+        return unusable(item.entry, block_size, now_s, self.index.engines.get(item.entry.engine_id))
 
     def _answer(
         self, response: registry_pb2.LookupEntryResponse, item: IndexedEntry, blocks: int, min_tokens: int

@@ -3,6 +3,14 @@
 On ``Compacted`` (the watch fell behind the store's history) it re-lists; on a
 store outage it retries with backoff and resumes from the last revision seen,
 so every replica converges on the same state.
+
+Freshness (docs/adr/0010): the watch asks the store for a progress notification
+when idle (every ``max_lag_s / 4``), and every answer (events or progress) marks
+the index as heard from; the index answers no hit once it has not heard from
+the store for ``max_lag_s``. The follow task is supervised: an unexpected error
+or a watch silent for ``restart_after_s`` (a frozen store, a dead connection)
+cancels it, and it starts again, from a fresh list after an unexpected error,
+with backoff.
 """
 
 from __future__ import annotations
@@ -23,11 +31,23 @@ log = logging.getLogger(__name__)
 
 _PAGE = 1000
 _MAX_BACKOFF_S = 5.0
+_HEALTHY_RUN_S = 30.0  # a follow task that ran this long restarts after the shortest backoff
+
+
+async def _cancel(task: asyncio.Task[None]) -> None:
+    task.cancel()
+    with contextlib.suppress(asyncio.CancelledError):
+        await task
 
 
 class IndexFeeder:
-    def __init__(self, store: Store, keys: KeyLayout, index: RegistryIndex, *, timeout_s: float = 5.0) -> None:
+    def __init__(self, store: Store, keys: KeyLayout, index: RegistryIndex, *, timeout_s: float = 5.0,
+                 progress_interval_s: float = 0.5, restart_after_s: float = 10.0) -> None:
         self._store = store
+        self._progress_s = progress_interval_s
+        self._restart_after_s = restart_after_s
+        self._need_relist = False
+        self.restarts = 0  # follow tasks restarted by the supervisor (metrics, tests)
         self._keys = keys
         self._index = index
         self._timeout = timeout_s
@@ -41,7 +61,7 @@ class IndexFeeder:
     async def start(self) -> None:
         """Loads the index (so lookups are answered from a full index) and starts following changes."""
         await self._relist()
-        self._task = asyncio.get_running_loop().create_task(self._follow(), name="registry-index-feeder")
+        self._task = asyncio.get_running_loop().create_task(self._supervise(), name="registry-index-feeder")
 
     async def stop(self) -> None:
         if self._task is not None:
@@ -73,15 +93,50 @@ class IndexFeeder:
         for kv in entries:
             self._apply_put(kv)
         self.revision = min(rev_a, rev_b)
+        self._need_relist = False
+        self._index.heard()
         self.ready.set()
         log.info("registry index loaded: %d entries, %d engines at revision %d",
                  len(self._index.entries), len(self._index.engines), self.revision)
 
+    async def _supervise(self) -> None:
+        """Runs the follow task; restarts it when it fails or its watch goes silent (with backoff)."""
+        loop = asyncio.get_running_loop()
+        backoff = 0.1
+        while True:
+            started = loop.time()
+            follow = loop.create_task(self._follow(), name="registry-index-follow")
+            try:
+                while not follow.done():
+                    await asyncio.wait([follow], timeout=min(1.0, self._restart_after_s / 4))
+                    if not follow.done() and self._index.lag_s() > self._restart_after_s:
+                        log.warning("registry watch silent for %.1fs; restarting it from revision %d",
+                                    self._index.lag_s(), self.revision)
+                        await _cancel(follow)
+                        break
+                else:
+                    exc = follow.exception()
+                    log.error("registry index follow task ended (%r); restarting it from a fresh list in %.1fs",
+                              exc, backoff, exc_info=exc)
+                    self._need_relist = True
+            except asyncio.CancelledError:
+                await _cancel(follow)
+                raise
+            self.restarts += 1
+            if loop.time() - started > _HEALTHY_RUN_S:
+                backoff = 0.1
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+
     async def _follow(self) -> None:
+        if self._need_relist:  # after an unexpected error the index may hold half a batch: start afresh
+            await self._relist_until_done()
         backoff = 0.1
         while True:
             try:
-                async for batch in self._store.watch_prefix(self._registry_prefix, start_revision=self.revision + 1):
+                async for batch in self._store.watch_prefix(self._registry_prefix, start_revision=self.revision + 1,
+                                                            progress_interval_s=self._progress_s):
+                    self._index.heard()
                     for event in batch.events:
                         if event.type is EventType.PUT:
                             self._apply_put(event.kv)

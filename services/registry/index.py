@@ -4,6 +4,11 @@ It mirrors the store's entries and engines of this deployment, so its size is
 bounded by the registry's caps on what it writes (per-tenant entry cap, engine
 cap, ``max_index_entries``); records arriving past the hard cap are dropped
 from memory (logged) rather than growing it.
+
+It answers only while fresh: the feeder calls ``heard`` each time the store
+answered its watch (an event or a progress notification); past ``max_lag_s``
+without one, lookups get INDEX_STALE instead of a hit that may name a deleted
+entry (docs/adr/0010).
 """
 
 from __future__ import annotations
@@ -11,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvbridge.registry.v1 import registry_pb2
@@ -34,8 +39,13 @@ class IndexedEntry:
 
 
 class RegistryIndex:
-    def __init__(self, max_entries: int = 1_000_000, max_engines: int = 10_000, content_stride: int = 16) -> None:
+    def __init__(self, max_entries: int = 1_000_000, max_engines: int = 10_000, content_stride: int = 16, *,
+                 max_lag_s: float = float("inf"), clock: Callable[[], float] = time.monotonic) -> None:
         self._max_entries = max_entries
+        self.max_lag_s = max_lag_s
+        self._clock = clock
+        # When the store last answered the feeder (None: never, e.g. before the first list).
+        self._heard_at: float | None = None
         # Content-addressed lookups index only hashes at multiples of this many blocks (plus each
         # entry's final block), bounding memory; verification then uses the entry's finer record.
         self.content_stride = content_stride
@@ -47,11 +57,29 @@ class RegistryIndex:
         # honest hashes never collide across tenants; callers still filter candidates by tenant.
         self._content: dict[bytes, EntryId | set[EntryId]] = {}
         self.engines: dict[str, types_pb2.Engine] = {}
+        # Engine id -> its entries (any incarnation), for dropping a previous incarnation's entries.
+        self._by_engine: dict[str, set[EntryId]] = {}
         self._engine_revs: dict[str, int] = {}
         # Recent deletions (id -> revision), so a late event of an older put does not resurrect an
         # entry deleted by this replica ahead of its watch. FIFO-capped.
         self._tombstones: OrderedDict[EntryId, int] = OrderedDict()
         self._max_tombstones = 100_000
+
+    # --- freshness ---
+
+    def heard(self) -> None:
+        """The store answered the feeder just now (a watch event, a progress notification or a list)."""
+        self._heard_at = self._clock()
+
+    def lag_s(self) -> float:
+        """Seconds since the store last answered the feeder (infinite before the first time)."""
+        heard = self._heard_at
+        return float("inf") if heard is None else max(0.0, self._clock() - heard)
+
+    def fresh(self) -> bool:
+        """The index may answer hits: it heard from the store within ``max_lag_s``."""
+        heard = self._heard_at
+        return heard is not None and self._clock() - heard <= self.max_lag_s
 
     # --- mutation (from the watch, or right after our own successful write) ---
 
@@ -70,6 +98,7 @@ class RegistryIndex:
         item = IndexedEntry(eid, entry, record_of(entry), mod_revision)
         self.entries[eid] = item
         self._by_tenant.setdefault(eid[0], OrderedDict())[eid] = None
+        self._by_engine.setdefault(entry.engine_id, set()).add(eid)
         for h in self._content_hashes(item):
             holders = self._content.get(h)
             if holders is None:
@@ -98,6 +127,11 @@ class RegistryIndex:
                 order.pop(item.id, None)
                 if not order:
                     del self._by_tenant[tenant]
+            of_engine = self._by_engine.get(item.entry.engine_id)
+            if of_engine is not None:
+                of_engine.discard(item.id)
+                if not of_engine:
+                    del self._by_engine[item.entry.engine_id]
         for h in self._content_hashes(item):
             holders = self._content.get(h)
             if holders == item.id:
@@ -128,6 +162,7 @@ class RegistryIndex:
     def clear(self) -> None:
         self.entries.clear()
         self._by_tenant.clear()
+        self._by_engine.clear()
         self._content.clear()
         self.engines.clear()
         self._engine_revs.clear()
@@ -164,6 +199,11 @@ class RegistryIndex:
                 if len(out) >= limit:
                     break
         return out
+
+    def of_other_incarnations(self, engine: types_pb2.Engine) -> list[IndexedEntry]:
+        """The entries of ``engine``'s id made by another incarnation than ``engine`` (a previous process)."""
+        return [item for eid in self._by_engine.get(engine.engine_id, ())
+                if (item := self.entries[eid]).entry.engine_incarnation != engine.node_lease_id]
 
     def iter_entries(self) -> Iterator[IndexedEntry]:
         return iter(list(self.entries.values()))

@@ -57,6 +57,14 @@ class _IndexCollector(Collector):
                                 value=self._entry_bytes())
         yield GaugeMetricFamily("kvbridge_registry_engines", "Registered engines in the index",
                                 value=len(self._index.engines))
+        lag = self._index.lag_s()
+        yield GaugeMetricFamily("kvbridge_registry_index_lag_seconds",
+                                "Seconds since the index last heard from the store (watch event or progress; "
+                                "-1: never); lookups answer INDEX_STALE past the bound",
+                                value=-1.0 if lag == float("inf") else lag)
+        yield GaugeMetricFamily("kvbridge_registry_index_max_lag_seconds",
+                                "The index's freshness bound (KVBRIDGE_REGISTRY_INDEX_MAX_LAG_S)",
+                                value=self._index.max_lag_s)
 
 
 class RegistryMetrics:

@@ -127,3 +127,26 @@ def test_the_copy_is_bounded_and_skips_unusable_entries() -> None:
     assert len(mirror) == 2 and mirror.skipped == 2
     mirror.apply(message((PUT, entry(TOKENS, conv="c0", epoch=5), 30)))  # a held entry still updates
     assert len(mirror) == 2
+
+
+def test_an_entry_of_a_previous_engine_incarnation_is_never_answered() -> None:
+    old = entry(TOKENS)
+    old.engine_incarnation = 41  # made while d0 ran under node lease 41
+    mirror = synced_mirror(old)
+    before = types_pb2.Engine(engine_id="d0", kv_host="127.0.0.1", kv_port=5600, block_size=BLOCK, node_lease_id=41)
+    found = lookup(mirror, TOKENS, engines={"d0": before})
+    assert found is not None and found.verdict == registry_pb2.LOOKUP_VERDICT_HIT
+    restarted = types_pb2.Engine(engine_id="d0", kv_host="127.0.0.1", kv_port=5600, block_size=BLOCK,
+                                 node_lease_id=42)  # a new process under the same id
+    assert lookup(mirror, TOKENS, engines={"d0": restarted}) is None
+
+
+def test_lag_is_the_time_since_the_last_message() -> None:
+    clock = Clock()
+    mirror = EntryMirror(max_entries=100, stale_after_s=3.0, clock=clock, wall_clock=lambda: 1_000.0)
+    assert mirror.lag_s() is None
+    mirror.apply(message(complete=True, revision=5))
+    clock.now += 1.25
+    assert mirror.lag_s() == 1.25 and mirror.in_sync()
+    clock.now += 2.0
+    assert mirror.lag_s() == 3.25 and not mirror.in_sync()

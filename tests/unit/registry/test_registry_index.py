@@ -65,3 +65,45 @@ def test_shared_prefix_holders_and_content_stride() -> None:
     assert idx.holders("acme", "m", shared[11]) == []  # block 12 is a checkpoint but not a content position
     idx.delete_entry(("acme", "m", "b"), 3)
     assert idx.holders("acme", "m", shared[15]) == [("acme", "m", "a")]
+
+
+class _Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_fresh_only_within_the_lag_bound_since_the_store_last_answered() -> None:
+    clock = _Clock()
+    idx = RegistryIndex(max_lag_s=2.0, clock=clock)
+    assert not idx.fresh() and idx.lag_s() == float("inf")  # never heard from the store
+    idx.heard()
+    clock.now += 2.0
+    assert idx.fresh() and idx.lag_s() == 2.0
+    clock.now += 0.5
+    assert not idx.fresh() and idx.lag_s() == 2.5
+    idx.heard()
+    assert idx.fresh() and idx.lag_s() == 0.0
+
+
+def test_entries_of_other_incarnations_of_an_engine() -> None:
+    idx = RegistryIndex()
+    old, new, other = stored("a", list(range(8))), stored("b", list(range(8))), stored("c", list(range(8)))
+    old.engine_incarnation, new.engine_incarnation = 7, 9
+    other.engine_id, other.engine_incarnation = "d1", 3
+    for rev, e in enumerate((old, new, other), start=1):
+        idx.put_entry(e, rev)
+    engine = types_pb2.Engine(engine_id="d0", node_lease_id=9)
+    assert [i.id for i in idx.of_other_incarnations(engine)] == [("acme", "m", "a")]
+    idx.delete_entry(("acme", "m", "a"), 10)
+    assert idx.of_other_incarnations(engine) == []
+    moved = stored("b", list(range(12)))  # the conversation now lives on d1
+    moved.engine_id, moved.engine_incarnation = "d1", 1
+    idx.put_entry(moved, 11)
+    assert idx.of_other_incarnations(types_pb2.Engine(engine_id="d0", node_lease_id=1)) == []
+    assert [i.id for i in idx.of_other_incarnations(types_pb2.Engine(engine_id="d1", node_lease_id=3))] == [
+        ("acme", "m", "b")]
+    idx.clear()
+    assert idx.of_other_incarnations(types_pb2.Engine(engine_id="d1", node_lease_id=99)) == []
