@@ -77,6 +77,15 @@ class LeaseEnded:
 
 
 @dataclass(frozen=True, slots=True)
+class RegistrationFailed:
+    request_id: str
+    lease_id: int  # 0: no lease was granted
+    # No entry naming the blocks can be in the registry (nothing granted, registration refused, or the
+    # lease revoked); False when that is unknown (e.g. a timed-out registration whose revoke failed too).
+    withdrawn: bool
+
+
+@dataclass(frozen=True, slots=True)
 class LeaseSnapshot:
     live_lease_ids: frozenset[int]
 
@@ -87,7 +96,7 @@ class Connection:
 
 
 Command = RegisterEntry | RevokeLease
-Event = LeaseBound | LeaseAlive | LeaseEnded | LeaseSnapshot | Connection
+Event = LeaseBound | LeaseAlive | LeaseEnded | RegistrationFailed | LeaseSnapshot | Connection
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -290,7 +299,11 @@ class ControlPlane:
             command.request_id, command.conversation, blocks=sum(len(g) for g in command.block_ids),
             tokens=len(command.token_ids), parent=command.parent, submitted_ns=command.submitted_ns,
         ) as span:
-            lease_id = await self._grant_and_register(command)
+            try:
+                lease_id = await self._grant_and_register(command)
+            except _RegistrationError as failed:
+                self._emit(RegistrationFailed(command.request_id, failed.lease_id, failed.withdrawn))
+                raise failed.cause from None
             span.set(tracing.ATTR_LEASE_ID, lease_id)
             span.set(tracing.ATTR_OUTCOME, "registered")
         self._emit(LeaseBound(command.request_id, lease_id))
@@ -304,11 +317,15 @@ class ControlPlane:
             command.token_ids,
         )
         idempotency = f"{self._engine.engine_id}:{command.request_id}"[:128]
-        grant = await self._traced_unary(_GRANT_LEASE, self._lease.GrantLease, lease_pb2.GrantLeaseRequest(
-            kind=lease_pb2.LEASE_KIND_ENTRY, tenant=conv.tenant, engine_id=self._engine.engine_id,
-            model=conv.model, conversation_key=conv.conversation_key, retained_tokens=len(command.token_ids),
-            ttl=_duration(self._settings.entry_lease_ttl_s), request_id=_idempotency_key(idempotency),
-        ))
+        try:
+            grant = await self._traced_unary(_GRANT_LEASE, self._lease.GrantLease, lease_pb2.GrantLeaseRequest(
+                kind=lease_pb2.LEASE_KIND_ENTRY, tenant=conv.tenant, engine_id=self._engine.engine_id,
+                model=conv.model, conversation_key=conv.conversation_key, retained_tokens=len(command.token_ids),
+                ttl=_duration(self._settings.entry_lease_ttl_s), request_id=_idempotency_key(idempotency),
+            ))
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            # A grant that timed out may have committed, but without RegisterEntry no entry names the blocks.
+            raise _RegistrationError(exc, 0, withdrawn=True) from exc
         lease_id = grant.lease.lease_id
         entry = registry_pb2.Entry(
             key=registry_pb2.EntryKey(tenant=conv.tenant, model=conv.model, conversation_key=conv.conversation_key),
@@ -321,15 +338,40 @@ class ControlPlane:
             await self._traced_unary(_REGISTER_ENTRY, self._registry.RegisterEntry,
                                      registry_pb2.RegisterEntryRequest(request_id=_idempotency_key(idempotency),
                                                                        entry=entry))
-        except grpc.aio.AioRpcError:
-            # No entry points at the lease: end it so nothing holds blocks for nobody.
-            await self._revoke(RevokeLease(lease_id, "REVOKE_REASON_EXPIRED"))
-            raise
+        except (grpc.aio.AioRpcError, TimeoutError) as exc:
+            # A refused registration wrote nothing; a timed-out one may have, attached to the lease. End the
+            # lease either way (the entry goes with it) so nothing holds blocks for nobody.
+            refused = isinstance(exc, grpc.aio.AioRpcError) and exc.code() not in _AMBIGUOUS
+            try:
+                await self._revoke(RevokeLease(lease_id, "REVOKE_REASON_EXPIRED"))
+                revoked = True
+            except (grpc.aio.AioRpcError, TimeoutError):
+                revoked = False
+            raise _RegistrationError(exc, int(lease_id), withdrawn=refused or revoked) from exc
         return int(lease_id)
 
     async def _revoke(self, command: RevokeLease) -> None:
-        await self._unary(self._lease.RevokeLease, lease_pb2.RevokeLeaseRequest(
-            lease_id=command.lease_id, reason=types_pb2.RevokeReason.Value(command.reason)))
+        """Ends the lease; once the lease manager acknowledges (or no longer knows it) the end is confirmed."""
+        try:
+            await self._unary(self._lease.RevokeLease, lease_pb2.RevokeLeaseRequest(
+                lease_id=command.lease_id, reason=types_pb2.RevokeReason.Value(command.reason)))
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() != grpc.StatusCode.NOT_FOUND:
+                raise
+        self._emit(LeaseEnded(command.lease_id, command.reason))
+
+
+# Outcomes after which a registration may or may not have been applied.
+_AMBIGUOUS = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
+              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+
+
+class _RegistrationError(Exception):
+    def __init__(self, cause: BaseException, lease_id: int, *, withdrawn: bool) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
+        self.lease_id = lease_id
+        self.withdrawn = withdrawn
 
 
 def _idempotency_key(text: str) -> str:

@@ -14,6 +14,8 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from google.protobuf import duration_pb2
+from kvbridge import offers
 from kvbridge.types.v1 import types_pb2
 from kvbridge_connector import control_plane as cp
 from kvbridge_connector.params import RETAINED, parse_conversation, prompt_prefix_problem
@@ -41,6 +43,8 @@ _PREFIX_CHECKED = "_kvbridge_prefix_checked"
 # Attribute names added to NixlConnectorMetadata for the worker half.
 META_HOLD = "kvbridge_hold"
 META_RELEASE = "kvbridge_release"
+# Prefill: request id -> Unix time by which its READ of D's blocks must start (offers.read_deadline).
+META_READ_BY = "kvbridge_read_by"
 # Bound on the requests whose pull decision was already traced (vLLM may ask again while a request waits).
 _MAX_DECIDED = 4096
 
@@ -51,6 +55,8 @@ def engine_record(vllm_config: VllmConfig, engine_id: str, settings: ConnectorSe
     kv_role = vllm_config.kv_transfer_config.kv_role if vllm_config.kv_transfer_config else "kv_both"
     role = {"kv_consumer": types_pb2.ENGINE_ROLE_DECODE, "kv_producer": types_pb2.ENGINE_ROLE_PREFILL}.get(
         str(kv_role), types_pb2.ENGINE_ROLE_BOTH)
+    offer_window = duration_pb2.Duration()
+    offer_window.FromNanoseconds(int(settings.offer_window_s * 1e9))
     return types_pb2.Engine(
         engine_id=engine_id, role=role, model=served_model(vllm_config, settings),
         http_url=settings.http_url, kv_host=host, kv_port=port,
@@ -58,7 +64,7 @@ def engine_record(vllm_config: VllmConfig, engine_id: str, settings: ConnectorSe
         tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size,
         dcp_size=parallel.decode_context_parallel_size, block_size=vllm_config.cache_config.block_size,
         kv_group_count=kv_groups, total_kv_blocks=total_blocks,
-        capabilities=["bidirectional_kv_xfer", "kvbridge_connector"],
+        capabilities=["bidirectional_kv_xfer", "kvbridge_connector"], offer_window=offer_window,
     )
 
 
@@ -84,8 +90,12 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         self._block_pool: BlockPool | None = None
         # Refcount-held retained blocks by request id (hold_blocks="refcount").
         self._held_blocks: dict[str, list[KVCacheBlock]] = {}
+        # Recently freed refcount-held requests (bounded): vLLM must never hear of them either.
+        self._refcount_released: OrderedDict[str, None] = OrderedDict()
         # Requests the worker must start holding (sent with the next metadata).
         self._hold_ids: set[str] = set()
+        # Prefill: read deadlines of offers being loaded (sent with the next metadata).
+        self._read_by: dict[str, float] = {}
         self.tracer = ConnectorTracer.from_settings(settings, engine_id)
         self._decided: OrderedDict[str, None] = OrderedDict()
         self._kv_groups = max(1, len(kv_cache_config.kv_cache_groups))
@@ -117,6 +127,7 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             problem = prompt_prefix_problem(params, request.prompt_token_ids or (),
                                             required=self.settings.require_prefix_digest)
             params[_PREFIX_CHECKED] = True  # vLLM may ask again while the request waits: hash once
+            problem = problem or self._offer_problem(request, params)
             if problem:
                 # Never load KV verified for other tokens: without the block ids vLLM neither pulls
                 # nor contacts D, and P computes the prompt itself.
@@ -124,6 +135,14 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
                 log.warning("kvbridge: declining the pull for request %s: %s", request.request_id, problem)
                 self._trace_decline(request, num_computed_tokens, problem)
                 return 0, False
+        deadline = offers.read_deadline(params, request.arrival_time) if offered and params else None
+        if params and deadline is not None and offers.too_late(deadline, time.time()):
+            # Waited in P's queue past the offer's deadline: D may free the blocks before the READ.
+            params.pop("remote_block_ids", None)
+            log.warning("kvbridge: declining the pull for request %s: the offer expired in the queue",
+                        request.request_id)
+            self._trace_decline(request, num_computed_tokens, "offer_expired")
+            return 0, False
         count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
         if count > 0 and offered and params:
             # Prefill pulling back from a decode engine (the gateway verified and truncated the
@@ -131,6 +150,8 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             blocks = -(-count // max(self.block_size, 1)) * self._kv_groups
             self.pulls.start(request.request_id, count, str(params.get("remote_engine_id")), blocks=blocks,
                              parent=self.tracer.parent_of(request))
+            if deadline is not None:
+                self._read_by[request.request_id] = deadline  # the worker checks it again at the READ
         elif offered:
             self._trace_decline(request, num_computed_tokens)
         return count, is_async
@@ -180,12 +201,22 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, META_HOLD, self._hold_ids)
         setattr(meta, META_RELEASE, decisions.release)
+        setattr(meta, META_READ_BY, self._read_by)
         self._hold_ids = set()
+        self._read_by = {}
         if decisions.release:
             log.info("kvbridge: releasing retained KV of %d request(s)", len(decisions.release))
         return meta
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
+        sending = connector_output.finished_sending
+        stray = sending & self._refcount_ids() if sending else set()
+        if sending and stray:
+            # vLLM freed these requests when we took our own reference; a "finished sending" for one would
+            # fail the scheduler's bookkeeping (assert req_id in self.requests). The worker never reports
+            # them; this keeps a slip there from killing the engine.
+            log.error("kvbridge: dropping finished-sending reports of refcount-held request(s) %s", sorted(stray))
+            sending.difference_update(stray)
         super().update_connector_output(connector_output)
         for request_id in connector_output.finished_sending or ():
             self.retention.freed(request_id)
@@ -216,6 +247,9 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         for request_id in (released | expired) & self._held_blocks.keys():
             self._block_pool.free_blocks(reversed(self._held_blocks.pop(request_id)))
             self.retention.freed(request_id)
+            self._refcount_released[request_id] = None
+        while len(self._refcount_released) > _MAX_DECIDED:
+            self._refcount_released.popitem(last=False)
 
     def _apply_control_plane_events(self) -> None:
         if self.control_plane is None:
@@ -227,10 +261,23 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
                 self.retention.lease_alive(event.lease_id)
             elif isinstance(event, cp.LeaseEnded):
                 self.retention.lease_ended(event.lease_id)
+            elif isinstance(event, cp.RegistrationFailed):
+                self.retention.registration_failed(event.request_id, event.lease_id, event.withdrawn)
             elif isinstance(event, cp.LeaseSnapshot):
                 self.retention.snapshot(event.live_lease_ids)
             elif isinstance(event, cp.Connection):
                 self.retention.set_connected(event.up)
+
+    def _refcount_ids(self) -> set[str]:
+        """Requests whose blocks we hold (or held) by our own reference, not through vLLM."""
+        return self._held_blocks.keys() | self._refcount_released
+
+    def _offer_problem(self, request: Request, params: dict[str, Any]) -> str:
+        """"no_offer_deadline" when the offer carries no read deadline and one is required ("" otherwise);
+        an expired deadline is checked each time vLLM asks, and again by the worker at the READ."""
+        if offers.read_deadline(params, request.arrival_time) is None and self.settings.require_offer_deadline:
+            return "no_offer_deadline"
+        return ""
 
     def _decline_reason(self, request: Request, num_computed_tokens: int) -> str:
         """Why vLLM's parent answered 0 for blocks D offered (mirrors its checks in 0.32.0)."""

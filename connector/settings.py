@@ -84,8 +84,15 @@ class ConnectorSettings:
     fallback_ttl_s: float = 120.0
     entry_lease_ttl_s: float = 60.0
     node_lease_ttl_s: float = 15.0
-    # How long D keeps an ended entry's blocks before freeing them: a prefill sent just before the lease
-    # ended may still be reading them (memory pressure cuts it short).
+    # Decode: the time a prefill has from the gateway's lookup of an entry to the start of its READ
+    # (published in the engine record as offer_window; P declines a READ that would start later).
+    offer_window_s: float = 5.0
+    # Decode: the bound on how far the registry's index and the gateways' entry mirrors may lag the store
+    # (KVBRIDGE_REGISTRY_INDEX_MAX_LAG_S); an index further behind answers no hits.
+    index_max_lag_s: float = 3.0
+    # How long D keeps a withdrawn entry's blocks after the withdrawal is confirmed (lease ended) before
+    # freeing them: a prefill offered them just before may still start its READ. Memory pressure
+    # included: at least offer_window_s + index_max_lag_s + 1 s (the 1 s covers the READ itself).
     free_grace_s: float = 10.0
     # Evict retained entries (oldest idle first) while free KV is below this fraction.
     free_kv_watermark: float = 0.2
@@ -104,11 +111,27 @@ class ConnectorSettings:
     # Prefill: decline (recompute) a pull offer that carries no prompt-prefix digest. Off only for
     # routers other than the gateway that cannot send one (docs/connector.md).
     require_prefix_digest: bool = True
+    # Prefill: decline (recompute) a pull offer that carries no read deadline (kvbridge_offer_ttl_ms).
+    require_offer_deadline: bool = True
     # OTLP/gRPC endpoint for connector spans; None: tracing off ("" = the exporter's default endpoint).
     otlp_endpoint: str | None = None
     service_name: str = DEFAULT_SERVICE_NAME
     # Key hashing tenant / conversation span attributes; None: a random per-process key.
     telemetry_hash_key: bytes | None = field(default=None, repr=False)
+
+    def __post_init__(self) -> None:
+        least_grace = self.offer_window_s + self.index_max_lag_s + 1.0
+        if self.free_grace_s < least_grace:
+            raise ValueError(
+                f"kv_connector_extra_config.kvbridge_free_grace_s={self.free_grace_s} must be at least "
+                f"kvbridge_offer_window_s + kvbridge_index_max_lag_s + 1 = {least_grace}: a prefill offered "
+                "an entry just before it was withdrawn may start its READ that late")
+        least_fallback = self.node_lease_ttl_s + self.free_grace_s
+        if self.fallback_ttl_s < least_fallback:
+            raise ValueError(
+                f"kv_connector_extra_config.kvbridge_fallback_ttl_s={self.fallback_ttl_s} must be at least "
+                f"kvbridge_node_lease_ttl_s + kvbridge_free_grace_s = {least_fallback}: blocks held without a "
+                "confirmed lease may be freed only once the engine's node lease (and so every offer) has ended")
 
     @property
     def tracing_enabled(self) -> bool:
@@ -134,7 +157,9 @@ class ConnectorSettings:
             entry_lease_ttl_s=_float(extra, "kvbridge_entry_lease_ttl_s", 60.0, 1.0, 3600.0),
             node_lease_ttl_s=_float(extra, "kvbridge_node_lease_ttl_s", 15.0, 1.0, 600.0),
             free_kv_watermark=_float(extra, "kvbridge_free_kv_watermark", 0.2, 0.0, 0.95),
-            free_grace_s=_float(extra, "kvbridge_free_grace_s", 10.0, 0.0, 600.0),
+            offer_window_s=_float(extra, "kvbridge_offer_window_s", 5.0, 0.1, 300.0),
+            index_max_lag_s=_float(extra, "kvbridge_index_max_lag_s", 3.0, 0.05, 300.0),
+            free_grace_s=_float(extra, "kvbridge_free_grace_s", 10.0, 1.0, 3600.0),
             rpc_deadline_s=_float(extra, "kvbridge_rpc_deadline_s", 2.0, 0.05, 60.0),
             queue_size=int(_float(extra, "kvbridge_queue_size", 1024, 16, 65536)),
             max_retained_entries=int(_float(extra, "kvbridge_max_retained_entries", 4096, 1, 1_000_000)),
@@ -142,6 +167,7 @@ class ConnectorSettings:
             **_peer_tls(extra, env),
             hold_blocks=_choice(extra, "kvbridge_hold_blocks", "refcount", ("refcount", "delayed_free")),
             require_prefix_digest=bool(extra.get("kvbridge_require_prefix_digest", True)),
+            require_offer_deadline=bool(extra.get("kvbridge_require_offer_deadline", True)),
             otlp_endpoint=_otlp_endpoint(extra, env),
             service_name=env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME,
             telemetry_hash_key=_hash_key(

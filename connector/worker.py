@@ -1,30 +1,39 @@
-"""Worker half: a prefill's read notification does not free lease-held blocks.
+"""Worker half: a prefill's read notification does not free lease-held blocks; P reads only in time.
 
 Extends vLLM's ``NixlPullConnectorWorker``. The scheduler names the requests to
 hold (``kvbridge_hold``) and to release (``kvbridge_release``) in the connector
-metadata; hold deadlines travel in vLLM's own ``reqs_to_send``.
+metadata; hold deadlines travel in vLLM's own ``reqs_to_send``. On a prefill, the
+read deadlines of offers (``kvbridge_read_by``) are checked again right before
+each READ starts (after a handshake too), through vLLM's own expired-read decline.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
+import time
+from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
-from kvbridge_connector.scheduler import META_HOLD, META_RELEASE
+from kvbridge import offers
+from kvbridge_connector.scheduler import META_HOLD, META_READ_BY, META_RELEASE
 from kvbridge_connector.settings import ConnectorSettings
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
-    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata
+    from vllm.distributed.kv_transfer.kv_connector.v1.nixl.metadata import NixlConnectorMetadata, ReqMeta
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 # Under "vllm." so vLLM's logging config formats and shows these records.
 log = logging.getLogger(f"vllm.{__name__}")
+
+# Bound on remembered request ids (released holds, pending read deadlines).
+_MAX_REMEMBERED = 8192
 
 
 @contextmanager
@@ -59,16 +68,42 @@ class KvbridgeConnectorWorker(NixlPullConnectorWorker):
         if not settings.nixl_progress_thread:
             log.info("kvbridge: NIXL agent runs without its progress thread")
         self._kvbridge_held: set[str] = set()
+        # Refcount-held requests freed by the scheduler (bounded): their late read notifications are ours.
+        self._kvbridge_released: OrderedDict[str, None] = OrderedDict()
+        self._kvbridge_read_by: OrderedDict[str, float] = OrderedDict()
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
+        # Before the parent starts this step's READs, which check them.
+        self._kvbridge_read_by.update(getattr(metadata, META_READ_BY, None) or {})
+        while len(self._kvbridge_read_by) > _MAX_REMEMBERED:
+            self._kvbridge_read_by.popitem(last=False)
         super().start_load_kv(metadata)
         hold: set[str] = getattr(metadata, META_HOLD, set())
         release: set[str] = getattr(metadata, META_RELEASE, set())
         self._kvbridge_held.update(hold)
+        for request_id in hold:
+            if request_id not in self._reqs_to_send:
+                # Held by the scheduler's own reference: vLLM freed the request, so the parent must stop
+                # tracking it. Left in _reqs_to_process, a prefill's read notification would be reported
+                # as "finished sending" for a request the scheduler no longer has, which kills the engine
+                # (assert req_id in self.requests in Scheduler._update_from_kv_xfer_finished).
+                self._reqs_to_process.discard(request_id)
         for request_id in release:
             self._kvbridge_held.discard(request_id)
             if request_id in self._reqs_to_send:
                 self._reqs_to_send[request_id] = 0.0  # reaped (freed) in this step's get_finished
+            else:
+                self._kvbridge_released[request_id] = None
+        while len(self._kvbridge_released) > _MAX_REMEMBERED:
+            self._kvbridge_released.popitem(last=False)
+
+    def _read_blocks_for_req(self, req_id: str, meta: ReqMeta) -> None:
+        """A READ past the offer's deadline is declined through vLLM's own expired-read path (P recomputes)."""
+        deadline = self._kvbridge_read_by.get(req_id)
+        if deadline is not None and meta.remote is not None and offers.too_late(deadline, time.time()):
+            log.warning("kvbridge: READ for %s would start after its offer's deadline; declining", req_id)
+            meta.remote.blocks_expiry_time = -math.inf
+        super()._read_blocks_for_req(req_id, meta)
 
     def _get_new_notifs(self) -> set[str]:
         """Read notifications for held requests keep the blocks (multi-use while the lease lives)."""
@@ -87,6 +122,7 @@ class KvbridgeConnectorWorker(NixlPullConnectorWorker):
         tracks them, and would log each read as one of "unrecognized" (possibly stale) blocks."""
         wrapper = self.nixl_wrapper
         refcount_held = {r for r in self._kvbridge_held if r not in self._reqs_to_send}
+        refcount_held.update(self._kvbridge_released)
         if not refcount_held:
             yield
             return

@@ -7,11 +7,12 @@ registry's Engine record, never from a client.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import hashchain
+from kvbridge import hashchain, offers
 from kvbridge import telemetry as tel
 
 # Extra keys the gateway adds for D so a kvbridge connector there can register the new state.
@@ -90,6 +91,10 @@ class PullSource:
     dcp_size: int = 1
     # Unix time after which the blocks may be gone; None when unknown.
     expiry_time: float | None = None
+    # The engine's offer window (Engine.offer_window) and when the lookup that found the blocks was answered
+    # (time.monotonic()): P gets what is left of the window to start its READ (kvbridge.offers).
+    offer_window_s: float | None = None
+    looked_up_at: float = 0.0
 
 
 def plain_prefill_params() -> dict[str, Any]:
@@ -116,7 +121,16 @@ def reuse_prefill_params(source: PullSource, tokens: int, block_size: int, *,
     }
     if source.expiry_time is not None:
         params["remote_blocks_expiry_time"] = source.expiry_time
+    if source.offer_window_s is not None:
+        params[offers.KV_PARAMS_OFFER_TTL_MS] = offer_ttl_ms(source)
     return _with_traceparent(params)
+
+
+def offer_ttl_ms(source: PullSource) -> int:
+    """What is left of the engine's offer window since the lookup (<= 0: too late to offer the blocks)."""
+    if source.offer_window_s is None:
+        return 0
+    return offers.offer_ttl_ms(source.offer_window_s, time.monotonic() - source.looked_up_at)
 
 
 def decode_params(

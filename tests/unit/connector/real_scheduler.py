@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +30,8 @@ class FakeRequest:
     trace_headers: dict[str, str] | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: Any = None
+    # Unix time P's API server received it (vLLM sets it on arrival).
+    arrival_time: float = field(default_factory=time.time)
 
     def __post_init__(self) -> None:
         from vllm.v1.request import RequestStatus

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
-from kvbridge import hashchain
+from kvbridge import hashchain, offers
 
 from .real_scheduler import FakeRequest, scheduler
 
@@ -19,6 +20,7 @@ def _offer(digest_tokens: list[int] | None, tokens: int = 96) -> dict[str, Any]:
         "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "decode-0",
         "remote_request_id": "d-1", "remote_host": "127.0.0.1", "remote_port": 5600,
         "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": tokens, "tp_size": 1,
+        offers.KV_PARAMS_OFFER_TTL_MS: 5000,
     }
     if digest_tokens is not None:
         params[hashchain.KV_PARAMS_PREFIX_DIGEST] = hashchain.prefix_digest(digest_tokens, tokens)
@@ -46,6 +48,54 @@ def test_a_mismatching_or_missing_digest_declines_and_never_contacts_d(
         # Without block ids vLLM's update_state_after_alloc neither reads from nor notifies D.
         assert "remote_block_ids" not in request.kv_transfer_params
         assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # asked again: still no pull
+
+
+@pytest.mark.parametrize(("ttl", "why"), [
+    (None, "no read deadline"), (0, "a zero window"), (-5, "a negative window"), ("5000", "a window of the wrong type"),
+    (10**9, "an unbounded window"),
+])
+def test_an_offer_without_a_valid_read_deadline_declines(vllm_configs: dict[str, Any], ttl: object, why: str) -> None:
+    offer = _offer(PROMPT)
+    offer.pop(offers.KV_PARAMS_OFFER_TTL_MS)
+    if ttl is not None:
+        offer[offers.KV_PARAMS_OFFER_TTL_MS] = ttl
+    with scheduler(vllm_configs, "kv_producer", {}) as sched:
+        request = FakeRequest("no-deadline", offer, PROMPT)
+        assert sched.get_num_new_matched_tokens(request, 0) == (0, False), why
+        assert "remote_block_ids" not in request.kv_transfer_params
+
+
+def test_an_offer_that_waited_in_the_queue_past_its_deadline_declines(vllm_configs: dict[str, Any]) -> None:
+    """D frees a withdrawn entry's blocks once the offer window has passed: a READ after it could read reused KV."""
+    with scheduler(vllm_configs, "kv_producer", {}) as sched:
+        fresh = FakeRequest("fresh", _offer(PROMPT), PROMPT)
+        assert sched.get_num_new_matched_tokens(fresh, 0) == (96, True)
+        queued = FakeRequest("queued", _offer(PROMPT), PROMPT, arrival_time=time.time() - 4.9)
+        assert sched.get_num_new_matched_tokens(queued, 0) == (0, False)
+        assert "remote_block_ids" not in queued.kv_transfer_params
+        # Asked first in time, again after the deadline (still waiting for a slot): declined then.
+        waiting = FakeRequest("waiting", _offer(PROMPT), PROMPT, arrival_time=time.time() - 4.0)
+        assert sched.get_num_new_matched_tokens(waiting, 0) == (96, True)
+        waiting.arrival_time -= 1.0
+        assert sched.get_num_new_matched_tokens(waiting, 0) == (0, False)
+
+
+def test_the_read_deadline_travels_to_the_worker(vllm_configs: dict[str, Any]) -> None:
+    from kvbridge_connector.scheduler import META_READ_BY
+
+    with scheduler(vllm_configs, "kv_producer", {}) as sched:
+        request = FakeRequest("ok", _offer(PROMPT), PROMPT)
+        assert sched.get_num_new_matched_tokens(request, 0) == (96, True)
+        sched._reqs_need_recv.clear()
+        meta = sched.build_connector_meta(_empty_scheduler_output())
+        assert getattr(meta, META_READ_BY) == {"ok": pytest.approx(request.arrival_time + 5.0)}
+        assert getattr(sched.build_connector_meta(_empty_scheduler_output()), META_READ_BY) == {}
+
+
+def _empty_scheduler_output() -> Any:
+    from vllm.v1.core.sched.output import SchedulerOutput
+
+    return SchedulerOutput.make_empty()
 
 
 def test_routers_without_digests_can_be_allowed_explicitly(vllm_configs: dict[str, Any]) -> None:

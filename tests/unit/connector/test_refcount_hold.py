@@ -36,20 +36,45 @@ def _finish_retained(sched: Any, pool: Any, request_id: str) -> tuple[bool, list
     return delay_free, blocks
 
 
+class _QuietControlPlane:
+    """Stands in for the control plane thread: records commands, emits no events (the tests play them)."""
+
+    def __init__(self) -> None:
+        self.commands: list[Any] = []
+
+    def submit(self, command: Any) -> bool:
+        self.commands.append(command)
+        return True
+
+    def drain(self, limit: int = 1024) -> list[Any]:
+        return []
+
+    def stop(self, timeout_s: float = 2.0) -> None:
+        pass
+
+
+def _quiet(sched: Any) -> Any:
+    sched.control_plane.stop()
+    sched.control_plane = _QuietControlPlane()
+    return sched
+
+
 def _step(sched: Any) -> Any:
     from vllm.v1.core.sched.output import SchedulerOutput
 
     return sched.build_connector_meta(SchedulerOutput.make_empty())
 
 
-GRACE_S = 0.3
+GRACE_S = 1.2  # the least a 0.1 s offer window and a 0.05 s index lag bound allow (+ 1 s for the READ)
 EXTRA = {"kvbridge_registry": "127.0.0.1:1", "kvbridge_hash_secret": "unit-hash-secret-0123456789abcdef",
-         "kvbridge_model": "tiny", "kvbridge_fallback_ttl_s": 1, "kvbridge_free_grace_s": GRACE_S}
+         "kvbridge_model": "tiny", "kvbridge_offer_window_s": 0.1, "kvbridge_index_max_lag_s": 0.05,
+         "kvbridge_node_lease_ttl_s": 1, "kvbridge_fallback_ttl_s": 3, "kvbridge_free_grace_s": GRACE_S}
 
 
 def test_refcount_hold_frees_the_request_but_keeps_its_blocks_until_the_lease_ends(
         vllm_configs: dict[str, Any]) -> None:
     with scheduler(vllm_configs, "kv_consumer", EXTRA) as sched:
+        _quiet(sched)
         pool = _pool()
         sched.bind_block_pool(pool)
         free_before = pool.get_num_free_blocks()
@@ -74,6 +99,7 @@ def test_refcount_hold_frees_the_request_but_keeps_its_blocks_until_the_lease_en
 def test_refcount_hold_ends_at_the_fallback_deadline_without_the_control_plane(
         vllm_configs: dict[str, Any]) -> None:
     with scheduler(vllm_configs, "kv_consumer", EXTRA) as sched:
+        _quiet(sched)
         pool = _pool()
         sched.bind_block_pool(pool)
         free_before = pool.get_num_free_blocks()
@@ -83,6 +109,54 @@ def test_refcount_hold_ends_at_the_fallback_deadline_without_the_control_plane(
         _step(sched)
         assert pool.get_num_free_blocks() == free_before
         assert "d-2" not in sched.retention
+
+
+def test_a_read_notification_after_the_release_never_reaches_vllms_scheduler(vllm_configs: dict[str, Any]) -> None:
+    """The decode engine died under memory pressure (issue 14): a prefill's late read notification for a
+    released refcount-held request came back as "finished sending" for a request vLLM had already freed."""
+    from vllm.v1.outputs import KVConnectorOutput
+
+    with scheduler(vllm_configs, "kv_consumer", EXTRA) as sched:
+        _quiet(sched)
+        pool = _pool()
+        sched.bind_block_pool(pool)
+        _finish_retained(sched, pool, "d-4")
+        _step(sched)
+        sched.retention.bind_lease("d-4", 78)
+        sched.retention.lease_ended(78)
+        time.sleep(GRACE_S)
+        assert "d-4" in _step(sched).kvbridge_release
+        output = KVConnectorOutput(finished_sending={"d-4", "other"}, finished_recving=set())
+        sched.update_connector_output(output)
+        assert output.finished_sending == {"other"}
+
+
+def test_memory_pressure_withdraws_first_and_frees_only_after_the_confirmed_end_and_the_grace(
+        vllm_configs: dict[str, Any]) -> None:
+    """A READ is one-sided: under pressure D revokes the lease (no new offers), then frees once the end is
+    confirmed and the offer window (+ index lag) has passed; never at once."""
+    with scheduler(vllm_configs, "kv_consumer", dict(EXTRA, kvbridge_free_kv_watermark=0.95)) as sched:
+        _quiet(sched)
+        pool = _pool()
+        sched.bind_block_pool(pool)
+        free_before = pool.get_num_free_blocks()
+        _finish_retained(sched, pool, "d-5")
+        _step(sched)
+        sched.retention.bind_lease("d-5", 79)
+        decisions_meta = _step(sched)  # free KV is below the watermark: withdraw
+        entry = sched.retention.get("d-5")
+        assert entry is not None and entry.released and "d-5" not in decisions_meta.kvbridge_release
+        revokes = [c for c in sched.control_plane.commands if type(c).__name__ == "RevokeLease"]
+        assert [(c.lease_id, c.reason) for c in revokes] == [(79, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")]
+        time.sleep(GRACE_S)
+        _step(sched)
+        assert pool.get_num_free_blocks() == free_before - 4, "freed before the revoke was confirmed"
+        sched.retention.lease_ended(79)  # the lease manager acknowledged the revoke
+        _step(sched)
+        assert pool.get_num_free_blocks() == free_before - 4, "freed within the grace"
+        time.sleep(GRACE_S)
+        _step(sched)
+        assert pool.get_num_free_blocks() == free_before
 
 
 def test_delayed_free_remains_available(vllm_configs: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvbridge_connector.params import ConversationRef
-from kvbridge_connector.retention import RetentionTable
+from kvbridge_connector.retention import REVOKE_RETRY_S, Decisions, RetentionTable
 
 CONV = ConversationRef(tenant="acme", model="tiny", conversation_key="c1", epoch=1)
 TTL = 100.0
@@ -121,7 +121,7 @@ def test_snapshot_frees_entries_whose_lease_is_missing() -> None:
     assert table.step(None, None).release == {"r1"}
 
 
-def test_watermark_evicts_oldest_idle_first_and_revokes() -> None:
+def test_watermark_withdraws_oldest_idle_first_and_frees_once_the_revoke_is_confirmed() -> None:
     clock = FakeClock()
     table = make_table(clock, watermark=0.2)
     for index, name in enumerate(["old", "mid", "new"]):
@@ -129,21 +129,61 @@ def test_watermark_evicts_oldest_idle_first_and_revokes() -> None:
         table.bind_lease(name, index + 1)
         clock.now += 1
     table.lease_alive(1)  # "old" was just renewed: now the most recently used
-    # 100 blocks, 12 free: need 20 free -> evict 10 blocks' worth = one entry ("mid").
+    # 100 blocks, 12 free: need 20 free -> withdraw 10 blocks' worth = one entry ("mid").
     decisions = table.step(free_blocks=12, total_blocks=100)
-    assert decisions.release == {"mid"}
     assert decisions.revoke == [(2, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")]
-    # Next step, before the worker freed "mid": its blocks already count as freed.
-    assert table.step(free_blocks=12, total_blocks=100).release == set()
+    assert decisions.release == set(), "a READ offered before the revoke may still come: never free at once"
+    # Next step, still short: "mid"'s blocks are on their way out and count as freed already.
+    assert table.step(free_blocks=12, total_blocks=100) == Decisions()
+    table.lease_ended(2)  # the lease manager confirms the end
+    assert table.step(free_blocks=12, total_blocks=100).release == {"mid"}
 
 
-def test_entry_cap_evicts() -> None:
+def test_an_unconfirmed_withdrawal_is_asked_again_and_held_while_connected() -> None:
     clock = FakeClock()
-    table = make_table(clock, max_entries=2)
-    for name in ["a", "b", "c"]:
-        table.retain(name, 1, 32, None)
+    table = make_table(clock, max_entries=1)
+    table.set_connected(True)
+    for lease, name in ((1, "a"), (2, "b")):
+        table.retain(name, 1, 32, CONV)
+        table.bind_lease(name, lease)
         clock.now += 1
+    assert table.step(None, None).revoke == [(1, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")]
+    for _ in range(int(3 * TTL / REVOKE_RETRY_S)):  # long past the fallback TTL
+        clock.now += REVOKE_RETRY_S
+        decisions = table.step(None, None)
+        assert decisions.release == set()
+        assert decisions.revoke == [(1, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")]
+    assert table.get("a") is not None and table.get("a").hold_deadline > clock.now  # type: ignore[union-attr]
+
+
+def test_a_withdrawal_during_the_registration_revokes_the_lease_when_it_arrives() -> None:
+    clock = FakeClock()
+    table = make_table(clock, max_entries=1)
+    table.retain("a", 1, 32, CONV)
+    clock.now += 1
+    table.retain("b", 1, 32, CONV)
+    assert table.step(None, None) == Decisions()  # "a" withdrawn, but its grant is still in flight
+    table.bind_lease("a", 5)
+    assert table.step(None, None).revoke == [(5, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")]
+    table.lease_ended(5)
     assert table.step(None, None).release == {"a"}
+
+
+def test_a_failed_registration_frees_when_no_entry_can_name_the_blocks() -> None:
+    clock = FakeClock()
+    table = RetentionTable(clock, fallback_ttl_s=TTL, max_entries=100, free_kv_watermark=0.2, free_grace_s=GRACE)
+    for name in ("never-granted", "revoked", "unknown"):
+        table.retain(name, 1, 32, CONV)
+    table.registration_failed("never-granted", 0, withdrawn=True)
+    table.registration_failed("revoked", 7, withdrawn=True)
+    table.registration_failed("unknown", 8, withdrawn=False)  # timed out and the revoke failed: may be registered
+    decisions = table.step(None, None)
+    assert decisions.release == {"never-granted"} and decisions.revoke == [(8, "REVOKE_REASON_EXPIRED")]
+    clock.now += GRACE
+    assert table.step(None, None).release == {"revoked"}
+    table.lease_ended(8)
+    clock.now += GRACE
+    assert table.step(None, None).release == {"unknown"}
 
 
 GRACE = 10.0
@@ -164,22 +204,25 @@ def test_an_ended_lease_frees_its_blocks_only_after_the_grace() -> None:
     assert entry is not None and entry.released  # no longer extended nor offered
     clock.now += 1
     assert table.step(1000, 1000).release == {"r1"}
+    table.freed("r1")
     assert table.step(1000, 1000).release == set()
 
 
-def test_memory_pressure_cuts_the_grace_short_before_evicting_live_entries() -> None:
+def test_memory_pressure_never_cuts_the_grace_short() -> None:
     clock = FakeClock()
     table = RetentionTable(clock, fallback_ttl_s=TTL, max_entries=100, free_kv_watermark=0.2, free_grace_s=GRACE)
     for i, lease in ((1, 11), (2, 12)):
         table.retain(f"r{i}", 10, 100, CONV)
         table.bind_lease(f"r{i}", lease)
     table.lease_ended(11)
-    # 10 blocks short of the watermark (20 of 100 free wanted): the ended entry's blocks cover it.
-    decisions = table.step(10, 100)
-    assert decisions.release == {"r1"} and decisions.revoke == []
+    # 10 blocks short of the watermark (20 of 100 free wanted): the ended entry's blocks cover it once freed,
+    # so no live entry is withdrawn, and nothing is freed before the grace.
+    assert table.step(10, 100) == Decisions()
+    clock.now += GRACE
+    assert table.step(10, 100).release == {"r1"}
 
 
-def test_eviction_frees_at_once_even_with_a_grace() -> None:
+def test_the_entry_cap_withdraws_the_oldest_and_frees_after_the_grace() -> None:
     clock = FakeClock()
     table = RetentionTable(clock, fallback_ttl_s=TTL, max_entries=1, free_kv_watermark=0.2, free_grace_s=GRACE)
     table.retain("r1", 4, 100, CONV)
@@ -188,4 +231,9 @@ def test_eviction_frees_at_once_even_with_a_grace() -> None:
     table.retain("r2", 4, 100, CONV)
     table.bind_lease("r2", 2)
     decisions = table.step(None, None)
-    assert decisions.release == {"r1"} and decisions.revoke == [(1, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")]
+    assert decisions.release == set() and decisions.revoke == [(1, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")]
+    table.lease_ended(1)
+    clock.now += GRACE - 0.5
+    assert table.step(None, None).release == set()
+    clock.now += 0.5
+    assert table.step(None, None).release == {"r1"}

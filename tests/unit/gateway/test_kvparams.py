@@ -36,6 +36,23 @@ def test_reuse_prefill_params_use_only_the_source_record() -> None:
         ("d0", "r1", "10.0.0.5", 5600)
 
 
+def test_p_gets_what_is_left_of_the_engines_offer_window() -> None:
+    import time
+
+    from kvbridge import offers
+
+    looked_up = time.monotonic() - 1.5
+    src = kvparams.PullSource(engine_id="d0", request_id="r1", host="h", port=1, block_groups=[[7, 8]],
+                              offer_window_s=5.0, looked_up_at=looked_up)
+    ttl = kvparams.reuse_prefill_params(src, 32, 16, prompt_ids=list(range(40)))[offers.KV_PARAMS_OFFER_TTL_MS]
+    assert 3300 <= ttl <= 3500
+    assert kvparams.offer_ttl_ms(kvparams.PullSource("d0", "r1", "h", 1, [[7]], offer_window_s=1.0,
+                                                     looked_up_at=looked_up)) <= 0
+    no_promise = kvparams.PullSource(engine_id="d0", request_id="r1", host="h", port=1, block_groups=[[7, 8]])
+    assert offers.KV_PARAMS_OFFER_TTL_MS not in kvparams.reuse_prefill_params(no_promise, 32, 16,
+                                                                              prompt_ids=list(range(40)))
+
+
 def test_strip_client_params() -> None:
     body = {"model": "m", "kv_transfer_params": {"do_remote_prefill": True}, "conversation_id": "c", "top_p": 1}
     assert kvparams.strip_client_params(body) == {"model": "m", "top_p": 1}
