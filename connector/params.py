@@ -8,12 +8,11 @@ served normally, only not registered.
 
 from __future__ import annotations
 
-import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import hashchain
+from kvbridge import hashchain, ids
 
 CONVERSATION_KEY = "kvbridge_conversation_key"
 TENANT = "kvbridge_tenant"
@@ -24,9 +23,6 @@ MODEL = "kvbridge_model"
 # Added by the connector to D's returned params once it retains blocks under kvbridge.
 RETAINED = "kvbridge_retained"
 
-_CONVERSATION_KEY_RE = re.compile(r"[ -~]{1,256}")
-_TENANT_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-_MODEL_MAX = 256
 _EPOCH_MAX = 2**63 - 1
 
 
@@ -44,13 +40,9 @@ def parse_conversation(params: Mapping[str, Any] | None, default_model: str) -> 
         return None
     key, tenant, epoch = params.get(CONVERSATION_KEY), params.get(TENANT), params.get(EPOCH)
     model = params.get(MODEL) or default_model
-    if not isinstance(key, str) or not _CONVERSATION_KEY_RE.fullmatch(key):
-        return None
-    if not isinstance(tenant, str) or not _TENANT_RE.fullmatch(tenant):
+    if not ids.CONVERSATION_KEY.valid(key) or not ids.TENANT.valid(tenant) or not ids.MODEL.valid(model):
         return None
     if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 < epoch <= _EPOCH_MAX:
-        return None
-    if not isinstance(model, str) or not 0 < len(model) <= _MODEL_MAX:
         return None
     return ConversationRef(tenant=tenant, model=model, conversation_key=key, epoch=epoch)
 

@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+from kvbridge import ids
 from kvbridge.errors import InvalidArgument, PermissionDenied, Reason, Unauthenticated, invalid_field
 
 log = logging.getLogger(__name__)
@@ -86,9 +87,10 @@ class Authenticator:
             if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
                 raise ValueError(f"API keys file {path}: entry for a key lacks a string 'name'")
             tenant = spec.get("tenant")
-            if tenant is not None and (not isinstance(tenant, str) or not tenant):
+            if tenant is not None and not ids.TENANT.valid(tenant):
                 raise ValueError(
-                    f"API keys file {path}: 'tenant' of {spec['name']!r} must be a non-empty string or null"
+                    f"API keys file {path}: 'tenant' of {spec['name']!r} must be null or a tenant id "
+                    f"({ids.TENANT.description})"
                 )
             keys[key] = Principal(name=spec["name"], tenant=tenant)
         return cls(keys)

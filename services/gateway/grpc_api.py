@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+from kvbridge import ids
 from kvbridge.errors import KvbridgeError, Reason, Unavailable, invalid_field
 from kvbridge.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvbridge_services.common.boundary import rpc_boundary, stream_boundary
@@ -136,9 +137,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             raise invalid_field("conversation_id", "model and conversation_id are required")
         # Checked here so a bad value is the caller's INVALID_ARGUMENT, not a registry failure (UNAVAILABLE).
         conversation_key_of({"conversation_id": request.conversation_id}, None)
-        model = request.model
-        if len(model) > 256 or not (model.isascii() and model.isprintable()) or " " in model:
-            raise invalid_field("model", "must be 1..256 printable ASCII characters without spaces")
+        model = ids.MODEL.check("model", request.model)
         await self._core.router.settle_conversation(tenant, model, request.conversation_id,
                                                     timeout_s=self._core.settings.control_timeout_s)
         try:

@@ -3,17 +3,16 @@
 from __future__ import annotations
 
 import json
-import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
+from kvbridge import ids
 from kvbridge.errors import InvalidArgument, Reason, invalid_field
 
 from .kvparams import strip_client_params
 
 TurnKind = Literal["chat", "completion"]
 
-_CONVERSATION_KEY = re.compile(r"^[ -~]{1,256}$")
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 SESSION_HEADER = "x-session-id"
 # OpenAI bodies nest a handful of levels (tool schemas a few more); deeper is hostile.
@@ -79,13 +78,9 @@ def conversation_key_of(body: dict[str, Any], header: str | None) -> str:
     for name in ("conversation_id", "session_id"):
         value = body.get(name)
         if value is not None:
-            if not isinstance(value, str) or not _CONVERSATION_KEY.match(value):
-                raise invalid_field(name, "must be 1..256 printable ASCII characters")
-            return value
+            return ids.CONVERSATION_KEY.check(name, value)
     if header is not None:
-        if not _CONVERSATION_KEY.match(header):
-            raise invalid_field(SESSION_HEADER, "must be 1..256 printable ASCII characters")
-        return header
+        return ids.CONVERSATION_KEY.check(SESSION_HEADER, header)
     return ""
 
 
@@ -135,19 +130,17 @@ def _prompt_ids(prompt: object, limits: Limits) -> list[int] | None:
 
 def parse_turn(kind: TurnKind, body: dict[str, Any], *, tenant: str, session_header: str | None,
                limits: Limits) -> Turn:
-    model = body.get("model")
-    if not isinstance(model, str) or not model:
-        raise invalid_field("model", "required string")
+    model = ids.MODEL.check("model", body.get("model"))
     if kind == "chat":
         _check_messages(body.get("messages"), limits)
-        ids = None
+        prompt_ids = None
     else:
-        ids = _prompt_ids(body.get("prompt"), limits)
+        prompt_ids = _prompt_ids(body.get("prompt"), limits)
     _check_sampling(body)
     salt = body.get("cache_salt", "")
     if not isinstance(salt, str) or len(salt) > 256:
         raise invalid_field("cache_salt", "must be a string of at most 256 characters")
     key = conversation_key_of(body, session_header)
     return Turn(kind=kind, tenant=tenant, model=model, body=strip_client_params(body), conversation_key=key,
-                cache_salt=salt, stream=bool(body.get("stream", False)), prompt_token_ids=ids,
+                cache_salt=salt, stream=bool(body.get("stream", False)), prompt_token_ids=prompt_ids,
                 client_wants_token_ids=bool(body.get("return_token_ids")))

@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import logging
 
-from kvbridge.errors import invalid_field
+from kvbridge import ids
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.auth import Authenticator, Principal
@@ -72,10 +72,7 @@ class GatewayCore:
     def tenant_of(self, principal: Principal, requested: str | None) -> str:
         if principal.tenant is not None:
             return str(principal.tenant_for(requested or "", field=TENANT_HEADER))
-        tenant = requested or DEFAULT_TENANT
-        if not 1 <= len(tenant) <= 128 or not tenant.isprintable():
-            raise invalid_field(TENANT_HEADER, "must be 1..128 printable characters")
-        return tenant
+        return ids.TENANT.check(TENANT_HEADER, requested or DEFAULT_TENANT)
 
     def models(self) -> set[str]:
         return {m for m in self.pool.models() if self.pool.count(m, PREFILL) or self.pool.count(m, DECODE)}

@@ -51,7 +51,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     ) -> lease_pb2.GrantLeaseResponse:
         principal = self._auth.authenticate(context)
         spec = self._grant_spec(request, principal)
-        request_id = v.optional_printable(request.request_id, "request_id", 128)
+        request_id = v.optional_request_id(request.request_id)
         self._m.require_serving()
         record, evicted = await self._m.grant(spec, request_id)
         return lease_pb2.GrantLeaseResponse(lease=to_proto(record), evicted_lease_ids=evicted)
@@ -65,14 +65,14 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
             v.must_be_empty(r.model, "model", "for a NODE lease")
             v.must_be_empty(r.conversation_key, "conversation_key", "for a NODE lease")
             v.must_be_empty(r.retained_tokens, "retained_tokens", "for a NODE lease")
-            tenant = v.optional_printable(r.tenant, "tenant", 128)
+            tenant = v.optional_tenant(r.tenant)
             return GrantSpec(NODE, tenant, engine_id, "", "", 0, ttl_s)
         if r.kind != ENTRY:
             raise invalid_field("kind", "must be LEASE_KIND_ENTRY or LEASE_KIND_NODE")
         # Interned: thousands of leases share a tenant, model and engine (memory per lease).
-        tenant = sys.intern(v.printable(principal.tenant_for(r.tenant), "tenant", 128))
-        model = sys.intern(v.printable(r.model, "model", 256))
-        conversation_key = v.printable(r.conversation_key, "conversation_key", 256)
+        tenant = sys.intern(v.tenant(principal.tenant_for(r.tenant)))
+        model = sys.intern(v.model(r.model))
+        conversation_key = v.conversation_key(r.conversation_key)
         return GrantSpec(ENTRY, tenant, engine_id, model, conversation_key, r.retained_tokens, ttl_s)
 
     # --- KeepAlive ---
@@ -112,9 +112,9 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
             status.conversation.CopyFrom(ref)
             try:
                 conv = (
-                    v.printable(principal.tenant_for(ref.tenant, field=f"{field}.tenant"), f"{field}.tenant", 128),
-                    v.printable(ref.model, f"{field}.model", 256),
-                    v.printable(ref.conversation_key, f"{field}.conversation_key", 256),
+                    v.tenant(principal.tenant_for(ref.tenant, field=f"{field}.tenant"), f"{field}.tenant"),
+                    v.model(ref.model, f"{field}.model"),
+                    v.conversation_key(ref.conversation_key, f"{field}.conversation_key"),
                 )
             except KvbridgeError as exc:
                 # One bad ref must not end a stream that renews many others (a shared Heartbeater's).
@@ -160,7 +160,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         principal = self._auth.authenticate(context)
         tenant = ""  # a service principal listing every tenant
         if principal.tenant is not None or request.tenant:
-            tenant = v.printable(principal.tenant_for(request.tenant), "tenant", 128)
+            tenant = v.tenant(principal.tenant_for(request.tenant))
         engine_id = v.engine_id(request.engine_id) if request.engine_id else ""
         if request.kind not in (0, ENTRY, NODE):
             raise invalid_field("kind", "unknown LeaseKind")

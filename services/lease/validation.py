@@ -2,32 +2,38 @@
 
 from __future__ import annotations
 
-import re
-
 from google.protobuf import duration_pb2
+from kvbridge import ids
 from kvbridge.errors import InvalidArgument, Reason, invalid_field
 
 from .codec import duration_s
 
-ENGINE_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-PRINTABLE = re.compile(r"[ -~]+")
 _MAX_DURATION_S = 315_576_000_000  # google.protobuf.Duration range
 
 
+# Identifier fields: the rules of kvbridge.ids, the same as the registry's and the gateway's.
 def engine_id(value: str, field: str = "engine_id") -> str:
-    if not ENGINE_ID.fullmatch(value):
-        raise invalid_field(field, "must match [A-Za-z0-9._:-]{1,128}")
-    return value
+    return ids.ENGINE_ID.check(field, value)
 
 
-def printable(value: str, field: str, max_len: int) -> str:
-    if not value or len(value) > max_len or not PRINTABLE.fullmatch(value):
-        raise invalid_field(field, f"must be 1..{max_len} printable ASCII characters")
-    return value
+def tenant(value: str, field: str = "tenant") -> str:
+    return ids.TENANT.check(field, value)
 
 
-def optional_printable(value: str, field: str, max_len: int) -> str:
-    return printable(value, field, max_len) if value else value
+def optional_tenant(value: str, field: str = "tenant") -> str:
+    return ids.TENANT.check_optional(field, value)
+
+
+def model(value: str, field: str = "model") -> str:
+    return ids.MODEL.check(field, value)
+
+
+def conversation_key(value: str, field: str = "conversation_key") -> str:
+    return ids.CONVERSATION_KEY.check(field, value)
+
+
+def optional_request_id(value: str, field: str = "request_id") -> str:
+    return ids.REQUEST_ID.check_optional(field, value)
 
 
 def must_be_empty(value: str | int, field: str, why: str) -> None:

@@ -6,17 +6,13 @@ import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from kvbridge import ids
 from kvbridge.errors import InvalidArgument, Reason, invalid_field
 from kvbridge.hashchain import HASH_BYTES, MAX_BLOCK_SIZE
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.hashrecord import PackedChain
 
-ID_RE = re.compile(r"[A-Za-z0-9._:-]{1,128}")
-# Served model names ("Qwen/Qwen3-0.6B", "org/model@rev"): printable ASCII without spaces.
-MODEL_RE = re.compile(r"[!-~]{1,256}")
-CONVERSATION_KEY_RE = re.compile(r"[ -~]{1,256}")
-ENGINE_REQUEST_ID_RE = re.compile(r"[!-~]{1,256}")
 HOST_RE = re.compile(r"[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]|[0-9A-Fa-f:]{2,45}")
 URL_RE = re.compile(r"https?://[!-~]{1,2040}")
 MAX_CAPABILITIES = 64
@@ -33,28 +29,15 @@ def too_large(field: str, message: str) -> InvalidArgument:
     return InvalidArgument(Reason.TOO_LARGE, f"{field}: {message}", metadata={"field": field})
 
 
-def check_id(field: str, value: str) -> str:
-    if not ID_RE.fullmatch(value):
-        raise invalid_field(field, "must match [A-Za-z0-9._:-]{1,128}")
-    return value
-
-
-def check_model(field: str, value: str) -> str:
-    if not MODEL_RE.fullmatch(value):
-        raise invalid_field(field, "must be 1..256 printable ASCII characters without spaces")
-    return value
-
-
-def check_conversation_key(field: str, value: str) -> str:
-    if not CONVERSATION_KEY_RE.fullmatch(value):
-        raise invalid_field(field, "must be 1..256 printable ASCII characters")
-    return value
+# The identifier rules are kvbridge.ids (one per kind, shared with every service and the connector).
+check_model = ids.MODEL.check
+check_id = ids.ENGINE_ID.check  # engine ids (core.py, service.py)
+check_conversation_key = ids.CONVERSATION_KEY.check
 
 
 def check_tenant_field(field: str, value: str) -> None:
-    """Tenant fields may be empty (the caller's tenant) or an id."""
-    if value:
-        check_id(field, value)
+    """Tenant fields may be empty (the caller's tenant) or a tenant id."""
+    ids.TENANT.check_optional(field, value)
 
 
 def check_block_size(field: str, value: int) -> int:
@@ -80,9 +63,8 @@ def check_entry_for_register(entry: registry_pb2.Entry, limits: Limits) -> None:
     check_tenant_field("entry.key.tenant", entry.key.tenant)
     check_model("entry.key.model", entry.key.model)
     check_conversation_key("entry.key.conversation_key", entry.key.conversation_key)
-    check_id("entry.engine_id", entry.engine_id)
-    if not ENGINE_REQUEST_ID_RE.fullmatch(entry.engine_request_id):
-        raise invalid_field("entry.engine_request_id", "must be 1..256 printable ASCII characters without spaces")
+    ids.ENGINE_ID.check("entry.engine_id", entry.engine_id)
+    ids.ENGINE_REQUEST_ID.check("entry.engine_request_id", entry.engine_request_id)
     bs = check_block_size("entry.block_size", entry.block_size)
     if entry.token_count < 1:
         raise invalid_field("entry.token_count", "must be >= 1")
@@ -120,7 +102,7 @@ def check_entry_for_register(entry: registry_pb2.Entry, limits: Limits) -> None:
 
 
 def check_register_request(request: registry_pb2.RegisterEntryRequest, limits: Limits) -> None:
-    check_id("request_id", request.request_id)
+    ids.REQUEST_ID.check("request_id", request.request_id)
     if not request.HasField("entry"):
         raise invalid_field("entry", "required")
     check_entry_for_register(request.entry, limits)
@@ -154,7 +136,7 @@ def check_entry_key(field: str, key: registry_pb2.EntryKey) -> None:
 
 
 def check_engine(engine: types_pb2.Engine, limits: Limits) -> None:
-    check_id("engine.engine_id", engine.engine_id)
+    ids.ENGINE_ID.check("engine.engine_id", engine.engine_id)
     if engine.role not in types_pb2.EngineRole.values() or engine.role == types_pb2.ENGINE_ROLE_UNSPECIFIED:
         raise invalid_field("engine.role", "required")
     check_model("engine.model", engine.model)
@@ -175,7 +157,7 @@ def check_engine(engine: types_pb2.Engine, limits: Limits) -> None:
     if len(engine.capabilities) > MAX_CAPABILITIES:
         raise too_large("engine.capabilities", f"at most {MAX_CAPABILITIES}")
     for i, cap in enumerate(engine.capabilities):
-        check_id(f"engine.capabilities[{i}]", cap)
+        ids.CAPABILITY.check(f"engine.capabilities[{i}]", cap)
     if engine.node_lease_id == 0:
         raise invalid_field("engine.node_lease_id", "required: the engine's liveness lease")
 
