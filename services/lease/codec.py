@@ -42,6 +42,7 @@ def to_proto(record: LeaseRecord, out: lease_pb2.Lease | None = None) -> lease_p
     set_timestamp(lease.grant_time, record.grant_time)
     set_timestamp(lease.last_renew_time, record.last_renew_time)
     set_timestamp(lease.max_deadline, record.max_deadline)
+    lease.request_id = record.request_id
     return lease
 
 
@@ -59,4 +60,5 @@ def from_proto(lease: lease_pb2.Lease) -> LeaseRecord:
         max_deadline=timestamp_s(lease.max_deadline),
         deadline=timestamp_s(lease.deadline),
         last_renew_time=timestamp_s(lease.last_renew_time),
+        request_id=lease.request_id,
     )

@@ -13,10 +13,10 @@ import logging
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
-from kvbridge.errors import AlreadyExists, NotFound, Reason, Unavailable
+from kvbridge.errors import AlreadyExists, DeadlineExceeded, NotFound, Reason, Unavailable
 from kvbridge.types.v1 import types_pb2
 from prometheus_client import CollectorRegistry
 
@@ -30,11 +30,18 @@ log = logging.getLogger(__name__)
 R = types_pb2.RevokeReason
 _END_CONCURRENCY = 4
 _END_RETRY_S = 0.5
+TimeLeft = Callable[[], float | None]  # seconds left of a caller's deadline (None: none)
 
 
 def _retrieve(future: asyncio.Future[int]) -> None:
     if not future.cancelled():
         future.exception()
+
+
+def _settle(future: asyncio.Future[int], error: BaseException) -> None:
+    """Fail ``future`` unless something already completed it (one place decides each grant's outcome)."""
+    if not future.done():
+        future.set_exception(error)
 
 
 @dataclass(frozen=True, slots=True)
@@ -46,6 +53,32 @@ class GrantSpec:
     conversation_key: str
     retained_tokens: int
     ttl_s: float
+
+    @staticmethod
+    def of(record: LeaseRecord) -> GrantSpec:
+        """The request a persisted lease was granted for (to rebuild idempotency records at takeover)."""
+        return GrantSpec(record.kind, record.tenant, record.engine_id, record.model, record.conversation_key,
+                         record.retained_tokens, record.ttl_s)
+
+
+@dataclass(eq=False, slots=True)
+class _Pending:
+    """A grant until its outcome is known: the lease id, or why not. ``waiters``: the time left to each RPC
+    awaiting it now (the first caller and request_id replays); a grant whose write lands when none of them
+    has ``_ACK_MARGIN_S`` left is taken back."""
+
+    spec: GrantSpec
+    future: asyncio.Future[int]
+    waiters: list[TimeLeft] = field(default_factory=list)
+
+    def awaited(self) -> bool:
+        return any((left := t()) is None or left > _ACK_MARGIN_S for t in self.waiters)
+
+
+_TAKE_BACK_ATTEMPTS = 3
+# A response sent with less of its deadline left would most likely reach its caller too late (the caller's
+# deadline runs ahead of the server's by the network and queueing delay): such a grant is not acknowledged.
+_ACK_MARGIN_S = 0.1
 
 
 class LeaseManager:
@@ -75,7 +108,10 @@ class LeaseManager:
         )
         self.hub = WatchHub(queue_capacity=policy.watch_queue_size, max_subscribers=policy.max_watchers)
         self.serving = False
-        self._requests: OrderedDict[str, tuple[GrantSpec, asyncio.Future[int]]] = OrderedDict()
+        self._requests: OrderedDict[str, _Pending] = OrderedDict()
+        # Grants whose store write (or take-back) runs: not cancelled with their RPC, awaited by step_down.
+        self._granting: set[asyncio.Task[None]] = set()
+        self.taken_back = 0  # grants written but never acknowledged, deleted again
         self._tasks: list[asyncio.Task[None]] = []
         self._end_slots = asyncio.Semaphore(_END_CONCURRENCY)
         self._unfinished: list[Ended] = []  # ends whose store cleanup failed; retried
@@ -90,14 +126,18 @@ class LeaseManager:
 
     # --- leadership ---
 
+    def not_leader(self) -> Unavailable:
+        """UNAVAILABLE / NOT_LEADER naming the leader when known: what every leadership change answers."""
+        leader = self._leader_hint()
+        return Unavailable(
+            Reason.NOT_LEADER,
+            f"this lease-manager replica is not the leader; leader: {leader or 'unknown, retry'}",
+            metadata={"leader": leader or ""},
+        )
+
     def require_serving(self) -> None:
         if not self.serving:
-            leader = self._leader_hint()
-            raise Unavailable(
-                Reason.NOT_LEADER,
-                f"this lease-manager replica is not the leader; leader: {leader or 'unknown, retry'}",
-                metadata={"leader": leader or ""},
-            )
+            raise self.not_leader()
 
     async def take_over(self) -> None:
         """Load every acknowledged lease and start serving. No lease expires early because of
@@ -110,10 +150,18 @@ class LeaseManager:
             records = await self.persistence.load()
             self.table.clear()
             now = self.table.clock()
+            self._requests.clear()
+            loop = asyncio.get_running_loop()
             for record in records:
                 record.persisted_deadline = record.deadline
                 record.deadline = max(record.deadline, min(now + record.ttl_s, record.max_deadline))
                 self.table.restore(record)
+                if record.request_id:  # records come in id (= grant) order: the newest are kept
+                    future: asyncio.Future[int] = loop.create_future()
+                    future.set_result(record.lease_id)
+                    self._requests[record.request_id] = _Pending(GrantSpec.of(record), future)
+                    if len(self._requests) > self.policy.max_request_ids:
+                        self._requests.popitem(last=False)
         finally:
             if collecting:
                 gc.enable()
@@ -134,13 +182,25 @@ class LeaseManager:
         for task in tasks:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await task
+        # Grants whose write is in flight: wait for each outcome (bounded by the store timeout), so that a
+        # write that lands now is taken back here (nobody was told of it) before the leader key is released.
+        if self._granting:
+            _, left = await asyncio.wait(set(self._granting), timeout=self._drain_s())
+            for task in left:
+                task.cancel()
+            for task in left:
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
         self.hub.close_all("leader changed")
-        for _, future in self._requests.values():
-            if not future.done():
-                future.set_exception(NotLeaderAnymore())
+        error = self.not_leader()
+        for pending in self._requests.values():
+            _settle(pending.future, error)
         self._requests.clear()
         self._unfinished.clear()
         self.table.clear()
+
+    def _drain_s(self) -> float:
+        return self.policy.store_timeout_s * (1 + _TAKE_BACK_ATTEMPTS) + 1.0
 
     def _fenced(self, exc: BaseException) -> None:
         if isinstance(exc, NotLeaderAnymore):
@@ -148,51 +208,103 @@ class LeaseManager:
 
     # --- grant ---
 
-    async def grant(self, spec: GrantSpec, request_id: str = "") -> tuple[LeaseRecord, list[int]]:
+    async def grant(
+        self, spec: GrantSpec, request_id: str = "", time_left: TimeLeft = lambda: None
+    ) -> tuple[LeaseRecord, list[int]]:
+        """Grant a lease; returns it once it is in the table and the store.
+
+        The store write runs in its own task, not cancelled with the RPC: if the caller is gone when it
+        lands (deadline passed, cancelled) or leadership was lost meanwhile, the lease is taken back out of
+        both; so an acknowledged grant is in both, an unacknowledged one in neither. ``time_left``: what
+        is left of the caller's deadline (None: no deadline)."""
         self.require_serving()
         if request_id:
             seen = self._requests.get(request_id)
             if seen is not None:
-                return await self._replay(spec, request_id, *seen), []
-            future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-            future.add_done_callback(_retrieve)  # a failure nobody retried is not an "unretrieved" error
-            self._requests[request_id] = (spec, future)
+                return await self._replay(spec, request_id, seen, time_left), []
+        future: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        future.add_done_callback(_retrieve)  # a failure nobody retried is not an "unretrieved" error
+        pending = _Pending(spec, future)
+        record, evicted = self.table.grant(
+            kind=spec.kind, tenant=spec.tenant, engine_id=spec.engine_id, model=spec.model,
+            conversation_key=spec.conversation_key, retained_tokens=spec.retained_tokens, ttl_s=spec.ttl_s,
+            max_lifetime_s=self.policy.max_lifetime_s, request_id=request_id,
+        )
+        if request_id:
+            self._requests[request_id] = pending
             while len(self._requests) > self.policy.max_request_ids:
                 self._requests.popitem(last=False)
-        try:
-            record, evicted = self.table.grant(
-                kind=spec.kind, tenant=spec.tenant, engine_id=spec.engine_id, model=spec.model,
-                conversation_key=spec.conversation_key, retained_tokens=spec.retained_tokens, ttl_s=spec.ttl_s,
-                max_lifetime_s=self.policy.max_lifetime_s,
-            )
-            try:
-                if evicted:
-                    await self.finish(evicted)
-                await self.persistence.save_granted(record)
-            except BaseException:
-                self.table.end(record.lease_id, R.REVOKE_REASON_UNSPECIFIED, cascade=False)
-                raise
-        except BaseException as exc:
-            self._fenced(exc)
-            if request_id:
-                self._requests.pop(request_id, None)
-                future.set_exception(exc if isinstance(exc, Exception) else NotLeaderAnymore())
-            raise
-        if request_id:
-            future.set_result(record.lease_id)
-        self.metrics.granted(record.kind)
-        self.hub.publish(ACTIVE, record)
+        task = asyncio.create_task(self._commit(pending, record, evicted))
+        self._granting.add(task)
+        task.add_done_callback(self._granting.discard)
+        await self._wait(pending, time_left)
         return record, [e.record.lease_id for e in evicted]
 
-    async def _replay(
-        self, spec: GrantSpec, request_id: str, first: GrantSpec, future: asyncio.Future[int]
-    ) -> LeaseRecord:
-        if first != spec:
+    @staticmethod
+    async def _wait(pending: _Pending, time_left: TimeLeft) -> int:
+        pending.waiters.append(time_left)
+        try:
+            return await asyncio.shield(pending.future)
+        finally:
+            pending.waiters.remove(time_left)
+
+    async def _commit(self, pending: _Pending, record: LeaseRecord, evicted: list[Ended]) -> None:
+        """Write the grant; then acknowledge it, or take it back out of the table and the store."""
+        value = self.persistence.encode(record)
+        try:
+            if evicted:
+                await self.finish(evicted)
+            await self.persistence.save_granted(record, value)
+        except asyncio.CancelledError:  # step_down gave up waiting: outcome unknown, nobody acknowledged
+            self._undo(pending, record)
+            _settle(pending.future, self.not_leader())
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure ends the grant; the waiters get it
+            self._undo(pending, record)
+            if isinstance(exc, NotLeaderAnymore):  # the fence failed: nothing was written
+                self._on_fenced()
+                _settle(pending.future, self.not_leader())
+                return
+            _settle(pending.future, exc)  # a timeout or store error: the write may still land
+            await self._take_back(record, value)
+            return
+        if not self.serving or not pending.awaited():
+            self._undo(pending, record)
+            _settle(pending.future, self.not_leader() if not self.serving else
+                    DeadlineExceeded("", "the deadline left no time to answer; the grant was taken back"))
+            await self._take_back(record, value)
+            return
+        pending.future.set_result(record.lease_id)
+        self.metrics.granted(record.kind)
+        self.hub.publish(ACTIVE, record)
+
+    def _undo(self, pending: _Pending, record: LeaseRecord) -> None:
+        """Out of the table (and its request_id forgotten: a retry is a new grant)."""
+        self.table.end(record.lease_id, R.REVOKE_REASON_UNSPECIFIED, cascade=False)
+        if record.request_id and self._requests.get(record.request_id) is pending:
+            del self._requests[record.request_id]
+
+    async def _take_back(self, record: LeaseRecord, value: bytes) -> None:
+        for attempt in range(1, _TAKE_BACK_ATTEMPTS + 1):
+            try:
+                await self.persistence.take_back(record, value)
+                self.taken_back += 1
+                log.info("grant of lease %d was not acknowledged; taken back", record.lease_id)
+                return
+            except Exception as exc:  # noqa: BLE001 - retried, then logged
+                if attempt == _TAKE_BACK_ATTEMPTS:
+                    log.error("could not take back unacknowledged lease %d (%s); if its write landed it stays "
+                              "until its TTL passes unrenewed", record.lease_id, exc)
+                    return
+                await asyncio.sleep(_END_RETRY_S)
+
+    async def _replay(self, spec: GrantSpec, request_id: str, pending: _Pending, time_left: TimeLeft) -> LeaseRecord:
+        if pending.spec != spec:
             raise AlreadyExists(
                 Reason.IDEMPOTENCY_CONFLICT, f"request_id {request_id!r} was used with a different request",
                 metadata={"field": "request_id"},
             )
-        lease_id = await asyncio.shield(future)
+        lease_id = await self._wait(pending, time_left)
         record = self.table.leases.get(lease_id)
         if record is None:
             raise NotFound(
@@ -221,7 +333,10 @@ class LeaseManager:
     async def revoke(self, lease_id: int, reason: int, tenant: str | None) -> LeaseRecord:
         self.require_serving()
         record = self.get(lease_id, tenant)
-        await self.finish(self.table.end(lease_id, reason))
+        try:
+            await self.finish(self.table.end(lease_id, reason))
+        except NotLeaderAnymore:
+            raise self.not_leader() from None
         return record
 
     def get(self, lease_id: int, tenant: str | None) -> LeaseRecord:

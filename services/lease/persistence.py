@@ -53,7 +53,7 @@ class LeasePersistence:
         self._batch_ops = batch_ops
         self.counters = StoreCounters()
         # Grants are group-committed: one flusher writes everything queued meanwhile in one txn.
-        self._grant_queue: list[tuple[LeaseRecord, asyncio.Future[None]]] = []
+        self._grant_queue: list[tuple[LeaseRecord, bytes, asyncio.Future[None]]] = []
         self._grant_flusher: asyncio.Task[None] | None = None
 
     async def _txn(self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> bool:
@@ -73,10 +73,17 @@ class LeasePersistence:
 
     # --- grants ---
 
-    async def save_granted(self, record: LeaseRecord) -> None:
-        """Durably write a new lease before it is acknowledged."""
+    def encode(self, record: LeaseRecord) -> bytes:
+        """The bytes a grant writes (kept by the caller: ``take_back`` deletes exactly these)."""
+        return to_proto(record).SerializeToString()
+
+    async def save_granted(self, record: LeaseRecord, value: bytes) -> None:
+        """Durably write a new lease (``value``: its ``encode``) before it is acknowledged.
+
+        Raises NotLeaderAnymore when the fence failed (nothing written); any other error (a timeout, the
+        store unreachable) leaves the outcome unknown: the write may still be applied."""
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        self._grant_queue.append((record, done))
+        self._grant_queue.append((record, value, done))
         if self._grant_flusher is None or self._grant_flusher.done():
             self._grant_flusher = asyncio.create_task(self._flush_grants())
         await done
@@ -85,18 +92,27 @@ class LeasePersistence:
         while self._grant_queue:
             batch = self._grant_queue[: self._batch_ops]
             del self._grant_queue[: len(batch)]
+            puts = [Put(self._keys.lease(r.lease_id), value) for r, value, _ in batch]
             try:
-                ok = await self._txn(self._fence(), [self._put(r) for r, _ in batch])
+                ok = await self._txn(self._fence(), puts)
                 error: BaseException | None = None if ok else NotLeaderAnymore()
             except Exception as exc:  # noqa: BLE001 - handed to every waiter
                 error = exc
-            for _, done in batch:
+            for _, _, done in batch:
                 if done.done():
                     continue
                 if error is None:
                     done.set_result(None)
                 else:
                     done.set_exception(error)
+
+    async def take_back(self, record: LeaseRecord, value: bytes) -> None:
+        """Delete a grant that was never acknowledged, if the store holds exactly what it wrote.
+
+        Not fenced: deleting our own unacknowledged write is right whoever leads now (it may be done
+        after a step-down); the value compare leaves anything else under the key alone."""
+        key = self._keys.lease(record.lease_id)
+        await self._txn([Compare(key, CompareTarget.VALUE, "==", value)], [Delete(key)])
 
     # --- checkpoints ---
 

@@ -27,49 +27,49 @@ from google.protobuf import timestamp_pb2 as google_dot_protobuf_dot_timestamp__
 from kvbridge.types.v1 import types_pb2 as kvbridge_dot_types_dot_v1_dot_types__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvbridge/lease/v1/lease.proto\x12\x11kvbridge.lease.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dkvbridge/types/v1/types.proto\"\x97\x03\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.kvbridge.lease.v1.LeaseKind\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x18\n\x10\x63onversation_key\x18\x06 \x01(\t\x12\x17\n\x0fretained_tokens\x18\x07 \x01(\r\x12&\n\x03ttl\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\x08\x64\x65\x61\x64line\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ngrant_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x33\n\x0flast_renew_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0cmax_deadline\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\"\xe0\x01\n\x11GrantLeaseRequest\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.kvbridge.lease.v1.LeaseKind\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x18\n\x10\x63onversation_key\x18\x05 \x01(\t\x12\x17\n\x0fretained_tokens\x18\x06 \x01(\r\x12&\n\x03ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\x08 \x01(\t\"X\n\x12GrantLeaseResponse\x12\'\n\x05lease\x18\x01 \x01(\x0b\x32\x18.kvbridge.lease.v1.Lease\x12\x19\n\x11\x65victed_lease_ids\x18\x02 \x03(\x04\"J\n\x0f\x43onversationRef\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10\x63onversation_key\x18\x03 \x01(\t\"`\n\x10KeepAliveRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\x12\x39\n\rconversations\x18\x02 \x03(\x0b\x32\".kvbridge.lease.v1.ConversationRef\"\x9e\x02\n\x0bLeaseStatus\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12&\n\x03ttl\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x06reason\x18\x05 \x01(\x0e\x32\x1f.kvbridge.types.v1.RevokeReason\x12\x38\n\x0c\x63onversation\x18\x06 \x01(\x0b\x32\".kvbridge.lease.v1.ConversationRef\x12-\n\x05\x65rror\x18\x07 \x01(\x0e\x32\x1e.kvbridge.types.v1.ErrorReason\"E\n\x11KeepAliveResponse\x12\x30\n\x08statuses\x18\x01 \x03(\x0b\x32\x1e.kvbridge.lease.v1.LeaseStatus\"W\n\x12RevokeLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12/\n\x06reason\x18\x02 \x01(\x0e\x32\x1f.kvbridge.types.v1.RevokeReason\">\n\x13RevokeLeaseResponse\x12\'\n\x05lease\x18\x01 \x01(\x0b\x32\x18.kvbridge.lease.v1.Lease\"#\n\x0fGetLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\";\n\x10GetLeaseResponse\x12\'\n\x05lease\x18\x01 \x01(\x0b\x32\x18.kvbridge.lease.v1.Lease\"\x89\x01\n\x11ListLeasesRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.kvbridge.lease.v1.LeaseKind\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"W\n\x12ListLeasesResponse\x12(\n\x06leases\x18\x01 \x03(\x0b\x32\x18.kvbridge.lease.v1.Lease\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"]\n\x12WatchLeasesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x34\n\x11progress_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xe9\x01\n\nLeaseEvent\x12\x30\n\x04type\x18\x01 \x01(\x0e\x32\".kvbridge.lease.v1.LeaseEvent.Type\x12\'\n\x05lease\x18\x02 \x01(\x0b\x32\x18.kvbridge.lease.v1.Lease\x12/\n\x06reason\x18\x03 \x01(\x0e\x32\x1f.kvbridge.types.v1.RevokeReason\"O\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTYPE_ACTIVE\x10\x01\x12\x10\n\x0cTYPE_RENEWED\x10\x02\x12\x0e\n\nTYPE_ENDED\x10\x03\"_\n\x13WatchLeasesResponse\x12-\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1d.kvbridge.lease.v1.LeaseEvent\x12\x19\n\x11snapshot_complete\x18\x02 \x01(\x08*R\n\tLeaseKind\x12\x1a\n\x16LEASE_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10LEASE_KIND_ENTRY\x10\x01\x12\x13\n\x0fLEASE_KIND_NODE\x10\x02\x32\xb3\x04\n\x0cLeaseService\x12Y\n\nGrantLease\x12$.kvbridge.lease.v1.GrantLeaseRequest\x1a%.kvbridge.lease.v1.GrantLeaseResponse\x12Z\n\tKeepAlive\x12#.kvbridge.lease.v1.KeepAliveRequest\x1a$.kvbridge.lease.v1.KeepAliveResponse(\x01\x30\x01\x12\\\n\x0bRevokeLease\x12%.kvbridge.lease.v1.RevokeLeaseRequest\x1a&.kvbridge.lease.v1.RevokeLeaseResponse\x12S\n\x08GetLease\x12\".kvbridge.lease.v1.GetLeaseRequest\x1a#.kvbridge.lease.v1.GetLeaseResponse\x12Y\n\nListLeases\x12$.kvbridge.lease.v1.ListLeasesRequest\x1a%.kvbridge.lease.v1.ListLeasesResponse\x12^\n\x0bWatchLeases\x12%.kvbridge.lease.v1.WatchLeasesRequest\x1a&.kvbridge.lease.v1.WatchLeasesResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1dkvbridge/lease/v1/lease.proto\x12\x11kvbridge.lease.v1\x1a\x1egoogle/protobuf/duration.proto\x1a\x1fgoogle/protobuf/timestamp.proto\x1a\x1dkvbridge/types/v1/types.proto\"\xab\x03\n\x05Lease\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12*\n\x04kind\x18\x02 \x01(\x0e\x32\x1c.kvbridge.lease.v1.LeaseKind\x12\x0e\n\x06tenant\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\r\n\x05model\x18\x05 \x01(\t\x12\x18\n\x10\x63onversation_key\x18\x06 \x01(\t\x12\x17\n\x0fretained_tokens\x18\x07 \x01(\r\x12&\n\x03ttl\x18\x08 \x01(\x0b\x32\x19.google.protobuf.Duration\x12,\n\x08\x64\x65\x61\x64line\x18\t \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12.\n\ngrant_time\x18\n \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x33\n\x0flast_renew_time\x18\x0b \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x30\n\x0cmax_deadline\x18\x0c \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12\x12\n\nrequest_id\x18\r \x01(\t\"\xe0\x01\n\x11GrantLeaseRequest\x12*\n\x04kind\x18\x01 \x01(\x0e\x32\x1c.kvbridge.lease.v1.LeaseKind\x12\x0e\n\x06tenant\x18\x02 \x01(\t\x12\x11\n\tengine_id\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12\x18\n\x10\x63onversation_key\x18\x05 \x01(\t\x12\x17\n\x0fretained_tokens\x18\x06 \x01(\r\x12&\n\x03ttl\x18\x07 \x01(\x0b\x32\x19.google.protobuf.Duration\x12\x12\n\nrequest_id\x18\x08 \x01(\t\"X\n\x12GrantLeaseResponse\x12\'\n\x05lease\x18\x01 \x01(\x0b\x32\x18.kvbridge.lease.v1.Lease\x12\x19\n\x11\x65victed_lease_ids\x18\x02 \x03(\x04\"J\n\x0f\x43onversationRef\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x18\n\x10\x63onversation_key\x18\x03 \x01(\t\"`\n\x10KeepAliveRequest\x12\x11\n\tlease_ids\x18\x01 \x03(\x04\x12\x39\n\rconversations\x18\x02 \x03(\x0b\x32\".kvbridge.lease.v1.ConversationRef\"\x9e\x02\n\x0bLeaseStatus\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12\r\n\x05\x61live\x18\x02 \x01(\x08\x12,\n\x08\x64\x65\x61\x64line\x18\x03 \x01(\x0b\x32\x1a.google.protobuf.Timestamp\x12&\n\x03ttl\x18\x04 \x01(\x0b\x32\x19.google.protobuf.Duration\x12/\n\x06reason\x18\x05 \x01(\x0e\x32\x1f.kvbridge.types.v1.RevokeReason\x12\x38\n\x0c\x63onversation\x18\x06 \x01(\x0b\x32\".kvbridge.lease.v1.ConversationRef\x12-\n\x05\x65rror\x18\x07 \x01(\x0e\x32\x1e.kvbridge.types.v1.ErrorReason\"E\n\x11KeepAliveResponse\x12\x30\n\x08statuses\x18\x01 \x03(\x0b\x32\x1e.kvbridge.lease.v1.LeaseStatus\"W\n\x12RevokeLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\x12/\n\x06reason\x18\x02 \x01(\x0e\x32\x1f.kvbridge.types.v1.RevokeReason\">\n\x13RevokeLeaseResponse\x12\'\n\x05lease\x18\x01 \x01(\x0b\x32\x18.kvbridge.lease.v1.Lease\"#\n\x0fGetLeaseRequest\x12\x10\n\x08lease_id\x18\x01 \x01(\x04\";\n\x10GetLeaseResponse\x12\'\n\x05lease\x18\x01 \x01(\x0b\x32\x18.kvbridge.lease.v1.Lease\"\x89\x01\n\x11ListLeasesRequest\x12\x0e\n\x06tenant\x18\x01 \x01(\t\x12\x11\n\tengine_id\x18\x02 \x01(\t\x12*\n\x04kind\x18\x03 \x01(\x0e\x32\x1c.kvbridge.lease.v1.LeaseKind\x12\x11\n\tpage_size\x18\x04 \x01(\r\x12\x12\n\npage_token\x18\x05 \x01(\t\"W\n\x12ListLeasesResponse\x12(\n\x06leases\x18\x01 \x03(\x0b\x32\x18.kvbridge.lease.v1.Lease\x12\x17\n\x0fnext_page_token\x18\x02 \x01(\t\"]\n\x12WatchLeasesRequest\x12\x11\n\tengine_id\x18\x01 \x01(\t\x12\x34\n\x11progress_interval\x18\x02 \x01(\x0b\x32\x19.google.protobuf.Duration\"\xe9\x01\n\nLeaseEvent\x12\x30\n\x04type\x18\x01 \x01(\x0e\x32\".kvbridge.lease.v1.LeaseEvent.Type\x12\'\n\x05lease\x18\x02 \x01(\x0b\x32\x18.kvbridge.lease.v1.Lease\x12/\n\x06reason\x18\x03 \x01(\x0e\x32\x1f.kvbridge.types.v1.RevokeReason\"O\n\x04Type\x12\x14\n\x10TYPE_UNSPECIFIED\x10\x00\x12\x0f\n\x0bTYPE_ACTIVE\x10\x01\x12\x10\n\x0cTYPE_RENEWED\x10\x02\x12\x0e\n\nTYPE_ENDED\x10\x03\"_\n\x13WatchLeasesResponse\x12-\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1d.kvbridge.lease.v1.LeaseEvent\x12\x19\n\x11snapshot_complete\x18\x02 \x01(\x08*R\n\tLeaseKind\x12\x1a\n\x16LEASE_KIND_UNSPECIFIED\x10\x00\x12\x14\n\x10LEASE_KIND_ENTRY\x10\x01\x12\x13\n\x0fLEASE_KIND_NODE\x10\x02\x32\xb3\x04\n\x0cLeaseService\x12Y\n\nGrantLease\x12$.kvbridge.lease.v1.GrantLeaseRequest\x1a%.kvbridge.lease.v1.GrantLeaseResponse\x12Z\n\tKeepAlive\x12#.kvbridge.lease.v1.KeepAliveRequest\x1a$.kvbridge.lease.v1.KeepAliveResponse(\x01\x30\x01\x12\\\n\x0bRevokeLease\x12%.kvbridge.lease.v1.RevokeLeaseRequest\x1a&.kvbridge.lease.v1.RevokeLeaseResponse\x12S\n\x08GetLease\x12\".kvbridge.lease.v1.GetLeaseRequest\x1a#.kvbridge.lease.v1.GetLeaseResponse\x12Y\n\nListLeases\x12$.kvbridge.lease.v1.ListLeasesRequest\x1a%.kvbridge.lease.v1.ListLeasesResponse\x12^\n\x0bWatchLeases\x12%.kvbridge.lease.v1.WatchLeasesRequest\x1a&.kvbridge.lease.v1.WatchLeasesResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'kvbridge.lease.v1.lease_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_LEASEKIND']._serialized_start=2317
-  _globals['_LEASEKIND']._serialized_end=2399
+  _globals['_LEASEKIND']._serialized_start=2337
+  _globals['_LEASEKIND']._serialized_end=2419
   _globals['_LEASE']._serialized_start=149
-  _globals['_LEASE']._serialized_end=556
-  _globals['_GRANTLEASEREQUEST']._serialized_start=559
-  _globals['_GRANTLEASEREQUEST']._serialized_end=783
-  _globals['_GRANTLEASERESPONSE']._serialized_start=785
-  _globals['_GRANTLEASERESPONSE']._serialized_end=873
-  _globals['_CONVERSATIONREF']._serialized_start=875
-  _globals['_CONVERSATIONREF']._serialized_end=949
-  _globals['_KEEPALIVEREQUEST']._serialized_start=951
-  _globals['_KEEPALIVEREQUEST']._serialized_end=1047
-  _globals['_LEASESTATUS']._serialized_start=1050
-  _globals['_LEASESTATUS']._serialized_end=1336
-  _globals['_KEEPALIVERESPONSE']._serialized_start=1338
-  _globals['_KEEPALIVERESPONSE']._serialized_end=1407
-  _globals['_REVOKELEASEREQUEST']._serialized_start=1409
-  _globals['_REVOKELEASEREQUEST']._serialized_end=1496
-  _globals['_REVOKELEASERESPONSE']._serialized_start=1498
-  _globals['_REVOKELEASERESPONSE']._serialized_end=1560
-  _globals['_GETLEASEREQUEST']._serialized_start=1562
-  _globals['_GETLEASEREQUEST']._serialized_end=1597
-  _globals['_GETLEASERESPONSE']._serialized_start=1599
-  _globals['_GETLEASERESPONSE']._serialized_end=1658
-  _globals['_LISTLEASESREQUEST']._serialized_start=1661
-  _globals['_LISTLEASESREQUEST']._serialized_end=1798
-  _globals['_LISTLEASESRESPONSE']._serialized_start=1800
-  _globals['_LISTLEASESRESPONSE']._serialized_end=1887
-  _globals['_WATCHLEASESREQUEST']._serialized_start=1889
-  _globals['_WATCHLEASESREQUEST']._serialized_end=1982
-  _globals['_LEASEEVENT']._serialized_start=1985
-  _globals['_LEASEEVENT']._serialized_end=2218
-  _globals['_LEASEEVENT_TYPE']._serialized_start=2139
-  _globals['_LEASEEVENT_TYPE']._serialized_end=2218
-  _globals['_WATCHLEASESRESPONSE']._serialized_start=2220
-  _globals['_WATCHLEASESRESPONSE']._serialized_end=2315
-  _globals['_LEASESERVICE']._serialized_start=2402
-  _globals['_LEASESERVICE']._serialized_end=2965
+  _globals['_LEASE']._serialized_end=576
+  _globals['_GRANTLEASEREQUEST']._serialized_start=579
+  _globals['_GRANTLEASEREQUEST']._serialized_end=803
+  _globals['_GRANTLEASERESPONSE']._serialized_start=805
+  _globals['_GRANTLEASERESPONSE']._serialized_end=893
+  _globals['_CONVERSATIONREF']._serialized_start=895
+  _globals['_CONVERSATIONREF']._serialized_end=969
+  _globals['_KEEPALIVEREQUEST']._serialized_start=971
+  _globals['_KEEPALIVEREQUEST']._serialized_end=1067
+  _globals['_LEASESTATUS']._serialized_start=1070
+  _globals['_LEASESTATUS']._serialized_end=1356
+  _globals['_KEEPALIVERESPONSE']._serialized_start=1358
+  _globals['_KEEPALIVERESPONSE']._serialized_end=1427
+  _globals['_REVOKELEASEREQUEST']._serialized_start=1429
+  _globals['_REVOKELEASEREQUEST']._serialized_end=1516
+  _globals['_REVOKELEASERESPONSE']._serialized_start=1518
+  _globals['_REVOKELEASERESPONSE']._serialized_end=1580
+  _globals['_GETLEASEREQUEST']._serialized_start=1582
+  _globals['_GETLEASEREQUEST']._serialized_end=1617
+  _globals['_GETLEASERESPONSE']._serialized_start=1619
+  _globals['_GETLEASERESPONSE']._serialized_end=1678
+  _globals['_LISTLEASESREQUEST']._serialized_start=1681
+  _globals['_LISTLEASESREQUEST']._serialized_end=1818
+  _globals['_LISTLEASESRESPONSE']._serialized_start=1820
+  _globals['_LISTLEASESRESPONSE']._serialized_end=1907
+  _globals['_WATCHLEASESREQUEST']._serialized_start=1909
+  _globals['_WATCHLEASESREQUEST']._serialized_end=2002
+  _globals['_LEASEEVENT']._serialized_start=2005
+  _globals['_LEASEEVENT']._serialized_end=2238
+  _globals['_LEASEEVENT_TYPE']._serialized_start=2159
+  _globals['_LEASEEVENT_TYPE']._serialized_end=2238
+  _globals['_WATCHLEASESRESPONSE']._serialized_start=2240
+  _globals['_WATCHLEASESRESPONSE']._serialized_end=2335
+  _globals['_LEASESERVICE']._serialized_start=2422
+  _globals['_LEASESERVICE']._serialized_end=2985
 # @@protoc_insertion_point(module_scope)

@@ -63,6 +63,7 @@ class Lease(_message.Message):
     GRANT_TIME_FIELD_NUMBER: _builtins.int
     LAST_RENEW_TIME_FIELD_NUMBER: _builtins.int
     MAX_DEADLINE_FIELD_NUMBER: _builtins.int
+    REQUEST_ID_FIELD_NUMBER: _builtins.int
     lease_id: _builtins.int
     """Assigned by the lease manager, never 0."""
     kind: Global___LeaseKind.ValueType
@@ -73,6 +74,10 @@ class Lease(_message.Message):
     conversation_key: _builtins.str
     retained_tokens: _builtins.int
     """Tokens the engine retains under this lease (budgets count these)."""
+    request_id: _builtins.str
+    """The GrantLeaseRequest.request_id it was granted for (empty: none). Persisted with the lease, so a
+    retry with that request_id returns this lease after a failover too.
+    """
     @_builtins.property
     def ttl(self) -> _duration_pb2.Duration: ...
     @_builtins.property
@@ -100,10 +105,11 @@ class Lease(_message.Message):
         grant_time: _timestamp_pb2.Timestamp | None = ...,
         last_renew_time: _timestamp_pb2.Timestamp | None = ...,
         max_deadline: _timestamp_pb2.Timestamp | None = ...,
+        request_id: _builtins.str = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["deadline", b"deadline", "grant_time", b"grant_time", "last_renew_time", b"last_renew_time", "max_deadline", b"max_deadline", "ttl", b"ttl"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_key", b"conversation_key", "deadline", b"deadline", "engine_id", b"engine_id", "grant_time", b"grant_time", "kind", b"kind", "last_renew_time", b"last_renew_time", "lease_id", b"lease_id", "max_deadline", b"max_deadline", "model", b"model", "retained_tokens", b"retained_tokens", "tenant", b"tenant", "ttl", b"ttl"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["conversation_key", b"conversation_key", "deadline", b"deadline", "engine_id", b"engine_id", "grant_time", b"grant_time", "kind", b"kind", "last_renew_time", b"last_renew_time", "lease_id", b"lease_id", "max_deadline", b"max_deadline", "model", b"model", "request_id", b"request_id", "retained_tokens", b"retained_tokens", "tenant", b"tenant", "ttl", b"ttl"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
