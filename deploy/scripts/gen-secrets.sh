@@ -36,11 +36,11 @@ if [ ! -f api-keys.json ]; then
   gateway=$(key) registry=$(key) connector=$(key) operator=$(key) demo=$(key)
   cat > api-keys.json <<JSON
 {
-  "$gateway": {"name": "gateway", "tenant": null},
-  "$registry": {"name": "registry", "tenant": null},
-  "$connector": {"name": "connector", "tenant": null},
-  "$operator": {"name": "operator", "tenant": null},
-  "$demo": {"name": "demo-client", "tenant": "demo"}
+  "$gateway": {"name": "gateway", "role": "gateway"},
+  "$registry": {"name": "registry", "role": "operator"},
+  "$connector": {"name": "connector", "role": "engine"},
+  "$operator": {"name": "operator", "role": "operator"},
+  "$demo": {"name": "demo-client", "role": "tenant", "tenant": "demo"}
 }
 JSON
   cat > service.env <<ENV

@@ -1,17 +1,23 @@
-"""Who is calling: API keys map to principals; tenants come from credentials.
+"""Who is calling: API keys map to principals with roles; tenants come from credentials.
 
-A *tenant principal* acts only for its own tenant: request fields naming a
-tenant must be empty or equal to it. A *service principal* (gateway,
-connector, operators) acts for any tenant and must name it. With no keys
-configured a server runs in insecure development mode: every caller is the
-service principal ``dev`` (the embedded single-node default; logged loudly).
+Roles (what a caller may do; the RPC x role table is services/common/authz.py):
+
+- ``tenant``: an application acting for its own tenant only (request fields naming a tenant must be empty or
+  equal to it); it looks up, heartbeats and closes its own conversations.
+- ``gateway``: routes for any tenant (must name it); ``engine``: a decode/prefill engine's connector, the only
+  writer of KV locations; ``operator``: inspects and revokes.
+
+A principal holds the ``tenant`` role alone, or any set of the other three (one service key may be gateway and
+engine). With no keys configured a server runs in insecure development mode: every caller is ``dev``, holding
+every non-tenant role (it must name the tenant it acts for, like the gateway; logged loudly).
 """
 
 from __future__ import annotations
 
+import enum
 import json
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,21 +31,42 @@ AUTH_METADATA_KEY = "authorization"
 _BEARER = "bearer "
 
 
+class Role(enum.StrEnum):
+    TENANT = "tenant"
+    GATEWAY = "gateway"
+    ENGINE = "engine"
+    OPERATOR = "operator"
+
+
+SERVICE_ROLES = frozenset({Role.GATEWAY, Role.ENGINE, Role.OPERATOR})
+
+
 @dataclass(frozen=True, slots=True)
 class Principal:
     name: str
-    # None: a service principal that may act for any tenant.
+    # Set exactly for the tenant role; None: a principal that acts for any tenant and must name it.
     tenant: str | None
+    # Empty: derived (a principal with a tenant holds the tenant role).
+    roles: frozenset[Role] = field(default=frozenset())
 
-    @property
-    def is_service(self) -> bool:
-        return self.tenant is None
+    def __post_init__(self) -> None:
+        roles = self.roles or (frozenset({Role.TENANT}) if self.tenant is not None else frozenset())
+        if not roles:
+            raise ValueError(f"principal {self.name!r} has no role")
+        if Role.TENANT in roles and (len(roles) > 1 or self.tenant is None):
+            raise ValueError(f"principal {self.name!r}: the tenant role needs a tenant and excludes other roles")
+        if Role.TENANT not in roles and self.tenant is not None:
+            raise ValueError(f"principal {self.name!r}: only the tenant role has a tenant")
+        object.__setattr__(self, "roles", frozenset(roles))
+
+    def has(self, role: Role) -> bool:
+        return role in self.roles
 
     def tenant_for(self, requested: str, *, field: str = "tenant") -> str:
         """The tenant a request acts for, checked against the credentials."""
         if self.tenant is None:
             if not requested:
-                raise invalid_field(field, "service callers must name the tenant")
+                raise invalid_field(field, f"a {'/'.join(sorted(self.roles))} caller must name the tenant")
             return requested
         if requested and requested != self.tenant:
             raise PermissionDenied(
@@ -49,14 +76,10 @@ class Principal:
             )
         return self.tenant
 
-    def require_service(self) -> None:
-        if self.tenant is not None:
-            raise PermissionDenied(
-                Reason.TENANT_FORBIDDEN, f"principal {self.name!r} is not a service principal"
-            )
 
 
-DEV_PRINCIPAL = Principal(name="dev", tenant=None)
+# Insecure development mode (no keys file): every non-tenant role, so the whole stack works unauthenticated.
+DEV_PRINCIPAL = Principal(name="dev", tenant=None, roles=SERVICE_ROLES)
 
 
 class Authenticator:
@@ -65,7 +88,7 @@ class Authenticator:
     def __init__(self, keys: dict[str, Principal]) -> None:
         self._keys = dict(keys)
         if not self._keys:
-            log.warning("no API keys configured: INSECURE development mode, every caller is a service principal")
+            log.warning("no API keys configured: INSECURE development mode, every caller holds every role")
 
     @property
     def insecure(self) -> bool:
@@ -73,7 +96,13 @@ class Authenticator:
 
     @classmethod
     def from_file(cls, path: Path | None) -> Authenticator:
-        """Keys file: JSON ``{"<api key>": {"name": "...", "tenant": "acme" | null}}``."""
+        """Keys file: JSON ``{"<api key>": {"name": "...", "role": "tenant", "tenant": "acme"}}``.
+
+        ``role`` is one of tenant, gateway, engine, operator; ``roles`` (a list) gives one key several non-tenant
+        roles. The tenant role needs ``tenant``; the others must not have one. Files written before roles
+        existed: an entry with a tenant and no role is a tenant key; ``"tenant": null`` without a role (the old
+        "service principal") is refused, naming the ``role`` field, instead of guessing what it may do.
+        """
         if path is None:
             return cls({})
         try:
@@ -86,13 +115,7 @@ class Authenticator:
         for key, spec in raw.items():
             if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
                 raise ValueError(f"API keys file {path}: entry for a key lacks a string 'name'")
-            tenant = spec.get("tenant")
-            if tenant is not None and not ids.TENANT.valid(tenant):
-                raise ValueError(
-                    f"API keys file {path}: 'tenant' of {spec['name']!r} must be null or a tenant id "
-                    f"({ids.TENANT.description})"
-                )
-            keys[key] = Principal(name=spec["name"], tenant=tenant)
+            keys[key] = _principal(path, spec)
         return cls(keys)
 
     def authenticate_key(self, api_key: str | None) -> Principal:
@@ -118,4 +141,35 @@ class Authenticator:
         return self.authenticate_key(value)
 
 
-__all__ = ["Principal", "Authenticator", "DEV_PRINCIPAL", "AUTH_METADATA_KEY", "InvalidArgument"]
+def _principal(path: Path, spec: dict[str, Any]) -> Principal:
+    name = spec["name"]
+    where = f"API keys file {path}: {name!r}"
+    tenant = spec.get("tenant")
+    if tenant is not None and not ids.TENANT.valid(tenant):
+        raise ValueError(f"{where}: 'tenant' must be null or a tenant id ({ids.TENANT.description})")
+    if "role" in spec and "roles" in spec:
+        raise ValueError(f"{where}: give 'role' or 'roles', not both")
+    raw_roles = spec.get("roles", [spec["role"]] if "role" in spec else None)
+    if raw_roles is None:
+        if tenant is None:
+            raise ValueError(
+                f"{where}: 'tenant': null without a 'role' is the retired service principal; set \"role\" to "
+                f"one of gateway, engine, operator (or \"roles\": [...]), see docs/security.md"
+            )
+        raw_roles = [Role.TENANT.value]
+    if not isinstance(raw_roles, list) or not raw_roles:
+        raise ValueError(f"{where}: 'roles' must be a non-empty list")
+    roles: set[Role] = set()
+    for r in raw_roles:
+        try:
+            roles.add(Role(r))
+        except ValueError:
+            raise ValueError(f"{where}: unknown role {r!r} (one of {', '.join(x.value for x in Role)})") from None
+    try:
+        return Principal(name=name, tenant=tenant, roles=frozenset(roles))
+    except ValueError as exc:
+        raise ValueError(f"API keys file {path}: {exc}") from None
+
+
+__all__ = ["Role", "SERVICE_ROLES", "Principal", "Authenticator", "DEV_PRINCIPAL", "AUTH_METADATA_KEY",
+           "InvalidArgument"]

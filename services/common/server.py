@@ -17,6 +17,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from .auth import Authenticator
+from .authz import AuthzInterceptor
 from .config import ServerSettings
 from .decode_guard import DecodeGuardInterceptor
 from .telemetry import Telemetry
@@ -44,7 +46,8 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | Non
 
 class GrpcServer:
     def __init__(self, settings: ServerSettings, port: int, bindings: Sequence[ServiceBinding], *,
-                 telemetry: Telemetry | None = None, reuse_port: bool = False) -> None:
+                 telemetry: Telemetry | None = None, reuse_port: bool = False,
+                 auth: Authenticator | None = None) -> None:
         self._settings = settings
         # Without one, spans go to the global tracer provider (a no-op unless the process set one).
         self.telemetry = telemetry or Telemetry.disabled(bindings[0].full_name if bindings else "grpc")
@@ -55,7 +58,10 @@ class GrpcServer:
             ("grpc.so_reuseport", 1 if reuse_port else 0),
         ]
         self.server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
-                                      interceptors=[self.telemetry.server_interceptor(), DecodeGuardInterceptor()])
+                                      interceptors=[self.telemetry.server_interceptor(),
+                                                    # auth None: only test servers of non-kvbridge services
+                                                    *([AuthzInterceptor(auth)] if auth is not None else []),
+                                                    DecodeGuardInterceptor()])
         self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [b.full_name for b in bindings]

@@ -48,7 +48,8 @@ class GatewayApp:
         grpc_settings = (server_settings or ServerSettings()).model_copy(update={"host": settings.host})
         self._grpc = GrpcServer(grpc_settings, settings.grpc_port, [
             ServiceBinding(SERVICE_NAME, GatewayServicer(self.core),
-                           gateway_pb2_grpc.add_GatewayServiceServicer_to_server)], telemetry=self.telemetry)
+                           gateway_pb2_grpc.add_GatewayServiceServicer_to_server)], telemetry=self.telemetry,
+            auth=auth)
         config = uvicorn.Config(self.http_app, host=settings.host, port=settings.http_port, log_level="warning",
                                 lifespan="off", access_log=False, timeout_graceful_shutdown=5)
         self._http = uvicorn.Server(config)

@@ -9,6 +9,7 @@ import grpc
 from kvbridge import ids
 from kvbridge.errors import KvbridgeError, Reason, Unavailable, invalid_field
 from kvbridge.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from kvbridge_services.common.authz import caller
 from kvbridge_services.common.boundary import rpc_boundary, stream_boundary
 
 from .control import ControlPlaneError
@@ -43,7 +44,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         self._core = core
 
     def _tenant(self, context: Ctx) -> str:
-        principal = self._core.auth.authenticate(context)
+        principal = caller()
         requested = None
         for key, val in context.invocation_metadata() or ():
             if key == TENANT_HEADER:
@@ -123,7 +124,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     @rpc_boundary
     async def ListModels(self, request: gateway_pb2.ListModelsRequest,
                          context: Ctx) -> gateway_pb2.ListModelsResponse:
-        self._core.auth.authenticate(context)
+        caller()
         pool = self._core.pool
         return gateway_pb2.ListModelsResponse(models=[
             gateway_pb2.Model(id=m, prefill_engines=pool.count(m, "prefill"), decode_engines=pool.count(m, "decode"))

@@ -9,6 +9,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import grpc
 from kvbridge import telemetry as tel
 from kvbridge.errors import InvalidArgument, KvbridgeError, Reason, ResourceExhausted
+from kvbridge_services.common import authz
 from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -22,6 +23,10 @@ from .service import TENANT_HEADER, GatewayCore
 from .upstream import ClientError
 
 REUSE_HEADER = "x-kvbridge-reuse"
+# The HTTP routes answer under the authorization rows of their gRPC twins (services/common/authz.py).
+_HTTP_METHODS: dict[TurnKind, str] = {"chat": "kvbridge.gateway.v1.GatewayService/CreateChatCompletion",
+                                      "completion": "kvbridge.gateway.v1.GatewayService/CreateCompletion"}
+
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
     grpc.StatusCode.UNAUTHENTICATED: 401,
@@ -144,6 +149,7 @@ def build_http_app(core: GatewayCore) -> Starlette:
 
     async def completion(request: Request, kind: TurnKind) -> Response:
         principal = core.auth.authenticate_key(_bearer(request))
+        authz.require(principal, _HTTP_METHODS[kind])  # the same row as the gRPC method
         if core.inflight >= s.max_concurrency:
             raise ResourceExhausted(Reason.OVERLOADED, "too many requests in flight; retry later")
         core.inflight += 1
@@ -177,7 +183,7 @@ def build_http_app(core: GatewayCore) -> Starlette:
         return await completion(request, "completion")
 
     async def models(request: Request) -> Response:
-        core.auth.authenticate_key(_bearer(request))
+        authz.require(core.auth.authenticate_key(_bearer(request)), "kvbridge.gateway.v1.GatewayService/ListModels")
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvbridge"} for name in sorted(core.models())]
         return JSONResponse({"object": "list", "data": data})
 

@@ -71,7 +71,7 @@ class LeaseApp:
         self.server = GrpcServer(
             server_settings, policy.port,
             [ServiceBinding(SERVICE_NAME, self.servicer, lease_pb2_grpc.add_LeaseServiceServicer_to_server)],
-            telemetry=self.telemetry,
+            telemetry=self.telemetry, auth=self.servicer_auth,
         )
         self.election = LeaderElection(
             store, keys.leader("lease"), policy.advertise_address or self.server.address,

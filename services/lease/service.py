@@ -23,6 +23,7 @@ from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.types.v1 import types_pb2
 
 from ..common.auth import Authenticator, Principal
+from ..common.authz import caller
 from ..common.boundary import rpc_boundary, stream_boundary
 from . import validation as v
 from .codec import duration_s, set_duration, set_timestamp, to_proto
@@ -49,19 +50,18 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     async def GrantLease(
         self, request: lease_pb2.GrantLeaseRequest, context: Context
     ) -> lease_pb2.GrantLeaseResponse:
-        principal = self._auth.authenticate(context)
+        principal = caller()
         spec = self._grant_spec(request, principal)
         request_id = v.optional_request_id(request.request_id)
         self._m.require_serving()
-        record, evicted = await self._m.grant(spec, request_id, context.time_remaining)
+        record, evicted = await self._m.grant(spec, request_id)
         return lease_pb2.GrantLeaseResponse(lease=to_proto(record), evicted_lease_ids=evicted)
 
     def _grant_spec(self, r: lease_pb2.GrantLeaseRequest, principal: Principal) -> GrantSpec:
         p = self._policy
         ttl_s = v.ttl(r.ttl, present=r.HasField("ttl"), default_s=p.default_ttl_s, min_s=p.min_ttl_s, max_s=p.max_ttl_s)
         engine_id = sys.intern(v.engine_id(r.engine_id))
-        if r.kind == NODE:
-            principal.require_service()
+        if r.kind == NODE:  # engines only, like every grant (services/common/authz.py)
             v.must_be_empty(r.model, "model", "for a NODE lease")
             v.must_be_empty(r.conversation_key, "conversation_key", "for a NODE lease")
             v.must_be_empty(r.retained_tokens, "retained_tokens", "for a NODE lease")
@@ -81,7 +81,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     async def KeepAlive(
         self, request_iterator: AsyncIterator[lease_pb2.KeepAliveRequest], context: Context
     ) -> AsyncIterator[lease_pb2.KeepAliveResponse]:
-        principal = self._auth.authenticate(context)
+        principal = caller()
         self._m.require_serving()
         async for request in request_iterator:
             self._m.require_serving()  # leadership may have moved while the stream was open
@@ -101,7 +101,10 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
             status.lease_id = lease_id
             record = renew(lease_id, tenant)
             if record is None:
-                status.reason = self._m.table.ended_reason(lease_id)  # type: ignore[assignment]
+                if tenant is None:
+                    status.reason = self._m.table.ended_reason(lease_id)  # type: ignore[assignment]
+                else:  # ids are predictable: a tenant learns nothing of a lease it does not hold, not even its end
+                    status.error = types_pb2.ERROR_REASON_LEASE_NOT_FOUND
                 continue
             status.alive = True
             set_timestamp(status.deadline, record.deadline)
@@ -137,7 +140,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     async def RevokeLease(
         self, request: lease_pb2.RevokeLeaseRequest, context: Context
     ) -> lease_pb2.RevokeLeaseResponse:
-        principal = self._auth.authenticate(context)
+        principal = caller()
         lease_id = v.lease_id(request.lease_id)
         if request.reason not in types_pb2.RevokeReason.values() or not request.reason:
             raise invalid_field("reason", "must be a defined RevokeReason other than UNSPECIFIED")
@@ -148,7 +151,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     async def GetLease(
         self, request: lease_pb2.GetLeaseRequest, context: Context
     ) -> lease_pb2.GetLeaseResponse:
-        principal = self._auth.authenticate(context)
+        principal = caller()
         lease_id = v.lease_id(request.lease_id)
         self._m.require_serving()
         return lease_pb2.GetLeaseResponse(lease=to_proto(self._m.get(lease_id, principal.tenant)))
@@ -157,8 +160,8 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     async def ListLeases(
         self, request: lease_pb2.ListLeasesRequest, context: Context
     ) -> lease_pb2.ListLeasesResponse:
-        principal = self._auth.authenticate(context)
-        tenant = ""  # a service principal listing every tenant
+        principal = caller()
+        tenant = ""  # an operator listing every tenant
         if principal.tenant is not None or request.tenant:
             tenant = v.tenant(principal.tenant_for(request.tenant))
         engine_id = v.engine_id(request.engine_id) if request.engine_id else ""
@@ -190,8 +193,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     async def WatchLeases(
         self, request: lease_pb2.WatchLeasesRequest, context: Context
     ) -> AsyncIterator[lease_pb2.WatchLeasesResponse]:
-        principal = self._auth.authenticate(context)
-        principal.require_service()  # an engine's leases span tenants
+        caller()  # the authorization table admits engines and operators only: an engine's leases span tenants
         engine_id = v.engine_id(request.engine_id)
         progress_s = _DEFAULT_PROGRESS_S
         if request.HasField("progress_interval"):

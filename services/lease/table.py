@@ -48,8 +48,6 @@ class LeaseRecord:
     last_renew_time: float
     # Deadline last written to the store (checkpoints write it back once it lags too far).
     persisted_deadline: float = 0.0
-    # GrantLeaseRequest.request_id of its grant ("": none), persisted so replays survive a failover.
-    request_id: str = ""
 
     @property
     def conversation(self) -> ConversationId:
@@ -114,7 +112,6 @@ class LeaseTable:
         retained_tokens: int = 0,
         ttl_s: float,
         max_lifetime_s: float,
-        request_id: str = "",
     ) -> tuple[LeaseRecord, list[Ended]]:
         """A new live lease, and the leases revoked (BUDGET) to make room for it."""
         if len(self.leases) >= self.limits.max_leases:
@@ -139,7 +136,6 @@ class LeaseTable:
             max_deadline=max_deadline,
             deadline=min(now + ttl_s, max_deadline),
             last_renew_time=now,
-            request_id=request_id,
         )
         record.persisted_deadline = record.deadline
         self._insert(record)
@@ -165,9 +161,15 @@ class LeaseTable:
                 if used + tokens <= budget:
                     break
                 victim = self.leases[lease_id]
-                if lease_id not in victims and victim.retained_tokens:
+                # A grant makes room only among its own tenant's leases: one tenant never evicts another's.
+                if lease_id not in victims and victim.retained_tokens and victim.tenant == tenant:
                     victims[lease_id] = victim
                     used -= victim.retained_tokens
+            if used + tokens > budget:
+                raise ResourceExhausted(
+                    Reason.BUDGET_EXCEEDED,
+                    f"the {what} budget of {budget} retained tokens is held by other tenants' leases",
+                )
         return list(victims.values())
 
     def _insert(self, record: LeaseRecord) -> None:

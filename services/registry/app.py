@@ -85,14 +85,15 @@ class RegistryApp:
         self.feeder = IndexFeeder(store, self.keys, self.index, timeout_s=store_timeout_s,
                                   progress_interval_s=max_lag / 4, restart_after_s=max(5.0, 4 * max_lag))
         self._readiness: asyncio.Task[None] | None = None
-        servicer = RegistryServicer(self.registry, auth or Authenticator({}), store, self.keys,
-                                    telemetry=self.telemetry)
+        auth = auth or Authenticator({})
+        servicer = RegistryServicer(self.registry, auth, store, self.keys, telemetry=self.telemetry)
         self.server = GrpcServer(
             self.server_settings,
             self.settings.port,
             [ServiceBinding(SERVICE_NAME, servicer, registry_pb2_grpc.add_RegistryServiceServicer_to_server)],
             telemetry=self.telemetry,
             reuse_port=share_port,
+            auth=auth,
         )
 
     @property

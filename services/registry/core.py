@@ -177,7 +177,6 @@ class Registry:
     # ------------------------------------------------------------------ engines
 
     async def register_engine(self, principal: Principal, engine: types_pb2.Engine) -> types_pb2.Engine:
-        principal.require_service()
         v.check_engine(engine, self.limits)
         if engine.engine_id not in self.index.engines and len(self.index.engines) >= self._settings.max_engines:
             raise ResourceExhausted(Reason.BUDGET_EXCEEDED, f"at most {self._settings.max_engines} engines")
@@ -238,7 +237,6 @@ class Registry:
         return dropped
 
     async def deregister_engine(self, principal: Principal, engine_id: str) -> None:
-        principal.require_service()
         v.check_id("engine_id", engine_id)
         if not await self._store.delete(self._keys.engine(engine_id), timeout=self._timeout):
             raise NotFound(Reason.ENGINE_NOT_FOUND, f"engine {engine_id!r} is not registered")

@@ -11,6 +11,7 @@ from kvbridge import telemetry as tel
 from kvbridge.errors import FailedPrecondition, KvbridgeError, Reason, invalid_field
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge_services.common.auth import Authenticator
+from kvbridge_services.common.authz import caller
 from kvbridge_services.common.boundary import rpc_boundary, stream_boundary
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.base import Compacted, EventType, Store
@@ -118,7 +119,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def RegisterEngine(
         self, request: registry_pb2.RegisterEngineRequest, context: Ctx
     ) -> registry_pb2.RegisterEngineResponse:
-        principal = self._auth.authenticate(context)
+        principal = caller()
         if not request.HasField("engine"):
             raise invalid_field("engine", "required")
         engine = await self._registry.register_engine(principal, request.engine)
@@ -128,21 +129,21 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def DeregisterEngine(
         self, request: registry_pb2.DeregisterEngineRequest, context: Ctx
     ) -> registry_pb2.DeregisterEngineResponse:
-        await self._registry.deregister_engine(self._auth.authenticate(context), request.engine_id)
+        await self._registry.deregister_engine(caller(), request.engine_id)
         return registry_pb2.DeregisterEngineResponse()
 
     @rpc_boundary
     async def GetEngine(
         self, request: registry_pb2.GetEngineRequest, context: Ctx
     ) -> registry_pb2.GetEngineResponse:
-        self._auth.authenticate(context)
+        caller()
         return registry_pb2.GetEngineResponse(engine=self._registry.get_engine(request.engine_id))
 
     @rpc_boundary
     async def ListEngines(
         self, request: registry_pb2.ListEnginesRequest, context: Ctx
     ) -> registry_pb2.ListEnginesResponse:
-        self._auth.authenticate(context)
+        caller()
         return self._registry.list_engines(request)
 
     @rpc_boundary
@@ -155,7 +156,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
             span.set_attributes({tel.ATTR_ENGINE: request.entry.engine_id, "kvbridge.entry.epoch": request.entry.epoch,
                                  "kvbridge.entry.tokens": request.entry.token_count})
         try:
-            response = await self._registry.register_entry(self._auth.authenticate(context), request)
+            response = await self._registry.register_entry(caller(), request)
         except KvbridgeError as err:
             self.metrics.registrations.labels((err.reason or err.code.name).lower()).inc()
             raise
@@ -168,7 +169,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self, request: registry_pb2.LookupEntryRequest, context: Ctx
     ) -> registry_pb2.LookupEntryResponse:
         span = self._annotate(request.tenant, request.model, request.conversation_key)
-        response = self._registry.lookup(self._auth.authenticate(context), request)
+        response = self._registry.lookup(caller(), request)
         verdict = self.metrics.count_lookup(response.verdict, response.verified_tokens)
         if span.is_recording():
             span.set_attributes({tel.ATTR_VERDICT: verdict, tel.ATTR_VERIFIED_TOKENS: response.verified_tokens})
@@ -180,20 +181,20 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def GetEntry(
         self, request: registry_pb2.GetEntryRequest, context: Ctx
     ) -> registry_pb2.GetEntryResponse:
-        entry = await self._registry.get_entry(self._auth.authenticate(context), request.key)
+        entry = await self._registry.get_entry(caller(), request.key)
         return registry_pb2.GetEntryResponse(entry=entry)
 
     @rpc_boundary
     async def ListEntries(
         self, request: registry_pb2.ListEntriesRequest, context: Ctx
     ) -> registry_pb2.ListEntriesResponse:
-        return await self._registry.list_entries(self._auth.authenticate(context), request)
+        return await self._registry.list_entries(caller(), request)
 
     @rpc_boundary
     async def DeleteEntry(
         self, request: registry_pb2.DeleteEntryRequest, context: Ctx
     ) -> registry_pb2.DeleteEntryResponse:
-        entry = await self._registry.delete_entry(self._auth.authenticate(context), request.key, request.reason,
+        entry = await self._registry.delete_entry(caller(), request.key, request.reason,
                                                    expected_epoch=request.expected_epoch)
         return registry_pb2.DeleteEntryResponse(entry=entry)
 
@@ -201,10 +202,10 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def WatchEntries(
         self, request: registry_pb2.WatchEntriesRequest, context: Ctx
     ) -> AsyncIterator[registry_pb2.WatchEntriesResponse]:
-        principal = self._auth.authenticate(context)
+        principal = caller()
         v.check_tenant_field("tenant", request.tenant)
-        # Empty tenant: a service principal watches every tenant, a tenant principal its own (as in other RPCs).
-        tenant: str | None = principal.tenant_for(request.tenant) if request.tenant or not principal.is_service \
+        # Empty tenant: a non-tenant principal watches every tenant, a tenant principal its own (as in other RPCs).
+        tenant: str | None = principal.tenant_for(request.tenant) if request.tenant or principal.tenant is not None \
             else None
         if request.engine_id:
             v.check_id("engine_id", request.engine_id)

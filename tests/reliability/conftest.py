@@ -1,7 +1,8 @@
 """A secured control plane for reliability tests: API keys on every service, one MemoryStore, real gRPC.
 
-Principals (keys file written by the fixture): tenants ``acme`` and ``globex`` and the service principal the
-gateway uses towards registry and lease manager (``svc``), which also registers engines.
+Principals (keys file written by the fixture): tenants ``acme`` and ``globex``; the key the gateway uses towards
+registry and lease manager (``key-service``: roles gateway and engine, as in compatibility mode, since it also
+registers the static engines and their entries); one key per single role for the authorization matrix.
 """
 
 from __future__ import annotations
@@ -39,11 +40,17 @@ BLOCK = 16
 SECRET_HEX = "00112233445566778899aabbccddeeff"
 SECRET = bytes.fromhex(SECRET_HEX)
 ACME_KEY, GLOBEX_KEY, SERVICE_KEY = "key-acme", "key-globex", "key-service"
+GATEWAY_KEY, ENGINE_KEY, OPERATOR_KEY = "key-gateway-only", "key-engine", "key-operator"
 KEYS_FILE = {
-    ACME_KEY: {"name": "acme-app", "tenant": "acme"},
-    GLOBEX_KEY: {"name": "globex-app", "tenant": "globex"},
-    SERVICE_KEY: {"name": "gateway", "tenant": None},
+    ACME_KEY: {"name": "acme-app", "role": "tenant", "tenant": "acme"},
+    GLOBEX_KEY: {"name": "globex-app", "role": "tenant", "tenant": "globex"},
+    SERVICE_KEY: {"name": "gateway", "roles": ["gateway", "engine"]},
+    GATEWAY_KEY: {"name": "gateway-only", "role": "gateway"},
+    ENGINE_KEY: {"name": "connector", "role": "engine"},
+    OPERATOR_KEY: {"name": "operator", "role": "operator"},
 }
+# The key of each single role, for tests that call as exactly one role.
+ROLE_KEYS = {"tenant": ACME_KEY, "gateway": GATEWAY_KEY, "engine": ENGINE_KEY, "operator": OPERATOR_KEY}
 # gRPC codes a rejected request may get; INTERNAL / UNKNOWN never.
 CLEAN_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
                grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
@@ -111,8 +118,10 @@ class SecureStack:
         return result
 
     async def entry_count(self) -> int:
-        resp = await call(self.registry.ListEntries, registry_pb2.ListEntriesRequest(tenant="acme", page_size=1000))
-        other = await call(self.registry.ListEntries, registry_pb2.ListEntriesRequest(tenant="globex", page_size=1000))
+        resp = await call(self.registry.ListEntries, registry_pb2.ListEntriesRequest(tenant="acme", page_size=1000),
+                          OPERATOR_KEY)
+        other = await call(self.registry.ListEntries, registry_pb2.ListEntriesRequest(tenant="globex", page_size=1000),
+                           OPERATOR_KEY)
         return len(resp.entries) + len(other.entries)
 
 

@@ -7,7 +7,7 @@ import grpc
 from google.protobuf import duration_pb2
 from kvbridge.errors import reason_name
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
-from kvbridge_services.common.auth import Authenticator, Principal
+from kvbridge_services.common.auth import Authenticator, Principal, Role
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.lease.app import LeaseApp
@@ -24,7 +24,8 @@ def ref(key: str, tenant: str = "") -> lease_pb2.ConversationRef:
 
 async def test_a_refused_ref_leaves_the_message_and_the_stream_working() -> None:
     store = MemoryStore()
-    auth = Authenticator({"key-acme": Principal("acme-app", "acme")})
+    auth = Authenticator({"key-acme": Principal("acme-app", "acme"),
+                          "key-engine": Principal("connector", None, frozenset({Role.ENGINE}))})
     app = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
                    ServerSettings(shutdown_grace_s=0.2), auth=auth)
     await app.start()
@@ -33,8 +34,8 @@ async def test_a_refused_ref_leaves_the_message_and_the_stream_working() -> None
         await wait_until(lambda: app.is_leader)
         stub = lease_pb2_grpc.LeaseServiceStub(channel)
         granted = await stub.GrantLease(lease_pb2.GrantLeaseRequest(
-            kind=lease_pb2.LEASE_KIND_ENTRY, engine_id="d0", model="m", conversation_key="c1",
-            ttl=duration_pb2.Duration(seconds=30)), metadata=ACME)
+            kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="d0", model="m", conversation_key="c1",
+            ttl=duration_pb2.Duration(seconds=30)), metadata=(("authorization", "Bearer key-engine"),))
         lease_id = granted.lease.lease_id
         call = stub.KeepAlive(metadata=ACME)
         await call.write(lease_pb2.KeepAliveRequest(lease_ids=[lease_id], conversations=[

@@ -497,9 +497,14 @@ def test_generated_secrets_are_usable() -> None:
     import json
 
     out = _generated_secrets()
+    from kvbridge_services.common.auth import Authenticator, Role
+
+    auth = Authenticator.from_file(out / "api-keys.json")  # the services' own parser accepts the file
     keys = json.loads((out / "api-keys.json").read_text())
-    principals = {v["name"]: v["tenant"] for v in keys.values()}
-    assert principals["gateway"] is None and principals["demo-client"] == "demo"
+    principals = {auth.authenticate_key(k).name: auth.authenticate_key(k) for k in keys}
+    assert principals["gateway"].roles == {Role.GATEWAY} and principals["connector"].roles == {Role.ENGINE}
+    assert principals["registry"].roles == {Role.OPERATOR}
+    assert principals["demo-client"].tenant == "demo" and principals["demo-client"].roles == {Role.TENANT}
     env = _secret_env_keys("service.env")
     assert {"KVBRIDGE_GATEWAY_CONTROL_API_KEY", "KVBRIDGE_GATEWAY_HASH_SECRET_HEX"} <= env
     verify = subprocess.run(
