@@ -300,6 +300,43 @@ def _bench(args: argparse.Namespace) -> int:
     return code if code >= 0 else 128 - code
 
 
+def _store(args: argparse.Namespace) -> int:
+    """``kvbridge store verify|repair``: check (or cut at its damage) an embedded store's directory."""
+    from kvbridge_services.common.store.wal import StoreOpenError, repair, verify
+
+    directory = Path(args.data_dir)
+    if not directory.is_dir():
+        print(f"kvbridge: store {args.action}: no directory {directory}", file=sys.stderr)
+        return 1
+    if args.action == "verify":
+        report = verify(directory)
+        print(f"snapshot: {report.snapshot}")
+        print(f"log: {report.log_bytes} bytes, {report.log_records} valid records before any damage")
+        if report.damage is not None:
+            d = report.damage
+            kind = "torn final record (cut on the next open)" if d.torn_tail else (
+                f"damage, {d.valid_after} valid records after it (the store refuses to open)")
+            print(f"log damage at offset {d.offset}: {d.reason}; {d.bytes_after} bytes from there: {kind}")
+        return 0 if report.ok else 1
+    try:
+        result = repair(directory)
+    except StoreOpenError as exc:
+        print(f"kvbridge: store repair: {exc}", file=sys.stderr)
+        return 1
+    if result.damage is None:
+        print(f"log intact ({result.kept_records} records); nothing cut")
+    else:
+        d = result.damage
+        seqs = f" (seq {d.seq_after[0]}..{d.seq_after[1]})" if d.seq_after else ""
+        print(f"cut the log at offset {d.offset} ({d.reason}): kept {result.kept_records} records, dropped "
+              f"{d.bytes_after} bytes holding {d.valid_after} valid records{seqs}")
+    snapshot = verify(directory)
+    if not snapshot.snapshot_ok:
+        print(f"kvbridge: store repair: {snapshot.snapshot}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbridge", description="kvbridge: verified decode→prefill KV reuse for vLLM.")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
@@ -356,6 +393,14 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("lease_id", nargs="?", type=int, default=0)
     ls.add_argument("--engine", default="")
     client_flags(ls)
+    sto = sub.add_parser(
+        "store", help="embedded store files: verify | repair (cut the log at its damage)",
+        description="verify: check the snapshot's checksum and the log's records (exit 1 if damaged). "
+                    "repair: with every process using the directory stopped, truncate the log at its first "
+                    "damage and print what was dropped; the records before it are kept. A damaged snapshot "
+                    "cannot be repaired: restore the directory from a backup.")
+    sto.add_argument("action", choices=["verify", "repair"])
+    sto.add_argument("--data-dir", required=True, help="the directory given to --data-dir of the service")
     bench = sub.add_parser(
         "bench", help="run a benchmark script from bench/ (needs a source checkout)",
         description="Run one of the benchmark scripts in the repository's bench/ directory with this Python. "
@@ -378,6 +423,8 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s %(message)s")
     if args.command == "bench":
         return _bench(args)
+    if args.command == "store":
+        return _store(args)
     runner = {"up": _up, "demo": _demo}.get(args.command, _inspect)
     try:
         return asyncio.run(runner(args))

@@ -21,6 +21,7 @@ from ..common.config import ServerSettings, StoreSettings
 from ..common.keys import KeyLayout
 from ..common.store import Store, StoreError, open_store
 from ..common.store.etcd import EtcdTlsError
+from ..common.store.wal import StoreOpenError
 from ..common.telemetry import Telemetry
 from .app import LeaseApp
 from .policy import LeasePolicy
@@ -132,6 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     except EtcdTlsError as exc:
         print(f"invalid configuration: {exc}", file=sys.stderr)
         return 2
+    except StoreOpenError as exc:  # a damaged or locked --data-dir: say what and how to repair, no traceback
+        print(f"cannot start: {exc}", file=sys.stderr)
+        return 1
     finally:
         telemetry.shutdown()
     return 0

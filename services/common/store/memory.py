@@ -7,7 +7,10 @@ bounded history from their own next revision, so a slow watcher costs no
 memory; one that falls behind the history gets ``Compacted``, as with etcd.
 
 With ``data_dir`` every commit is fsynced to a write-ahead log before it is
-acknowledged, and the state is replayed on open. Leases are restored with a
+acknowledged, and the state is replayed on open (``wal``: a damaged log or
+snapshot refuses to open with ``StoreDamaged``). A failed log write is
+fail-stop: that commit and every later one get ``StoreUnavailable`` until the
+process restarts (what reached the disk is unknown). Leases are restored with a
 full TTL (etcd does the same on leader change), so a restart never expires a
 lease whose holder kept renewing while the store was down.
 """
@@ -17,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import bisect
 import contextlib
+import logging
 import math
 import secrets
 import time
@@ -43,7 +47,9 @@ from .base import (
     WatchBatch,
     WatchEvent,
 )
-from .wal import DEFAULT_MAX_LOG_BYTES, WriteAheadLog, b2s, s2b
+from .wal import DEFAULT_MAX_LOG_BYTES, StoreDamaged, WriteAheadLog, b2s, s2b
+
+log = logging.getLogger(__name__)
 
 DEFAULT_HISTORY_REVISIONS = 10_000
 # Events handed to a watcher per batch (a batch never splits one revision).
@@ -109,9 +115,14 @@ class MemoryStore(Store):
         self._expiry_task: asyncio.Task[None] | None = None
         self._closed = False
         self._wal: WriteAheadLog | None = None
+        self._failed: str | None = None  # why writes are refused (fail-stop after a failed log write)
         if data_dir is not None:
             self._wal = WriteAheadLog(data_dir, max_log_bytes=max_log_bytes)
-            self._recover()
+            try:
+                self._recover()
+            except BaseException:
+                self._wal.close()
+                raise
 
     # ------------------------------------------------------------------ reads
 
@@ -276,11 +287,16 @@ class MemoryStore(Store):
         outcome unknown, exactly as with etcd).
         """
         self._check_open()
+        if self._failed is not None:
+            raise StoreUnavailable(self._failed)
         try:
             async with asyncio.timeout(timeout):
                 await self._lock.acquire()
         except TimeoutError as exc:
             raise StoreUnavailable(f"store busy for {timeout}s") from exc
+        if self._failed is not None:  # failed while this caller waited for the lock
+            self._lock.release()
+            raise StoreUnavailable(self._failed)
         try:
             mutations, result = build()
         except BaseException:
@@ -292,6 +308,8 @@ class MemoryStore(Store):
                 await asyncio.shield(task)
         except TimeoutError as exc:
             raise StoreUnavailable(f"commit not durable within {timeout}s (outcome unknown)") from exc
+        except OSError as exc:  # the log write failed: not acknowledged, and the store is now fail-stop
+            raise StoreUnavailable(self._failed or f"log write failed: {exc}") from exc
         return result
 
     async def _persist_and_apply(self, mutations: list[Mutation]) -> None:
@@ -302,12 +320,27 @@ class MemoryStore(Store):
             revision = self._rev + 1 if touches_kv else self._rev
             if self._wal is not None:
                 record = {"rev": revision, "m": [_encode_mutation(m) for m in mutations]}
-                await asyncio.to_thread(self._wal.append, record)
+                try:
+                    await asyncio.to_thread(self._wal.append, record)
+                except OSError as exc:
+                    self._fail_stop("append to", exc)
+                    raise
             self._apply(revision, mutations, time.monotonic())
             if self._wal is not None and self._wal.needs_snapshot():
-                await asyncio.to_thread(self._wal.write_snapshot, self._snapshot_state())
+                try:
+                    await asyncio.to_thread(self._wal.write_snapshot, self._snapshot_state())
+                except OSError as exc:  # this commit is durable in the log; later ones are refused
+                    self._fail_stop("snapshot of", exc)
         finally:
             self._lock.release()
+
+    def _fail_stop(self, what: str, exc: OSError) -> None:
+        assert self._wal is not None
+        self._failed = (
+            f"embedded store: {what} {self._wal.directory} failed ({exc}); it refuses every write until the "
+            f"process restarts (the log is replayed then)"
+        )
+        log.critical("%s", self._failed)
 
     def _apply(self, revision: int, mutations: list[Mutation], now: float) -> None:
         events: list[WatchEvent] = []
@@ -446,6 +479,18 @@ class MemoryStore(Store):
     def _recover(self) -> None:
         assert self._wal is not None
         snapshot, records = self._wal.load()
+        try:
+            self._replay(snapshot, records)
+        except (KeyError, IndexError, TypeError, ValueError) as exc:  # intact checksums, unexpected content
+            raise StoreDamaged(
+                f"embedded store in {self._wal.directory}: a record or the snapshot has unexpected content "
+                f"({type(exc).__name__}: {exc}); refusing to open. Restore the directory from a backup"
+            ) from None
+        if self._wal.legacy_snapshot:  # migrate: rewrite it with its checksum header
+            self._wal.write_snapshot(self._snapshot_state())
+            log.info("embedded store: rewrote the snapshot in %s with a checksum", self._wal.directory)
+
+    def _replay(self, snapshot: dict[str, Any] | None, records: list[dict[str, Any]]) -> None:
         now = time.monotonic()
         if snapshot is not None:
             self._rev = int(snapshot["rev"])
