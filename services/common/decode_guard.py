@@ -72,11 +72,24 @@ async def _checked(requests: AsyncIterator[Any]) -> AsyncIterator[Any]:
         yield request
 
 
-def _stream_request(inner: Callable[[Any, Ctx], Any]) -> Callable[[Any, Ctx], Any]:
-    def behavior(requests: AsyncIterator[Any], context: Ctx) -> Any:
-        return inner(_checked(requests), context)
+def _stream_request(inner: Callable[[Any, Ctx], Any], streaming_response: bool) -> Callable[[Any, Ctx], Any]:
+    """The wrapper must itself be a coroutine / async generator function: grpc.aio picks how to run a handler
+    from its kind, and runs a plain function as a sync one (iterating an async generator -> UNKNOWN)."""
+    if streaming_response:
+        async def stream_behavior(requests: AsyncIterator[Any], context: Ctx) -> AsyncIterator[Any]:
+            result = inner(_checked(requests), context)
+            if hasattr(result, "__aiter__"):
+                async for item in result:
+                    yield item
+            else:  # a handler writing with context.write() and returning None
+                await result
 
-    return behavior
+        return stream_behavior
+
+    async def unary_behavior(requests: AsyncIterator[Any], context: Ctx) -> Any:
+        return await inner(_checked(requests), context)
+
+    return unary_behavior
 
 
 class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
@@ -101,7 +114,7 @@ def _guarded(method: str, h: Any) -> Any:
     if h.unary_stream is not None:
         return h._replace(request_deserializer=deserializer, unary_stream=_unary_request(h.unary_stream, True))
     if h.stream_unary is not None:
-        return h._replace(request_deserializer=deserializer, stream_unary=_stream_request(h.stream_unary))
+        return h._replace(request_deserializer=deserializer, stream_unary=_stream_request(h.stream_unary, False))
     if h.stream_stream is not None:
-        return h._replace(request_deserializer=deserializer, stream_stream=_stream_request(h.stream_stream))
+        return h._replace(request_deserializer=deserializer, stream_stream=_stream_request(h.stream_stream, True))
     return h

@@ -1,6 +1,7 @@
 """Builds a gRPC aio server the same way for every service.
 
-Health checking and reflection on every server, a tracing + RPC-metrics
+Health checking (Check, Watch, List) and reflection (v1 and v1alpha) on every server
+(services/common/introspection.py), a tracing + RPC-metrics
 interceptor (services/common/telemetry.py), optional TLS / mutual TLS, message-size caps, a bound
 on concurrent RPCs, and graceful shutdown: health flips to NOT_SERVING, then
 in-flight RPCs drain for the grace period, then the server stops.
@@ -14,13 +15,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .auth import Authenticator
 from .authz import AuthzInterceptor
 from .config import ServerSettings
 from .decode_guard import DecodeGuardInterceptor
+from .introspection import HEALTH, ListingHealthServicer, enable_reflection
 from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -62,15 +63,12 @@ class GrpcServer:
                                                     # auth None: only test servers of non-kvbridge services
                                                     *([AuthzInterceptor(auth)] if auth is not None else []),
                                                     DecodeGuardInterceptor()])
-        self.health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        self.health = ListingHealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [b.full_name for b in bindings]
         for b in bindings:
             b.add_to_server(b.servicer, self.server)
-        reflection.enable_server_reflection(
-            [*names, health_pb2.DESCRIPTOR.services_by_name["Health"].full_name, reflection.SERVICE_NAME],
-            self.server,
-        )
+        enable_reflection(self.server, [*names, HEALTH])
         self._names = names
         credentials = server_credentials(settings)
         bind = f"{settings.host}:{port}"
@@ -85,9 +83,7 @@ class GrpcServer:
 
     async def _set_all(self, status: int) -> None:
         for name in ["", *self._names]:
-            result = self.health.set(name, status)
-            if result is not None:
-                await result
+            await self.health.set(name, status)
 
     async def start(self) -> None:
         await self.server.start()
