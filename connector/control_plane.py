@@ -112,6 +112,9 @@ class ControlPlane:
                  tracer: ConnectorTracer | None = None) -> None:
         self._settings = settings
         self._engine = engine
+        # The node lease this process is registered under: its incarnation, asserted on every entry it registers
+        # (0 until registered: the registry then binds the entry to the incarnation it knows).
+        self._node_lease_id = 0
         self._tracer = tracer or ConnectorTracer(engine_id=engine.engine_id)
         self._commands: queue.Queue[Command] = queue.Queue(maxsize=settings.queue_size)
         self._events: queue.Queue[Event] = queue.Queue(maxsize=settings.queue_size * 4)
@@ -215,6 +218,7 @@ class ControlPlane:
                 engine.CopyFrom(self._engine)
                 engine.node_lease_id = grant.lease.lease_id
                 await self._unary(self._registry.RegisterEngine, registry_pb2.RegisterEngineRequest(engine=engine))
+                self._node_lease_id = int(grant.lease.lease_id)
                 log.info("kvbridge: engine %s registered (node lease %d)", engine.engine_id, grant.lease.lease_id)
                 backoff = _BACKOFF_INITIAL_S
                 await self._keep_node_alive(grant.lease.lease_id)
@@ -332,7 +336,7 @@ class ControlPlane:
             engine_id=self._engine.engine_id, engine_request_id=command.request_id,
             block_ids=[types_pb2.BlockIds(ids=list(group)) for group in command.block_ids],
             block_size=block_size, token_count=len(command.token_ids), block_hashes=hashes, chain_stride=1,
-            lease_id=lease_id, epoch=conv.epoch,
+            lease_id=lease_id, epoch=conv.epoch, engine_incarnation=self._node_lease_id,
         )
         try:
             await self._traced_unary(_REGISTER_ENTRY, self._registry.RegisterEntry,

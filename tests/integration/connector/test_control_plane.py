@@ -81,6 +81,7 @@ def test_connects_registers_engine_and_entry_then_follows_revocation(
         assert entry.lease_id == bound.lease_id and list(entry.block_ids[0].ids) == [4, 5, 6, 7]
         registered = registry.GetEngine(registry_pb2.GetEngineRequest(engine_id=plane_engine_id(plane)), timeout=5)
         assert registered.engine.node_lease_id > 0
+        assert entry.engine_incarnation == registered.engine.node_lease_id  # bound to this process
         # The registry verifies the chain we registered: a prompt extending the tokens hits.
         chain = hashchain.chain(SECRET, "acme", "tiny", "", 32, [*TOKENS, 1, 2, 3])
         hit = registry.LookupEntry(registry_pb2.LookupEntryRequest(
@@ -104,6 +105,45 @@ def test_revoke_command_ends_the_lease(plane: cp.ControlPlane) -> None:
     plane.submit(cp.RevokeLease(bound.lease_id, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE"))
     events = wait_events(plane, lambda ev: any(isinstance(e, cp.LeaseEnded) for e in ev))
     assert [e.reason for e in events if isinstance(e, cp.LeaseEnded)] == ["REVOKE_REASON_EVICTED_MEMORY_PRESSURE"]
+
+
+def test_a_restart_under_the_same_engine_id_ends_the_previous_process_entries(procs: ControlPlaneProcs) -> None:
+    settings = ConnectorSettings(registry_target=procs.registry_target, lease_target=procs.lease_target,
+                                 hash_secret=SECRET, entry_lease_ttl_s=30, node_lease_ttl_s=30)
+    conv = ConversationRef(tenant="acme", model="tiny", conversation_key="conv-restart", epoch=1)
+    first = cp.ControlPlane(settings, engine("decode-restarted"))
+    first.start()
+    try:
+        wait_events(first, lambda ev: any(isinstance(e, cp.Connection) and e.up for e in ev))
+        first.submit(cp.RegisterEntry("req-r1", conv, ((4, 5, 6),), TOKENS[:96], ""))
+        bound = next(e for e in wait_events(first, lambda ev: any(isinstance(e, cp.LeaseBound) for e in ev))
+                     if isinstance(e, cp.LeaseBound))
+    finally:
+        first.stop()  # the process dies; its node lease (30 s) outlives it
+    second = cp.ControlPlane(settings, engine("decode-restarted"))  # a new process under the same id
+    second.start()
+    try:
+        wait_events(second, lambda ev: any(isinstance(e, cp.Connection) and e.up for e in ev))
+        chain = hashchain.chain(SECRET, "acme", "tiny", "", 32, list(TOKENS[:96]))
+        with grpc.insecure_channel(procs.registry_target) as channel, \
+                grpc.insecure_channel(procs.lease_target) as lease_channel:
+            registry = registry_pb2_grpc.RegistryServiceStub(channel)
+            leases = lease_pb2_grpc.LeaseServiceStub(lease_channel)
+            deadline = time.monotonic() + 20
+            while True:  # the old entry: never a hit; deleted, and its lease revoked through the lease manager
+                got = registry.LookupEntry(registry_pb2.LookupEntryRequest(
+                    tenant="acme", model="tiny", conversation_key="conv-restart", block_hashes=chain,
+                    block_size=32), timeout=5)
+                assert got.verdict != registry_pb2.LOOKUP_VERDICT_HIT
+                try:
+                    leases.GetLease(lease_pb2.GetLeaseRequest(lease_id=bound.lease_id), timeout=5)
+                except grpc.RpcError as exc:
+                    if exc.code() == grpc.StatusCode.NOT_FOUND and got.verdict == registry_pb2.LOOKUP_VERDICT_NOT_FOUND:
+                        break
+                assert time.monotonic() < deadline, got
+                time.sleep(0.1)
+    finally:
+        second.stop()
 
 
 def test_unreachable_control_plane_never_blocks_submit() -> None:
