@@ -52,6 +52,9 @@ HASH_SECRET = "e2e-hash-secret-0123456789abcdef"
 # Short TTLs so lease behaviour shows within a test: stock D would free after OLD_TTL_S.
 OLD_TTL_S = 10
 ENTRY_LEASE_TTL_S = 15
+# D's node lease and its hold without a confirmed lease (at least node lease TTL + free grace, 10 s).
+NODE_LEASE_TTL_S = 5
+FALLBACK_TTL_S = 15
 
 
 @pytest.fixture(scope="session")
@@ -72,7 +75,8 @@ def kvbridge_overrides(procs: ControlPlaneProcs, **extra: object) -> tuple[dict[
     common: dict[str, Any] = {"kvbridge_registry": procs.registry_target, "kvbridge_lease": procs.lease_target,
                               "kvbridge_hash_secret": HASH_SECRET, "kvbridge_model": "tiny"}
     decode_extra = dict(common, decoder_kv_blocks_ttl=OLD_TTL_S,
-                        kvbridge_fallback_ttl_s=OLD_TTL_S, kvbridge_entry_lease_ttl_s=ENTRY_LEASE_TTL_S, **extra)
+                        kvbridge_fallback_ttl_s=FALLBACK_TTL_S, kvbridge_node_lease_ttl_s=NODE_LEASE_TTL_S,
+                        kvbridge_entry_lease_ttl_s=ENTRY_LEASE_TTL_S, **extra)
     connector = {"kv_connector": "KvbridgeConnector", "kv_connector_module_path": "kvbridge_connector.connector"}
     return dict(connector, extra_config=common), dict(connector, extra_config=decode_extra)
 

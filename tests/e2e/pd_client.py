@@ -10,11 +10,13 @@ import random
 from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import hashchain
+from kvbridge import hashchain, offers
 
 from tests.fixtures.vllm_engines import Engine
 
 # Fields of D's returned params a router sends back to P for a reuse pull.
+# The read window the tests give P, as the gateway does (kvbridge.offers): D's default offer window.
+OFFER_TTL_MS = 5000
 REUSE_FIELDS = (
     "do_remote_decode", "do_remote_prefill", "remote_block_ids", "remote_engine_id", "remote_request_id",
     "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
@@ -59,6 +61,8 @@ def prefill_params_for(prompt: list[int], reuse: dict[str, Any] | None,
     pulled = int(reuse.get("remote_num_tokens") or 0)
     if 0 < pulled <= len(verified):
         params[hashchain.KV_PARAMS_PREFIX_DIGEST] = hashchain.prefix_digest(verified, pulled)
+    # As the gateway does right after a lookup: P must start its READ within the offer window (kvbridge.offers).
+    params[offers.KV_PARAMS_OFFER_TTL_MS] = OFFER_TTL_MS
     return params
 
 
