@@ -59,6 +59,8 @@ class SimConfig:
     # /tokenize, prompt rendering and output text then use that tokenizer and its chat template, as vLLM
     # does, instead of the built-in whitespace tokenizer. Output token ids must be in its vocabulary.
     hf_tokenizer: str = ""
+    # LoRA adapter names /v1/models lists (with the model as their parent, as vLLM does); served like the model.
+    lora_adapters: tuple[str, ...] = ()
 
 
 # ---- tokenizer and "model" -------------------------------------------------------------
@@ -231,6 +233,7 @@ class Engine:
         self.kv = BlockStore(cfg.block_size, cfg.total_blocks)
         self.stats = Stats()
         self.fail_next = 0
+        self.fail_tokenize = 0  # the next N /tokenize calls answer 503
         self.unstall = asyncio.Event()  # set: stalled generations go on (and new ones do not stall)
         self.http = httpx.AsyncClient(timeout=10.0)
         self.hf = HfText(cfg.hf_tokenizer) if cfg.hf_tokenizer else None
@@ -335,7 +338,7 @@ class Engine:
             self.fail_next -= 1
             raise ApiError(500, "injected failure")
         model = body.get("model")
-        if model != self.cfg.model:
+        if model != self.cfg.model and model not in self.cfg.lora_adapters:
             raise ApiError(404, f"The model `{model}` does not exist.")
         params = body.get("kv_transfer_params")
         if params is not None and not isinstance(params, dict):
@@ -471,6 +474,9 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         return await generate(request, chat=True)
 
     async def tokenize(request: Request) -> Response:
+        if engine.fail_tokenize > 0:
+            engine.fail_tokenize -= 1
+            return _error(503, "tokenizer unavailable")
         try:
             body = await read_json(request)
             if "messages" in body:
@@ -495,7 +501,9 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
     async def models(_: Request) -> Response:
         return JSONResponse({"object": "list", "data": [
             {"id": cfg.model, "object": "model", "created": 0, "owned_by": "engine-sim",
-             "max_model_len": cfg.max_model_len}]})
+             "max_model_len": cfg.max_model_len, "parent": None},
+            *({"id": name, "object": "model", "created": 0, "owned_by": "engine-sim",
+               "max_model_len": cfg.max_model_len, "parent": cfg.model} for name in cfg.lora_adapters)]})
 
     async def health(_: Request) -> Response:
         return Response(status_code=200)
@@ -533,6 +541,7 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
     async def control(request: Request) -> Response:
         body = await request.json()
         engine.fail_next = int(body.get("fail_next", engine.fail_next))
+        engine.fail_tokenize = int(body.get("fail_tokenize", engine.fail_tokenize))
         if body.get("expire_all"):
             for held in engine.kv.held.values():
                 held.deadline = 0.0
