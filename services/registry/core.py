@@ -46,6 +46,8 @@ from .index import EntryId, IndexedEntry, RegistryIndex
 from .releaser import BackgroundRevoker
 
 log = logging.getLogger(__name__)
+# Why the registry itself removed an entry (a label of kvbridge_registry_entries_evicted_total).
+EVICTED_TENANT_CAP = "tenant_cap"
 
 _CAS_ATTEMPTS = 5
 _RECORD_VERSION = b"\x01"
@@ -153,6 +155,7 @@ class Registry:
         self._keys = keys
         self._settings = settings
         self.index = index
+        self.evictions: dict[str, int] = {}  # entries the registry removed itself, by reason (never loss)
         self._revoker = revoker
         self._timeout = store_timeout_s
         self._clock = clock
@@ -459,12 +462,20 @@ class Registry:
                                   metadata={"field": field})
 
     async def _make_room(self, tenant: str, incoming: EntryId) -> None:
-        """Per-tenant cap: evict the tenant's oldest-idle entry (lease revoked with BUDGET)."""
-        while self.index.tenant_count(tenant) >= self._settings.max_entries_per_tenant:
+        """Per-tenant cap: evict the tenant's oldest-idle entry (lease revoked with BUDGET).
+
+        An eviction is recorded, so that it is never mistaken for loss: counted in ``evictions``
+        (``kvbridge_registry_entries_evicted_total{reason="tenant_cap"}``) and logged (INFO) with the entry.
+        """
+        cap = self._settings.max_entries_per_tenant
+        while self.index.tenant_count(tenant) >= cap:
             victim = self.index.oldest_idle(tenant, exclude=incoming)
             if victim is None:
                 return
-            await self._delete_indexed(victim, types_pb2.REVOKE_REASON_BUDGET)
+            if await self._delete_indexed(victim, types_pb2.REVOKE_REASON_BUDGET):
+                self.evictions[EVICTED_TENANT_CAP] = self.evictions.get(EVICTED_TENANT_CAP, 0) + 1
+                log.info("evicted entry %s (tenant at its cap of %d entries; oldest idle; lease %x revoked: BUDGET)",
+                         "/".join(victim.id), cap, victim.entry.lease_id)
 
     async def _delete_indexed(self, item: IndexedEntry, reason: types_pb2.RevokeReason.ValueType,
                               *also: Compare) -> bool:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Iterator, Mapping
 from typing import Any
 
 import grpc
@@ -18,7 +18,7 @@ from kvbridge_services.common.store.base import Compacted, EventType, Store
 from kvbridge_services.common.telemetry import Telemetry
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry, Counter
-from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from . import validation as v
@@ -68,8 +68,26 @@ class _IndexCollector(Collector):
                                 value=self._index.max_lag_s)
 
 
+class _EvictionCollector(Collector):
+    """Entries the registry removed itself, by reason (``Registry.evictions``): a recorded eviction, not a loss."""
+
+    def __init__(self, evictions: Mapping[str, int]) -> None:
+        self._evictions = evictions
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily("kvbridge_registry_entries_evicted",
+                                     "Entries the registry evicted (tenant_cap: the tenant reached "
+                                     "KVBRIDGE_REGISTRY_MAX_ENTRIES_PER_TENANT; its oldest-idle entry removed, "
+                                     "its lease revoked)",
+                                     labels=["reason"])
+        for reason, count in dict(self._evictions).items():
+            family.add_metric([reason], count)
+        yield family
+
+
 class RegistryMetrics:
-    def __init__(self, registry: CollectorRegistry, index: RegistryIndex) -> None:
+    def __init__(self, registry: CollectorRegistry, index: RegistryIndex,
+                 evictions: Mapping[str, int] | None = None) -> None:
         self.lookups = Counter("kvbridge_registry_lookups_total", "LookupEntry answers by verdict",
                                ["verdict"], registry=registry)
         self.lookup_verified_tokens = Counter("kvbridge_registry_lookup_verified_tokens_total",
@@ -78,6 +96,7 @@ class RegistryMetrics:
                                      "RegisterEntry outcomes (ok, replayed, superseded, or the error reason)",
                                      ["outcome"], registry=registry)
         registry.register(_IndexCollector(index))
+        registry.register(_EvictionCollector(evictions if evictions is not None else {}))
         # Per-verdict children and names resolved once: labels() and enum lookups cost µs on the lookup path.
         self._by_verdict: dict[int, tuple[str, Any]] = {}
 
@@ -105,7 +124,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self._store = store
         self._keys = keys
         self._telemetry = telemetry or Telemetry.disabled("kvbridge-registry")
-        self.metrics = RegistryMetrics(self._telemetry.registry, registry.index)
+        self.metrics = RegistryMetrics(self._telemetry.registry, registry.index, registry.evictions)
 
     def _annotate(self, tenant: str, model: str, conversation_key: str) -> trace.Span:
         """The RPC's server span (from the interceptor), tagged with the hashed identity."""
