@@ -133,12 +133,13 @@ async def test_combined_write_conflict_falls_back_to_one_by_one(etcd_server: Any
     store = interfering_store(etcd_server.endpoint)
     env = await etcd_env(etcd_server, store, **WIDE_WINDOW)
     try:
-        await env.engine()
+        engine = await env.engine()
         leases = {c: await env.lease(conv=c) for c in "abcd"}
         requests = [env.entry_request(TOKENS, conv=c, lease_id=leases[c], epoch=1) for c in "abcd"]
         rival = registry_pb2.Entry()
         rival.CopyFrom(requests[1].entry)
         rival.epoch = 4
+        rival.engine_incarnation = engine.node_lease_id  # as the rival replica stores it
         store.rival = (env.keys.entry("acme", MODEL, "b"), rival.SerializeToString())
         results = await register_in_process(env, requests)
         assert batcher(env).fallbacks == 1
