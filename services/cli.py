@@ -425,10 +425,12 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.command == "store":
         return _store(args)
+    from kvbridge_services.common.store.wal import StoreOpenError
+
     runner = {"up": _up, "demo": _demo}.get(args.command, _inspect)
     try:
         return asyncio.run(runner(args))
-    except KvbridgeError as exc:
+    except (KvbridgeError, StoreOpenError) as exc:  # StoreOpenError: a damaged or locked --data-dir
         print(f"kvbridge: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
