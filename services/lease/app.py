@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 from collections.abc import Sequence
 
+from grpc_health.v1 import health_pb2
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 
 from ..common.auth import Authenticator
@@ -32,6 +34,9 @@ from .table import Clock
 log = logging.getLogger(__name__)
 
 SERVICE_NAME = lease_pb2.DESCRIPTOR.services_by_name["LeaseService"].full_name
+# gRPC health: "" and SERVICE_NAME are SERVING only on the leader (readiness: Services and load balancers
+# route to it); LIVENESS is SERVING while the process runs, leader or standby (liveness probes).
+LIVENESS = "liveness"
 
 
 class LeaseApp:
@@ -76,7 +81,7 @@ class LeaseApp:
         self.election = LeaderElection(
             store, keys.leader("lease"), policy.advertise_address or self.server.address,
             ttl_s=policy.leader_ttl_s, refresh_s=policy.leader_refresh_s, timeout_s=policy.store_timeout_s,
-            on_elected=self.manager.take_over, on_deposed=self.manager.step_down,
+            on_elected=self._elected, on_deposed=self._deposed,
         )
         self._election = self.election
         self._election_task: asyncio.Task[None] | None = None
@@ -99,8 +104,26 @@ class LeaseApp:
     def is_leader(self) -> bool:
         return self.manager.serving
 
+    async def _health(self, names: Sequence[str], serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in names:
+            result = self.server.health.set(name, status)
+            if inspect.isawaitable(result):
+                await result
+
+    async def _elected(self) -> None:
+        await self.manager.take_over()
+        await self._health(("", SERVICE_NAME), serving=True)
+
+    async def _deposed(self) -> None:
+        await self._health(("", SERVICE_NAME), serving=False)
+        await self.manager.step_down()
+
     async def start(self) -> None:
         await self.server.start()
+        # A standby until elected (server.start() has just set every name SERVING).
+        await self._health(("", SERVICE_NAME), serving=False)
+        await self._health((LIVENESS,), serving=True)
         self.metrics_endpoint.start()
         self._election_task = asyncio.create_task(self.election.run())
 
