@@ -234,6 +234,10 @@ def _total(metrics: dict[str, float], prefix: str) -> float:
 async def test_metrics_endpoints_expose_nonzero_values_after_a_run(observed: Observed) -> None:
     o = observed
     await _run_turns(o)
+    # The streamed last turn consumed the conversation's single-use entry (compatibility mode) and, streamed,
+    # registered none: one more plain turn leaves an entry to count.
+    await _turn(o, [{"role": "user", "content": LONG}, {"role": "assistant", "content": "w11"},
+                    {"role": "user", "content": "last"}])
     reg = await _metrics(o.registry.metrics_endpoint.url)
     assert reg["kvbridge_registry_entries{}"] >= 1
     assert reg["kvbridge_registry_entry_bytes{}"] > 0
@@ -251,5 +255,5 @@ async def test_metrics_endpoints_expose_nonzero_values_after_a_run(observed: Obs
     assert gw["kvbridge_gateway_pulled_tokens_total{}"] > 0
     assert gw["kvbridge_gateway_ttft_seconds_count{reuse=hit}"] >= 2
     assert gw["kvbridge_gateway_ttft_seconds_count{reuse=none}"] >= 1
-    assert gw["kvbridge_gateway_router_overhead_seconds_count{}"] == 4
-    assert gw["kvbridge_gateway_requests_total{route=chat,status=2xx}"] == 4
+    assert gw["kvbridge_gateway_router_overhead_seconds_count{}"] == 5
+    assert gw["kvbridge_gateway_requests_total{route=chat,status=2xx}"] == 5
