@@ -129,3 +129,64 @@ async def until_verdict_hit(env: Env, timeout_s: float = 20.0) -> None:
     async with asyncio.timeout(timeout_s):
         while (await env.lookup(HISTORY)).verdict != V.LOOKUP_VERDICT_HIT:  # noqa: ASYNC110 - polls state owned by another task
             await asyncio.sleep(0.05)
+
+
+@pytest.mark.etcd
+async def test_the_gateway_mirror_stops_answering_when_the_registry_store_freezes(etcd_server: EtcdServer) -> None:
+    """The gateway's entry mirror follows WatchEntries of a registry on a real etcd; the registry sends progress
+    only when etcd answers, so a frozen etcd stops the mirror's hits within its stale_after_s, and they resume."""
+    from kvbridge_services.gateway.control import ControlPlane
+    from kvbridge_services.gateway.mirror import EntryMirror, follow_registry
+
+    from .conftest import BLOCK, MODEL, chain
+
+    store = etcd_store([etcd_server.endpoint])
+    env = await start_env(store, index_max_lag_s=MAX_LAG_S)
+    control = ControlPlane(env.app.address, "", api_key=None, timeout_s=2)
+    stale_after_s = 0.6
+    mirror = EntryMirror(max_entries=100, stale_after_s=stale_after_s)
+    follower = asyncio.create_task(follow_registry(control, mirror, progress_interval_s=stale_after_s / 3,
+                                                   stream_lifetime_s=60))
+    pid = etcd_server.pid
+    assert pid is not None
+    frozen = False
+    try:
+        engine = await env.engine()
+        await env.register(HISTORY)
+
+        def mirror_hit() -> bool:
+            got = mirror.lookup(tenant="acme", model=MODEL, conversation_key="c1", block_hashes=chain(HISTORY),
+                                block_size=BLOCK, min_tokens=0, engine_record={"d0": engine}.get)
+            return got is not None and got.verdict == V.LOOKUP_VERDICT_HIT
+
+        async with asyncio.timeout(10):
+            while not mirror_hit():  # noqa: ASYNC110 - polls state owned by another task
+                await asyncio.sleep(0.02)
+        await asyncio.sleep(3 * stale_after_s)  # idle: the registry's progress messages keep it in sync
+        assert mirror_hit() and mirror.in_sync()
+
+        os.kill(pid, signal.SIGSTOP)
+        frozen = True
+        start = time.monotonic()
+        async with asyncio.timeout(15):
+            while mirror_hit():  # noqa: ASYNC110 - polls state owned by another task
+                await asyncio.sleep(0.02)
+        print(f"frozen etcd: mirror stopped answering after {time.monotonic() - start:.2f}s "
+              f"(stale_after_s {stale_after_s}s)")
+        assert not mirror.in_sync() and (mirror.lag_s() or 0) > stale_after_s
+        # And the registry it falls back to answers INDEX_STALE within its own bound (hits until then).
+        await until_verdict(env, V.LOOKUP_VERDICT_INDEX_STALE)
+
+        os.kill(pid, signal.SIGCONT)
+        frozen = False
+        async with asyncio.timeout(20):
+            while not mirror_hit():  # noqa: ASYNC110 - polls state owned by another task
+                await asyncio.sleep(0.05)
+    finally:
+        if frozen:
+            os.kill(pid, signal.SIGCONT)
+        follower.cancel()
+        await asyncio.gather(follower, return_exceptions=True)
+        await control.close()
+        await stop_env(env)
+        await store.close()
