@@ -270,9 +270,12 @@ class Registry:
                 self.index.delete_engine(engine.engine_id, result.revision)
                 log.info("engine %s deregistered: node lease %d ended", engine.engine_id, engine.node_lease_id)
                 removed += 1
-        for engine in list(self.index.engines.values()):
-            if self.index.of_other_incarnations(engine):
-                await self.drop_other_incarnations(engine.engine_id)
+        for engine_id in list(self.index.suspect_engines):
+            self.index.suspect_engines.discard(engine_id)
+            await self.drop_other_incarnations(engine_id)
+            now = self.index.engines.get(engine_id)
+            if now is not None and self.index.of_other_incarnations(now):
+                self.index.suspect_engines.add(engine_id)  # a delete lost a race: the next sweep tries again
         return removed
 
     def get_engine(self, engine_id: str) -> types_pb2.Engine:

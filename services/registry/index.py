@@ -59,6 +59,9 @@ class RegistryIndex:
         self.engines: dict[str, types_pb2.Engine] = {}
         # Engine id -> its entries (any incarnation), for dropping a previous incarnation's entries.
         self._by_engine: dict[str, set[EntryId]] = {}
+        # Engines that may hold entries of another incarnation than their current one (the engine sweep
+        # visits only these, not every entry).
+        self.suspect_engines: set[str] = set()
         self._engine_revs: dict[str, int] = {}
         # Recent deletions (id -> revision), so a late event of an older put does not resurrect an
         # entry deleted by this replica ahead of its watch. FIFO-capped.
@@ -99,6 +102,9 @@ class RegistryIndex:
         self.entries[eid] = item
         self._by_tenant.setdefault(eid[0], OrderedDict())[eid] = None
         self._by_engine.setdefault(entry.engine_id, set()).add(eid)
+        engine = self.engines.get(entry.engine_id)
+        if engine is not None and engine.node_lease_id != entry.engine_incarnation:
+            self.suspect_engines.add(entry.engine_id)
         for h in self._content_hashes(item):
             holders = self._content.get(h)
             if holders is None:
@@ -151,6 +157,9 @@ class RegistryIndex:
         if engine.engine_id not in self.engines and len(self.engines) >= self._max_engines:
             log.error("registry index holds %d engines (cap); not indexing %s", self._max_engines, engine.engine_id)
             return
+        old = self.engines.get(engine.engine_id)
+        if old is not None and old.node_lease_id != engine.node_lease_id and engine.engine_id in self._by_engine:
+            self.suspect_engines.add(engine.engine_id)
         self.engines[engine.engine_id] = engine
         self._engine_revs[engine.engine_id] = mod_revision
 
@@ -163,6 +172,7 @@ class RegistryIndex:
         self.entries.clear()
         self._by_tenant.clear()
         self._by_engine.clear()
+        self.suspect_engines.clear()
         self._content.clear()
         self.engines.clear()
         self._engine_revs.clear()

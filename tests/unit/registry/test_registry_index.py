@@ -107,3 +107,22 @@ def test_entries_of_other_incarnations_of_an_engine() -> None:
         ("acme", "m", "b")]
     idx.clear()
     assert idx.of_other_incarnations(types_pb2.Engine(engine_id="d1", node_lease_id=99)) == []
+
+
+def test_engines_with_entries_of_another_incarnation_are_suspects() -> None:
+    idx = RegistryIndex()
+    idx.put_engine(types_pb2.Engine(engine_id="d0", node_lease_id=7), 1)
+    current = stored("a", list(range(8)))
+    current.engine_incarnation = 7
+    idx.put_entry(current, 2)
+    assert idx.suspect_engines == set()  # every entry is of the engine's incarnation
+    idx.put_engine(types_pb2.Engine(engine_id="d0", node_lease_id=9), 3)  # a new process
+    assert idx.suspect_engines == {"d0"}
+    idx.suspect_engines.clear()
+    late = stored("b", list(range(8)))
+    late.engine_incarnation = 7  # an old incarnation's entry arriving after the engine's re-registration
+    idx.put_entry(late, 4)
+    assert idx.suspect_engines == {"d0"}
+    idx.put_engine(types_pb2.Engine(engine_id="d1", node_lease_id=1), 5)
+    idx.put_engine(types_pb2.Engine(engine_id="d1", node_lease_id=2), 6)  # no entries: nothing to drop
+    assert idx.suspect_engines == {"d0"}
