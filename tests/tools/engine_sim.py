@@ -14,6 +14,7 @@ import socket
 import time
 import uuid
 import zlib
+from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -150,25 +151,37 @@ class Held:
 
 @dataclass
 class BlockStore:
+    """A fixed pool of KV blocks, like vLLM's: ids 0..total-1, freed ids are reused (oldest freed first), and a
+    freed block keeps its stale content until it is reused. A NIXL READ is one-sided: it returns whatever the
+    named blocks hold *now* (freed, or reused by another request, possibly another tenant's); D can neither
+    see nor refuse it. Only its notification afterwards tells D that someone read."""
+
     block_size: int
     total: int
     blocks: dict[int, list[int]] = field(default_factory=dict)
     held: dict[str, Held] = field(default_factory=dict)
-    _next: int = 1
+    # Free block ids in reuse order (vLLM's free queue hands out the least recently freed first).
+    free_ids: deque[int] = field(default_factory=deque)
+    in_use: set[int] = field(default_factory=set)
+    # Reads that named blocks not (or no longer) held by the request they were offered for.
+    unsafe_reads: int = 0
+
+    def __post_init__(self) -> None:
+        self.free_ids.extend(range(self.total))
 
     def usage(self) -> float:
         self.reap()
-        return len(self.blocks) / self.total
+        return len(self.in_use) / self.total
 
     def store(self, tokens: list[int]) -> list[int]:
         self.reap()
         needed = -(-len(tokens) // self.block_size)
-        if len(self.blocks) + needed > self.total:
+        if needed > len(self.free_ids):
             raise KVError("out of KV blocks")
         ids = []
         for i in range(needed):
-            bid = self._next
-            self._next += 1
+            bid = self.free_ids.popleft()
+            self.in_use.add(bid)
             self.blocks[bid] = tokens[i * self.block_size : (i + 1) * self.block_size]
             ids.append(bid)
         return ids
@@ -180,7 +193,9 @@ class BlockStore:
 
     def free(self, block_ids: list[int]) -> None:
         for bid in block_ids:
-            self.blocks.pop(bid, None)
+            if bid in self.in_use:
+                self.in_use.discard(bid)
+                self.free_ids.append(bid)  # content stays until the block is reused
 
     def reap(self) -> None:
         now = time.time()
@@ -188,20 +203,20 @@ class BlockStore:
             self.free(self.held.pop(rid).block_ids)
 
     def read(self, request_id: str, block_ids: list[int]) -> list[int]:
-        """A NIXL READ of a held request's blocks; the read notification frees them (single use)."""
+        """A one-sided NIXL READ of ``block_ids`` (what they hold now), then the reader's notification for
+        ``request_id``, which frees that request's blocks if D still holds them (stock single use)."""
         self.reap()
-        held = self.held.pop(request_id, None)
-        if held is None:
-            raise KVError(f"no held blocks for request {request_id}")
-        try:
-            if any(b not in held.block_ids or b not in self.blocks for b in block_ids):
-                raise KVError("block ids not held by the request")
-            out: list[int] = []
-            for bid in block_ids:
-                out.extend(self.blocks[bid])
-            return out
-        finally:
-            self.free(held.block_ids)
+        if any(not 0 <= b < self.total for b in block_ids):
+            raise KVError("block id outside the KV cache")  # NIXL fails a read outside registered memory
+        held = self.held.get(request_id)
+        if held is None or any(b not in held.block_ids for b in block_ids):
+            self.unsafe_reads += 1
+        out: list[int] = []
+        for bid in block_ids:
+            out.extend(self.blocks.get(bid, [0] * self.block_size))
+        if held is not None:
+            self.free(self.held.pop(request_id).block_ids)
+        return out
 
 
 # ---- the engine ------------------------------------------------------------------------
@@ -234,6 +249,7 @@ class Engine:
         self.stats = Stats()
         self.fail_next = 0
         self.fail_tokenize = 0  # the next N /tokenize calls answer 503
+        self.fail_reads = 0  # the next N NIXL READs of this engine's blocks fail (a transport error)
         self.unstall = asyncio.Event()  # set: stalled generations go on (and new ones do not stall)
         self.http = httpx.AsyncClient(timeout=10.0)
         self.hf = HfText(cfg.hf_tokenizer) if cfg.hf_tokenizer else None
@@ -523,6 +539,9 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         body = await request.json()
         if body.get("engine_id") not in (None, engine.engine_id):
             return _error(404, "engine id mismatch")
+        if engine.fail_reads > 0:
+            engine.fail_reads -= 1
+            return _error(503, "NIXL transfer failed")
         try:
             tokens = engine.kv.read(str(body["request_id"]), [int(b) for b in body["block_ids"]])
         except KVError as exc:
@@ -534,6 +553,7 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         return JSONResponse({"engine_id": engine.engine_id, "requests": s.requests,
                              "remote_pulled_tokens": s.remote_pulled_tokens, "running": s.running,
                              "stalled": s.stalled, "cancelled": s.cancelled, "held_requests": sorted(engine.kv.held),
+                             "unsafe_reads": engine.kv.unsafe_reads,
                              "last_kv_transfer_params": s.last_kv_transfer_params,
                              "kv_transfer_params_seen": s.kv_transfer_params_seen,
                              "bodies_seen": s.bodies_seen})
@@ -542,6 +562,7 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         body = await request.json()
         engine.fail_next = int(body.get("fail_next", engine.fail_next))
         engine.fail_tokenize = int(body.get("fail_tokenize", engine.fail_tokenize))
+        engine.fail_reads = int(body.get("fail_reads", engine.fail_reads))
         if body.get("expire_all"):
             for held in engine.kv.held.values():
                 held.deadline = 0.0

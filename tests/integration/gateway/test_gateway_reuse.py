@@ -72,8 +72,8 @@ async def test_failed_pull_retries_without_d_params(stack: Stack) -> None:
     msgs = [{"role": "user", "content": LONG}]
     answer, _ = await turn(stack, msgs)
     msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "go on"}]
-    async with httpx.AsyncClient() as c:  # D's blocks vanish: P's read fails (policy "fail" → HTTP 500)
-        await c.post(stack.decode.url + "/sim/control", json={"expire_all": True})
+    async with httpx.AsyncClient() as c:  # P's READ of D's blocks fails (policy "fail" → HTTP 500)
+        await c.post(stack.decode.url + "/sim/control", json={"fail_reads": 1})
     answer2, verdict = await turn(stack, msgs)
     assert verdict.startswith("declined:prefill_failed"), verdict
     assert answer2 == await reference(stack, msgs)
