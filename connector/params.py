@@ -4,21 +4,41 @@ vLLM forwards ``kv_transfer_params`` from the HTTP request to the connector
 untouched, so the gateway adds these next to vLLM's own fields on the decode
 request. They are validated here; a request with missing or bad fields is
 served normally, only not registered.
+
+Any HTTP caller of the engine can put fields in ``kv_transfer_params``, so the
+connector trusts them only with the gateway's signature (kvbridge.secret: an
+HMAC under the deployment secret over the fields and the prefill request they
+belong to, good for a minute): unsigned or forged fields (an epoch of 2^63-1
+that would block the conversation's future registrations, another tenant) are
+ignored, with a log line and ``kvbridge_connector_kv_params_ignored_total``.
 """
 
 from __future__ import annotations
 
+import logging
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge import hashchain, ids
+from kvbridge import secret as kvsecret
+from prometheus_client import Counter
 
-CONVERSATION_KEY = "kvbridge_conversation_key"
-TENANT = "kvbridge_tenant"
-EPOCH = "kvbridge_epoch"
+log = logging.getLogger(__name__)
+
+CONVERSATION_KEY = kvsecret.CONVERSATION_KEY
+TENANT = kvsecret.TENANT
+EPOCH = kvsecret.EPOCH
 # Optional: overrides the served model name used in the hash chain and entry key.
-MODEL = "kvbridge_model"
+MODEL = kvsecret.MODEL
+_IDENTITY = (CONVERSATION_KEY, TENANT, EPOCH, MODEL)
+# kvbridge fields ignored for want of a valid gateway signature, by reason (kvbridge.secret.verify_kv_params).
+IGNORED = Counter("kvbridge_connector_kv_params_ignored_total",
+                  "Decode requests whose kvbridge_* kv_transfer_params were ignored (unsigned, forged, expired)",
+                  ["reason"])
+_LOG_EVERY_S = 10.0
+_last_logged: dict[str, float] = {}
 
 # Added by the connector to D's returned params once it retains blocks under kvbridge.
 RETAINED = "kvbridge_retained"
@@ -34,9 +54,16 @@ class ConversationRef:
     epoch: int
 
 
-def parse_conversation(params: Mapping[str, Any] | None, default_model: str) -> ConversationRef | None:
-    """The conversation a decode request belongs to, or None when not (validly) given."""
-    if not params:
+def parse_conversation(params: Mapping[str, Any] | None, default_model: str, secret: bytes | None, *,
+                       accepted_at: float | None = None) -> ConversationRef | None:
+    """The conversation a decode request belongs to, or None when not (validly, with the gateway's signature
+    under ``secret``) given. ``accepted_at``: when the engine received the request (Unix s; default now)."""
+    if not params or not any(name in params for name in _IDENTITY):
+        return None  # a request no gateway marked for kvbridge: nothing to ignore
+    when = time.time() if accepted_at is None else accepted_at
+    problem = kvsecret.verify_kv_params(secret, params, accepted_at=when)
+    if problem:
+        _ignored(problem)
         return None
     key, tenant, epoch = params.get(CONVERSATION_KEY), params.get(TENANT), params.get(EPOCH)
     model = params.get(MODEL) or default_model
@@ -45,6 +72,15 @@ def parse_conversation(params: Mapping[str, Any] | None, default_model: str) -> 
     if isinstance(epoch, bool) or not isinstance(epoch, int) or not 0 < epoch <= _EPOCH_MAX:
         return None
     return ConversationRef(tenant=tenant, model=model, conversation_key=key, epoch=epoch)
+
+
+def _ignored(reason: str) -> None:
+    IGNORED.labels(reason).inc()
+    now = time.monotonic()
+    if now - _last_logged.get(reason, -_LOG_EVERY_S) >= _LOG_EVERY_S:  # at most one line per reason per 10 s
+        _last_logged[reason] = now
+        log.warning("kvbridge: ignoring the kvbridge_* fields of a decode request (%s): only a gateway holding "
+                    "this engine's deployment secret may set them; the request is served, not registered", reason)
 
 
 def prompt_prefix_problem(params: Mapping[str, Any], prompt_token_ids: Sequence[int], *, required: bool) -> str:

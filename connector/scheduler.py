@@ -64,7 +64,8 @@ def engine_record(vllm_config: VllmConfig, engine_id: str, settings: ConnectorSe
         tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size,
         dcp_size=parallel.decode_context_parallel_size, block_size=vllm_config.cache_config.block_size,
         kv_group_count=kv_groups, total_kv_blocks=total_blocks,
-        capabilities=["bidirectional_kv_xfer", "kvbridge_connector"], offer_window=offer_window,
+        capabilities=["bidirectional_kv_xfer", "kvbridge_connector", *settings.secret_capabilities()],
+        offer_window=offer_window,
     )
 
 
@@ -160,7 +161,8 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         delay_free, params = super().request_finished(request, block_ids)
         if not (self.is_decode and delay_free and params and self.control_plane is not None):
             return delay_free, params
-        conversation = parse_conversation(request.kv_transfer_params, self.model_name)
+        conversation = parse_conversation(request.kv_transfer_params, self.model_name, self.settings.hash_secret,
+                                          accepted_at=getattr(request, "arrival_time", None))
         if conversation is None:
             return delay_free, params  # stock single-use behaviour
         request_id = request.request_id

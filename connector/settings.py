@@ -8,9 +8,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvbridge import secret as kvsecret
 from kvbridge import telemetry
 
-ENV_HASH_SECRET = "KVBRIDGE_HASH_SECRET"
+ENV_HASH_SECRET = kvsecret.ENV  # hex, the gateway's setting too (kvbridge.secret)
 ENV_API_KEY = "KVBRIDGE_API_KEY"
 # Same variable as the services' TelemetrySettings.hash_key_hex: one key, so a conversation hashes alike everywhere.
 ENV_TELEMETRY_HASH_KEY = "KVBRIDGE_TELEMETRY_HASH_KEY_HEX"
@@ -137,6 +138,10 @@ class ConnectorSettings:
     def tracing_enabled(self) -> bool:
         return self.otlp_endpoint is not None
 
+    def secret_capabilities(self) -> list[str]:
+        """The engine capability with the deployment secret's canary (the gateway checks it shares the secret)."""
+        return [kvsecret.canary_capability(self.hash_secret)] if self.hash_secret else []
+
     @property
     def control_plane_enabled(self) -> bool:
         return bool(self.registry_target)
@@ -150,7 +155,8 @@ class ConnectorSettings:
             registry_target=registry,
             lease_target=str(extra.get("kvbridge_lease", "") or registry),
             api_key=str(extra.get("kvbridge_api_key") or env.get(ENV_API_KEY) or "") or None,
-            hash_secret=str(secret_text).encode() if secret_text else None,
+            hash_secret=kvsecret.parse(str(secret_text), setting=f"kvbridge_hash_secret / {ENV_HASH_SECRET}")
+            if secret_text else None,
             model=str(extra.get("kvbridge_model", "")),
             http_url=str(extra.get("kvbridge_http_url", "")),
             fallback_ttl_s=_float(extra, "kvbridge_fallback_ttl_s", 120.0, 1.0, 3600.0),

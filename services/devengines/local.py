@@ -11,13 +11,13 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import os
-import secrets
 import signal
 import sys
 from contextlib import suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from kvbridge import secret as kvsecret
 from kvbridge_services.devengines.launcher import (
     DEFAULT_START_TIMEOUT_S,
     SERVED_MODEL_NAME,
@@ -48,14 +48,14 @@ def missing_engine_packages() -> list[str]:
 class LocalEnginesConfig:
     # Model in <work_dir>/tiny-model (built once, reused), engine logs in <work_dir>/logs/.
     work_dir: Path = field(default_factory=default_work_dir)
-    # Block-hash chain secret shared by the connector (as text bytes) and the gateway (as hex).
-    hash_secret: str = field(default_factory=lambda: secrets.token_hex(16))
+    # The deployment secret (kvbridge.secret, hex) shared by the connectors and the gateway; fresh per run.
+    hash_secret: str = field(default_factory=kvsecret.generate)
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     report_every_s: float = 10.0
 
     @property
     def hash_secret_hex(self) -> str:
-        return self.hash_secret.encode().hex()
+        return self.hash_secret
 
 
 class LocalEngines:

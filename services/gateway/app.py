@@ -5,9 +5,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import secrets
 
 import uvicorn
+from kvbridge import secret as kvsecret
 from kvbridge.gateway.v1 import gateway_pb2_grpc
 from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.common.config import PeerTlsSettings, ServerSettings
@@ -24,6 +24,20 @@ log = logging.getLogger(__name__)
 SERVICE_NAME = "kvbridge.gateway.v1.GatewayService"
 
 
+def deployment_secret(settings: GatewaySettings, auth: Authenticator) -> bytes:
+    """The deployment secret (kvbridge.secret). Required with API keys: a random per-replica secret there would
+    silently give 0 % reuse (every replica and connector hashes under its own). In development mode (no keys)
+    a random one, with a warning."""
+    if settings.hash_secret_hex:
+        return kvsecret.parse(settings.hash_secret_hex, setting=kvsecret.ENV)
+    if not auth.insecure:
+        raise ValueError(f"{kvsecret.ENV} is required when API keys are configured: the hex deployment secret "
+                         "every gateway replica and connector shares (e.g. `openssl rand -hex 32`)")
+    log.warning("no %s configured (development mode): using a random secret; no entry registered by a connector "
+                "will verify, and restarts lose reuse", kvsecret.ENV)
+    return bytes.fromhex(kvsecret.generate())
+
+
 class GatewayApp:
     """``await app.start()`` binds HTTP and gRPC (port 0 picks free ports); ``await app.stop()``."""
 
@@ -34,12 +48,8 @@ class GatewayApp:
         self.settings = settings
         # Tracing (OTEL_*, set up by the composition root) and the registry behind /metrics.
         self.telemetry = telemetry or Telemetry.disabled("kvbridge-gateway")
-        secret = bytes.fromhex(settings.hash_secret_hex) if settings.hash_secret_hex else b""
-        if not secret:
-            log.warning("no hash_secret_hex configured: using a random secret (no entry registered elsewhere "
-                        "will verify, and restarts lose reuse)")
-            secret = secrets.token_bytes(32)
         auth = auth or Authenticator.from_file(settings.api_keys_file)
+        secret = deployment_secret(settings, auth)
         control = ControlPlane(settings.registry_address, settings.lease_address, api_key=settings.control_api_key,
                                timeout_s=settings.control_timeout_s, tracer=self.telemetry.tracer,
                                tls=peer_tls, registry_connections=settings.registry_connections)

@@ -6,7 +6,8 @@ import json
 from pathlib import Path
 from typing import Annotated
 
-from pydantic import BaseModel, Field, field_validator
+from kvbridge import secret as kvsecret
+from pydantic import AliasChoices, BaseModel, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 
@@ -61,14 +62,20 @@ class GatewaySettings(BaseSettings):
     # Connections to the registry, used in turn: more than one spreads lookups over a registry replica's
     # server processes (KVBRIDGE_REGISTRY_SERVE_PROCESSES; SO_REUSEPORT spreads connections, not calls).
     registry_connections: int = Field(default=1, ge=1, le=64)
-    # API key the gateway presents to registry and lease manager (a service principal there).
-    control_api_key: str | None = None
+    # API key the gateway presents to registry and lease manager (its gateway role there): KVBRIDGE_API_KEY, the
+    # one service key of the stack, unless KVBRIDGE_GATEWAY_CONTROL_API_KEY overrides it.
+    control_api_key: str | None = Field(default=None, validation_alias=AliasChoices(
+        "control_api_key", "KVBRIDGE_GATEWAY_CONTROL_API_KEY", "KVBRIDGE_API_KEY"))
     control_timeout_s: float = Field(default=1.0, gt=0, le=30)
 
-    # Client API keys (JSON, see services/common/auth.py); unset = insecure dev mode.
-    api_keys_file: Path | None = None
-    # Hex of the deployment's hash-chain secret (shared with registry clients and the connector).
-    hash_secret_hex: str = ""
+    # Client API keys (JSON, see services/common/auth.py): KVBRIDGE_API_KEYS_FILE, the one keys file of the stack
+    # (KVBRIDGE_GATEWAY_API_KEYS_FILE, the older name, still works). Unset = insecure development mode.
+    api_keys_file: Path | None = Field(default=None, validation_alias=AliasChoices(
+        "api_keys_file", "KVBRIDGE_API_KEYS_FILE", "KVBRIDGE_GATEWAY_API_KEYS_FILE"))
+    # The deployment secret (kvbridge.secret): hex, shared by every gateway replica and every connector. Required
+    # with API keys; KVBRIDGE_HASH_SECRET, the connector's name too (KVBRIDGE_GATEWAY_HASH_SECRET_HEX still works).
+    hash_secret_hex: str = Field(default="", validation_alias=AliasChoices(
+        "hash_secret_hex", "KVBRIDGE_HASH_SECRET", "KVBRIDGE_GATEWAY_HASH_SECRET_HEX"))
 
     # Engine pools: static config plus engines registered in the registry.
     # NoDecode: the validator below accepts JSON *or* a comma-separated URL list from the env.
@@ -146,7 +153,5 @@ class GatewaySettings(BaseSettings):
     @classmethod
     def _check_secret(cls, value: str) -> str:
         if value:
-            raw = bytes.fromhex(value)
-            if not 16 <= len(raw) <= 64:
-                raise ValueError("hash_secret_hex must decode to 16..64 bytes")
-        return value
+            kvsecret.parse(value, setting="KVBRIDGE_HASH_SECRET")
+        return value.strip()

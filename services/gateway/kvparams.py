@@ -13,12 +13,16 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvbridge import hashchain, offers
+from kvbridge import secret as kvsecret
 from kvbridge import telemetry as tel
 
-# Extra keys the gateway adds for D so a kvbridge connector there can register the new state.
-CONVERSATION_KEY_PARAM = "kvbridge_conversation_key"
-TENANT_PARAM = "kvbridge_tenant"
-EPOCH_PARAM = "kvbridge_epoch"
+# Extra keys the gateway adds for D so a kvbridge connector there can register the new state (signed).
+CONVERSATION_KEY_PARAM = kvsecret.CONVERSATION_KEY
+TENANT_PARAM = kvsecret.TENANT
+EPOCH_PARAM = kvsecret.EPOCH
+# Never passed on from P's params: only this gateway sets (and signs) them.
+_SIGNED_KVBRIDGE_FIELDS = frozenset(
+    name for name in (*kvsecret.SIGNED_FIELDS, kvsecret.SIGNATURE) if name.startswith("kvbridge_"))
 
 _INTERNAL_BODY_KEYS = ("kv_transfer_params", "conversation_id")
 
@@ -134,13 +138,16 @@ def offer_ttl_ms(source: PullSource) -> int:
 
 
 def decode_params(
-    prefill_returned: dict[str, Any], *, tenant: str, conversation_key: str, epoch: int
+    prefill_returned: dict[str, Any], *, tenant: str, conversation_key: str, epoch: int, secret: bytes,
+    now: float | None = None,
 ) -> dict[str, Any]:
-    """D's params: what P returned, plus the conversation identity for a connector on D."""
-    params = dict(prefill_returned)
+    """D's params: what P returned, plus the conversation identity for a connector on D, signed with the
+    deployment secret (D's connector ignores kvbridge fields without this gateway's signature)."""
+    params = {k: v for k, v in prefill_returned.items() if k not in _SIGNED_KVBRIDGE_FIELDS}
     params[TENANT_PARAM] = tenant
     params[CONVERSATION_KEY_PARAM] = conversation_key
     params[EPOCH_PARAM] = epoch
+    kvsecret.sign_kv_params(secret, params, now=time.time() if now is None else now)
     return _with_traceparent(params)
 
 

@@ -40,6 +40,9 @@ class GatewayMetrics:
         self.mirror_lag = Gauge("kvbridge_gateway_entry_mirror_lag_seconds",
                                 "Seconds since the entry copy last heard from the registry's watch (-1: never)",
                                 registry=r)
+        self.secret_mismatch = Counter("kvbridge_gateway_secret_mismatch_total",
+                                       "Turns refused reuse: the decode engine announced another deployment secret",
+                                       ["engine"], registry=r)
         self.reuse_retries = Counter("kvbridge_gateway_reuse_retries_total",
                                      "Prefills retried without D params after a failure on the reuse path",
                                      registry=r)

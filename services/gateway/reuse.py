@@ -42,6 +42,7 @@ class NoReuse(enum.Enum):
     MULTIMODAL_INPUT = "multimodal_input"  # image/audio/video/file content parts (placeholders hash alike)
     LORA_ADAPTER = "lora_adapter"  # the model name is a LoRA adapter (or alias), not the engines' base model
     UNSUPPORTED_FIELD = "unsupported_field"  # a body field outside the allow-list (it may change P's prompt)
+    SECRET_MISMATCH = "secret_mismatch"  # the decode engine holds another deployment secret (services/gateway/trust.py)
     # -- the gateway could not ask ---------------------------------------------------------------
     TOKENIZE_FAILED = "tokenize_failed"  # P's /tokenize failed
     REGISTRY_UNAVAILABLE = "registry_unavailable"  # the lookup (or the consume) call failed
@@ -163,6 +164,7 @@ class RequestFeatures:
     multimodal: bool = False
     unsupported_field: str = ""  # the first body field outside ALLOWED_FIELDS ("" when none)
     lora_adapter: bool = False
+    secret_mismatch: bool = False  # D's connector announced another deployment secret's canary
 
     @property
     def covered(self) -> bool:
@@ -194,9 +196,9 @@ def has_multimodal_content(body: Mapping[str, Any]) -> bool:
     return False
 
 
-def request_features(body: Mapping[str, Any], *, lora_adapter: bool) -> RequestFeatures:
+def request_features(body: Mapping[str, Any], *, lora_adapter: bool, secret_mismatch: bool = False) -> RequestFeatures:
     return RequestFeatures(multimodal=has_multimodal_content(body), unsupported_field=unsupported_field(body),
-                           lora_adapter=lora_adapter)
+                           lora_adapter=lora_adapter, secret_mismatch=secret_mismatch)
 
 
 # -- the decision ----------------------------------------------------------------------------------------
@@ -236,6 +238,8 @@ def screen(features: RequestFeatures, *, wants_reuse: bool, prompt_tokens: int |
     """The part of :func:`decide` that needs no lookup (the router calls it first to skip the lookup)."""
     if not wants_reuse:
         return NoReuse.NOT_REQUESTED
+    if features.secret_mismatch:
+        return NoReuse.SECRET_MISMATCH
     if features.multimodal:
         return NoReuse.MULTIMODAL_INPUT
     if features.lora_adapter:

@@ -35,6 +35,7 @@ from .renewer import ConversationRenewer
 from .requests import Turn
 from .reuse import NoReuse, ReusePlan, ReuseVerdict
 from .tokenizer import ATTR_TOKENIZE_PATH, LocalTokenizers
+from .trust import SecretCanary
 from .upstream import TRANSPORT_ERRORS, ClientError, EngineHttp, UpstreamError, UpstreamStream
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class TurnRouter:
         self._http = http
         self._metrics = metrics
         self._secret = hashchain.check_secret(secret)
+        self.canary = SecretCanary(self._secret, metrics.secret_mismatch)
         self._pulling: set[tuple[str, str]] = set()
         self._policy = reuse.Policy(threshold_tokens=settings.reuse_threshold_tokens,
                                     single_use_entries=settings.single_use_entries, expiry_margin_s=_EXPIRY_MARGIN_S)
@@ -216,7 +218,8 @@ class TurnRouter:
 
     async def _plan(self, turn: Turn, prefill: EngineState, decode: EngineState, plan: _Plan) -> _Plan:
         plan.block_size = self._block_size(prefill)
-        plan.features = reuse.request_features(turn.body, lora_adapter=self._is_adapter(turn.model, prefill, decode))
+        plan.features = reuse.request_features(turn.body, lora_adapter=self._is_adapter(turn.model, prefill, decode),
+                                               secret_mismatch=self.canary.mismatch(decode.record))
         wants_reuse = bool(self._s.reuse_enabled and self._control.enabled and (
             turn.conversation_key or self._s.content_lookup))
         early = reuse.screen(plan.features, wants_reuse=wants_reuse, prompt_tokens=None, policy=self._policy)
@@ -394,7 +397,8 @@ class TurnRouter:
         # registers nothing, and neither does the gateway.
         covered = plan.features.covered
         body["kv_transfer_params"] = kvparams.decode_params(
-            p_params, tenant=turn.tenant, conversation_key=turn.conversation_key if covered else "", epoch=epoch)
+            p_params, tenant=turn.tenant, conversation_key=turn.conversation_key if covered else "", epoch=epoch,
+            secret=self._secret)
         register = (self._s.compat_registration and self._control.enabled and bool(turn.conversation_key)
                     and not turn.stream and covered)
         if register:

@@ -134,6 +134,8 @@ class GatewayCore:
             log.warning("cannot list engines from the registry: %s", exc)
             return
         self.pool.sync_registry(records)
+        for record in records:
+            self.router.canary.check(record)  # logged at ERROR when the gateway first learns of the engine
 
     async def _registry_loop(self) -> None:
         while True:

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from tests.e2e.pd_client import E2E_SECRET
 from tests.fixtures.control_plane_procs import ControlPlaneProcs, run_control_plane
 from tests.fixtures.tiny_model import build
 from tests.fixtures.vllm_engines import EnginePool, PDEngines
@@ -48,7 +49,7 @@ def pd_engines(engine_pool: EnginePool) -> PDEngines:
     return engine_pool.get("stock")
 
 
-HASH_SECRET = "e2e-hash-secret-0123456789abcdef"
+HASH_SECRET = E2E_SECRET.hex()  # the deployment secret is hex (kvbridge.secret)
 # Short TTLs so lease behaviour shows within a test: stock D would free after OLD_TTL_S.
 OLD_TTL_S = 10
 ENTRY_LEASE_TTL_S = 15

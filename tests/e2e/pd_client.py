@@ -7,12 +7,17 @@ D's params from the previous turn, if reusing); D pulls P's KV and generates.
 from __future__ import annotations
 
 import random
+import time
 from dataclasses import dataclass
 from typing import Any
 
 from kvbridge import hashchain, offers
+from kvbridge import secret as kvsecret
 
 from tests.fixtures.vllm_engines import Engine
+
+# The e2e deployment secret (tests/e2e/conftest.py HASH_SECRET is its hex).
+E2E_SECRET = b"e2e-hash-secret-0123456789abcdef"
 
 # Fields of D's returned params a router sends back to P for a reuse pull.
 # The read window the tests give P, as the gateway does (kvbridge.offers): D's default offer window.
@@ -69,7 +74,7 @@ def prefill_params_for(prompt: list[int], reuse: dict[str, Any] | None,
 def pd_turn(
     prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int, *,
     reuse: dict[str, Any] | None = None, decode_extra: dict[str, Any] | None = None,
-    verified: list[int] | None = None,
+    verified: list[int] | None = None, secret: bytes | None = None,
 ) -> TurnResult:
     """One disaggregated turn; ``reuse`` is D's params from an earlier turn (pull them back; see
     ``prefill_params_for``)."""
@@ -77,6 +82,9 @@ def pd_turn(
     prefill_params = dict(p_response["kv_transfer_params"])
     d_params = dict(prefill_params)
     d_params.update(decode_extra or {})
+    if secret is not None or any(k.startswith("kvbridge_") for k in decode_extra or {}):
+        # As the gateway does: D's connector ignores unsigned kvbridge fields (default: the e2e secret).
+        kvsecret.sign_kv_params(secret or E2E_SECRET, d_params, now=time.time())
     d_response = completion(decode, prompt, max_tokens, d_params)
     choice = d_response["choices"][0]
     return TurnResult(list(choice["token_ids"]), prefill_params, dict(d_response.get("kv_transfer_params") or {}))

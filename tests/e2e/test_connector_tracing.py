@@ -23,7 +23,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanContext
 
-from tests.e2e.conftest import kvbridge_overrides
+from tests.e2e.conftest import HASH_SECRET, kvbridge_overrides
 from tests.e2e.pd_client import completion, random_tokens
 from tests.e2e.test_kvbridge_pd import wait_for_entry
 from tests.fixtures.control_plane_procs import ControlPlaneProcs
@@ -63,7 +63,7 @@ async def traced_pd(engine_pool: EnginePool, request: pytest.FixtureRequest,
 
 
 def _fields(epoch: int) -> dict[str, Any]:
-    return {"tenant": TENANT, "conversation_key": CONVERSATION, "epoch": epoch}
+    return {"tenant": TENANT, "conversation_key": CONVERSATION, "epoch": epoch, "secret": bytes.fromhex(HASH_SECRET)}
 
 
 async def test_turn_two_trace_shows_decode_registration_and_prefill_pull(

@@ -28,6 +28,7 @@ TENANT = "acme"
 
 
 def kvbridge_fields(conversation: str, epoch: int) -> dict[str, Any]:
+    """D's kvbridge fields; pd_turn signs them with the deployment secret as the gateway does."""
     return {"kvbridge_conversation_key": conversation, "kvbridge_tenant": TENANT, "kvbridge_epoch": epoch}
 
 
@@ -202,7 +203,7 @@ def lease_alive(procs: ControlPlaneProcs, lease_id: int) -> bool:
 
 def lookup(procs: ControlPlaneProcs, conversation: str, token_ids: list[int]) -> registry_pb2.LookupEntryResponse:
     """What the gateway asks: the verified prefix of a new prompt (hash chain computed independently)."""
-    chain = hashchain.chain(HASH_SECRET.encode(), TENANT, "tiny", "", BLOCK_SIZE, token_ids)
+    chain = hashchain.chain(bytes.fromhex(HASH_SECRET), TENANT, "tiny", "", BLOCK_SIZE, token_ids)
     with grpc.insecure_channel(procs.registry_target) as channel:
         stub = registry_pb2_grpc.RegistryServiceStub(channel)
         return stub.LookupEntry(registry_pb2.LookupEntryRequest(

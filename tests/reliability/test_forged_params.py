@@ -10,12 +10,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator
 
+import httpx
 import pytest
 from kvbridge.errors import KvbridgeError, Reason
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 
-from .conftest import ACME_KEY, BLOCK, GLOBEX_KEY, MODEL, SecureStack, call, chain
+from .conftest import ACME_KEY, BLOCK, GLOBEX_KEY, MODEL, SECRET, SecureStack, call, chain
 
 LONG = " ".join(f"w{i}" for i in range(100, 220))
 
@@ -133,3 +134,34 @@ async def test_gateway_uses_registry_host_not_client_host(secure: SecureStack, c
     sent = secure.prefill.engine.stats.last_kv_transfer_params
     assert sent is not None and sent["remote_host"] == "127.0.0.1" and sent["remote_port"] == secure.decode.cfg.port
     assert canary.connections == 0
+
+
+async def test_kvbridge_fields_sent_straight_to_an_engine_are_ignored(secure: SecureStack) -> None:
+    """D's connector trusts kvbridge_* fields only with the gateway's signature under the deployment secret: the
+    fields the gateway sent D verify (and name the caller's tenant); the same fields, forged (another tenant, an
+    epoch of 2^63-1 that would block the conversation's future registrations) and posted straight to D, do not."""
+    from kvbridge_connector import params as cparams
+
+    async with secure.http(ACME_KEY) as client:
+        r = await client.post("/v1/chat/completions", json={
+            "model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 4,
+            "conversation_id": "c-signed"})
+        assert r.status_code == 200, r.text
+    via_gateway = [p for p in secure.decode.engine.stats.kv_transfer_params_seen if p and cparams.TENANT in p]
+    assert via_gateway, "the gateway sent D no kvbridge fields"
+    ref = cparams.parse_conversation(via_gateway[-1], MODEL, SECRET)
+    assert ref is not None and (ref.tenant, ref.conversation_key) == ("acme", "c-signed")
+
+    forged_fields = [
+        {**via_gateway[-1], cparams.EPOCH: 2**63 - 1},  # the gateway's signature, another epoch
+        {**via_gateway[-1], cparams.TENANT: "globex"},  # ... another tenant
+        {k: v for k, v in via_gateway[-1].items() if k not in ("kvbridge_signature", "kvbridge_issued_at")},
+    ]
+    async with httpx.AsyncClient(base_url=secure.decode.url, timeout=30) as engine:
+        for forged in forged_fields:
+            r = await engine.post("/v1/completions", json={"model": MODEL, "prompt": "hello there", "max_tokens": 2,
+                                                           "kv_transfer_params": forged})
+            assert r.status_code == 200, r.text
+            seen = secure.decode.engine.stats.kv_transfer_params_seen[-1]
+            assert seen is not None and seen.get(cparams.EPOCH) == forged.get(cparams.EPOCH)  # what D's connector sees
+            assert cparams.parse_conversation(seen, MODEL, SECRET) is None

@@ -26,7 +26,8 @@ def _finish_retained(sched: Any, pool: Any, request_id: str) -> tuple[bool, list
 
     blocks = pool.get_new_blocks(4)
     params = kvparams.decode_params({"do_remote_prefill": False, "do_remote_decode": False},
-                                    tenant="t", conversation_key=f"conv-{request_id}", epoch=1)
+                                    tenant="t", conversation_key=f"conv-{request_id}", epoch=1,
+                                    secret=bytes.fromhex(SECRET_HEX))
     request = FakeRequest(request_id, params, list(range(10, 110)), num_computed_tokens=128,
                           output_token_ids=list(range(300, 340)))
     delay_free, returned = sched.request_finished(request, ([b.block_id for b in blocks],))
@@ -66,7 +67,8 @@ def _step(sched: Any) -> Any:
 
 
 GRACE_S = 1.2  # the least a 0.1 s offer window and a 0.05 s index lag bound allow (+ 1 s for the READ)
-EXTRA = {"kvbridge_registry": "127.0.0.1:1", "kvbridge_hash_secret": "unit-hash-secret-0123456789abcdef",
+SECRET_HEX = b"unit-hash-secret-0123456789abcdef".hex()  # the deployment secret is hex (kvbridge.secret)
+EXTRA = {"kvbridge_registry": "127.0.0.1:1", "kvbridge_hash_secret": SECRET_HEX,
          "kvbridge_model": "tiny", "kvbridge_offer_window_s": 0.1, "kvbridge_index_max_lag_s": 0.05,
          "kvbridge_node_lease_ttl_s": 1, "kvbridge_fallback_ttl_s": 3, "kvbridge_free_grace_s": GRACE_S}
 

@@ -44,7 +44,7 @@ pytest.importorskip("vllm")
 TENANT = "acme-tenant"
 CONVERSATION = "conv-private-key"  # neither string is hex: a 16-hex-char hash cannot contain it
 HASH_KEY = bytes.fromhex("cd" * 32)
-SECRET = "unit-hash-secret-0123456789abcdef"
+SECRET = b"unit-hash-secret-0123456789abcdef".hex()  # the deployment secret is hex (kvbridge.secret)
 CLIENT, SERVER = trace_pb2.Span.SPAN_KIND_CLIENT, trace_pb2.Span.SPAN_KIND_SERVER
 STATUS_ERROR = 2
 GRANT = "kvbridge.lease.v1.LeaseService/GrantLease"
@@ -227,7 +227,8 @@ async def test_decode_registration_span_joins_the_turn_and_the_services(
         await _wait_engine_registered(control_plane.registry.address, "decode-0")
         with turn_span() as turn:
             params = kvparams.decode_params({"do_remote_prefill": False, "do_remote_decode": False},
-                                            tenant=TENANT, conversation_key=CONVERSATION, epoch=1)
+                                            tenant=TENANT, conversation_key=CONVERSATION, epoch=1,
+                                            secret=bytes.fromhex(SECRET))
         request = FakeRequest("d-req-1", params, list(range(10, 110)), num_computed_tokens=128,
                               output_token_ids=list(range(300, 340)))
         delay_free, returned = sched.request_finished(request, ([1, 2, 3, 4],))

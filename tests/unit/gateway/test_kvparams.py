@@ -1,7 +1,10 @@
 from __future__ import annotations
 
+import time
+
 import pytest
 from kvbridge import hashchain
+from kvbridge import secret as kvsecret
 from kvbridge_services.gateway import kvparams
 from kvbridge_services.gateway.reuse import NoReuse, ReuseVerdict
 
@@ -74,10 +77,14 @@ def test_retained_from_decode() -> None:
     assert kvparams.retained_from_decode(None, 10) is None
 
 
-def test_decode_params_carry_conversation_identity() -> None:
-    p = kvparams.decode_params({"do_remote_prefill": True}, tenant="acme", conversation_key="c1", epoch=3)
+def test_decode_params_carry_conversation_identity_signed() -> None:
+    secret = bytes(range(16))
+    p = kvparams.decode_params({"do_remote_prefill": True}, tenant="acme", conversation_key="c1", epoch=3,
+                               secret=secret)
     assert p[kvparams.TENANT_PARAM] == "acme" and p[kvparams.CONVERSATION_KEY_PARAM] == "c1"
     assert p[kvparams.EPOCH_PARAM] == 3
+    assert kvsecret.verify_kv_params(secret, p, accepted_at=time.time()) == ""
+    assert kvsecret.verify_kv_params(bytes(16), p, accepted_at=time.time()) == "bad_signature"
 
 
 def test_verdict_header_format() -> None:

@@ -53,6 +53,7 @@ DECIDED: dict[NoReuse, dict[str, object]] = {
     NoReuse.NOT_REQUESTED: {"wants_reuse": False},
     NoReuse.MULTIMODAL_INPUT: {"features": reuse.RequestFeatures(multimodal=True)},
     NoReuse.LORA_ADAPTER: {"features": reuse.RequestFeatures(lora_adapter=True)},
+    NoReuse.SECRET_MISMATCH: {"features": reuse.RequestFeatures(secret_mismatch=True)},
     NoReuse.UNSUPPORTED_FIELD: {"features": reuse.RequestFeatures(unsupported_field="truncate_prompt_tokens")},
     NoReuse.SHORT_PROMPT: {"prompt_tokens": 64},
     NoReuse.NOT_FOUND: {"lookup": verdict_only(registry_pb2.LOOKUP_VERDICT_NOT_FOUND)},

@@ -1,0 +1,140 @@
+"""The deployment secret: one value, one encoding, shared by every gateway replica and every connector.
+
+It keys three things, each under its own label so no output of one is an input of another:
+
+- the block-hash chain (:mod:`kvbridge.hashchain`): the secret itself is the BLAKE2b key;
+- the *canary*: a short HMAC of a fixed label, which a connector puts in its engine registration
+  (capability ``kvbridge-secret:<canary>``) so a gateway can tell, before any reuse, that both hold the same
+  secret (different secrets give different chains: 0 % reuse and no error);
+- the signature over the ``kvbridge_*`` fields a gateway sends an engine inside ``kv_transfer_params``
+  (:func:`sign_kv_params`, :func:`verify_kv_params`): an engine trusts those fields only from a gateway.
+
+Encoding: hex, 32..128 digits (16..64 bytes), e.g. ``openssl rand -hex 32``. Anything else is refused with an
+error naming the setting, never reinterpreted (the gateway used to read hex and the connector raw text: the
+same string gave two secrets).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import secrets
+from collections.abc import Iterable, Mapping, MutableMapping
+from typing import Any
+
+from kvbridge import hashchain
+
+# The one setting name (connector: also kv_connector_extra_config.kvbridge_hash_secret).
+ENV = "KVBRIDGE_HASH_SECRET"
+CANARY_CAPABILITY_PREFIX = "kvbridge-secret:"
+_CANARY_LABEL = b"kvbridge/v1 deployment-secret canary"
+_SIGN_LABEL = b"kvbridge/v1 kv_transfer_params\x00"
+_CANARY_HEX_DIGITS = 16  # 64 bits: a mismatch check, not a credential
+
+# The kvbridge_* fields of a decode request's kv_transfer_params and the fields binding them to one transfer.
+TENANT = "kvbridge_tenant"
+CONVERSATION_KEY = "kvbridge_conversation_key"
+EPOCH = "kvbridge_epoch"
+MODEL = "kvbridge_model"
+ISSUED_AT = "kvbridge_issued_at"  # Unix seconds (float) when the gateway signed
+SIGNATURE = "kvbridge_signature"  # hex HMAC-SHA256 (128 bits kept)
+# The request identity: the prefill request whose KV this decode request reads (P's returned params).
+_BOUND = ("remote_engine_id", "remote_request_id")
+SIGNED_FIELDS = (TENANT, CONVERSATION_KEY, EPOCH, MODEL, *_BOUND, ISSUED_AT)
+# How long a signature is good for, counted from signing to the engine accepting the request (both clocks).
+DEFAULT_VALIDITY_S = 60.0
+DEFAULT_CLOCK_SKEW_S = 30.0
+
+
+def parse(text: str, *, setting: str = ENV) -> bytes:
+    """The secret from its hex text; ValueError naming ``setting`` for anything that is not 32..128 hex digits."""
+    value = text.strip()
+    try:
+        raw = bytes.fromhex(value)
+    except ValueError:
+        raise ValueError(f"{setting} must be hex (e.g. `openssl rand -hex 32`); got {len(value)} characters "
+                         f"that are not hex digits") from None
+    if not hashchain.MIN_SECRET_BYTES <= len(raw) <= hashchain.MAX_SECRET_BYTES:
+        raise ValueError(f"{setting} must be {2 * hashchain.MIN_SECRET_BYTES}..{2 * hashchain.MAX_SECRET_BYTES} "
+                         f"hex digits ({hashchain.MIN_SECRET_BYTES}..{hashchain.MAX_SECRET_BYTES} bytes); "
+                         f"got {len(raw)} bytes")
+    return raw
+
+
+def generate() -> str:
+    """A fresh secret's hex text (development stacks; production sets one for the whole deployment)."""
+    return secrets.token_hex(32)
+
+
+def canary(secret: bytes) -> str:
+    """A short public fingerprint of the secret (one-way; equal exactly when the secrets are equal, in practice)."""
+    return hmac.new(hashchain.check_secret(secret), _CANARY_LABEL, hashlib.sha256).hexdigest()[:_CANARY_HEX_DIGITS]
+
+
+def canary_capability(secret: bytes) -> str:
+    """The engine capability announcing the secret's canary (fits kvbridge.ids.CAPABILITY)."""
+    return CANARY_CAPABILITY_PREFIX + canary(secret)
+
+
+def canary_of(capabilities: Iterable[str]) -> str | None:
+    """The canary an engine announced, or None (an engine without a kvbridge connector, or an older one)."""
+    for cap in capabilities:
+        if cap.startswith(CANARY_CAPABILITY_PREFIX):
+            return cap[len(CANARY_CAPABILITY_PREFIX):]
+    return None
+
+
+def _message(params: Mapping[str, Any]) -> bytes:
+    # JSON of a fixed-order list: no field can run into the next; absent fields are null.
+    return _SIGN_LABEL + json.dumps([params.get(name) for name in SIGNED_FIELDS], separators=(",", ":"),
+                                    ensure_ascii=True, allow_nan=False).encode()
+
+
+def _mac(secret: bytes, params: Mapping[str, Any]) -> str:
+    return hmac.new(hashchain.check_secret(secret), _message(params), hashlib.sha256).hexdigest()[:32]
+
+
+def sign_kv_params(secret: bytes, params: MutableMapping[str, Any], *, now: float) -> None:
+    """Adds ``kvbridge_issued_at`` and ``kvbridge_signature`` over the kvbridge fields and the transfer they
+    belong to (P's ``remote_engine_id`` / ``remote_request_id``) to a decode request's params, in place."""
+    params[ISSUED_AT] = round(now, 3)
+    params[SIGNATURE] = _mac(secret, params)
+
+
+def verify_kv_params(secret: bytes | None, params: Mapping[str, Any], *, accepted_at: float,
+                     validity_s: float = DEFAULT_VALIDITY_S, clock_skew_s: float = DEFAULT_CLOCK_SKEW_S) -> str:
+    """Why the kvbridge fields of ``params`` must be ignored ("" when they come from a gateway sharing
+    ``secret``): ``no_secret``, ``unsigned``, ``bad_signature`` or ``expired``. ``accepted_at``: when the
+    engine received the request (Unix seconds), not when it looks at the params."""
+    if secret is None:
+        return "no_secret"
+    signature, issued = params.get(SIGNATURE), params.get(ISSUED_AT)
+    if signature is None and issued is None:
+        return "unsigned"
+    if not isinstance(signature, str) or isinstance(issued, bool) or not isinstance(issued, int | float):
+        return "bad_signature"
+    try:
+        expected = _mac(secret, params)
+    except (TypeError, ValueError):  # a field JSON cannot encode (NaN, an object): not what a gateway sends
+        return "bad_signature"
+    if not hmac.compare_digest(signature, expected):
+        return "bad_signature"
+    if not issued - clock_skew_s <= accepted_at <= issued + validity_s:
+        return "expired"
+    return ""
+
+
+__all__ = [
+    "CANARY_CAPABILITY_PREFIX",
+    "DEFAULT_VALIDITY_S",
+    "ENV",
+    "SIGNED_FIELDS",
+    "canary",
+    "canary_capability",
+    "canary_of",
+    "generate",
+    "parse",
+    "sign_kv_params",
+    "verify_kv_params",
+]
