@@ -200,6 +200,10 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         if self.control_plane is not None:
             for lease_id, reason in decisions.revoke:
                 self.control_plane.submit(cp.RevokeLease(lease_id, reason))
+        if decisions.revoke:
+            log.info("kvbridge: withdrawing %d retained entr%s (%s); their blocks stay until the end is confirmed "
+                     "and %.0f s more", len(decisions.revoke), "y" if len(decisions.revoke) == 1 else "ies",
+                     ", ".join(sorted({reason for _, reason in decisions.revoke})), self.settings.free_grace_s)
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, META_HOLD, self._hold_ids)
         setattr(meta, META_RELEASE, decisions.release)

@@ -16,6 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvbridge import offers
 from kvbridge.registry.v1 import registry_pb2
 
 from . import kvparams
@@ -57,6 +58,8 @@ class NoReuse(enum.Enum):
     LOOKUP = "lookup"  # a lookup verdict this gateway does not know
     # -- the source engine and its entry ----------------------------------------------------------
     NO_KV_ENDPOINT = "no_kv_endpoint"  # the engine record has no NIXL side-channel host/port
+    NO_OFFER_WINDOW = "no_offer_window"  # a connector engine that promises no offer window (older connector)
+    OFFER_EXPIRED = "offer_expired"  # the lookup is older than the engine's offer window (or P said so)
     ENGINE_UNHEALTHY = "engine_unhealthy"  # the gateway's health checks say the source D is down
     BUSY = "busy"  # this gateway is pulling the same blocks for another turn now
     BAD_LOCATION = "bad_location"  # the location's block ids do not cover the verified prefix
@@ -253,8 +256,11 @@ def screen(features: RequestFeatures, *, wants_reuse: bool, prompt_tokens: int |
 
 def decide(features: RequestFeatures, *, wants_reuse: bool, prompt_tokens: int,
            lookup: registry_pb2.LookupEntryResponse, block_size: int, source: SourceState, policy: Policy,
-           now_s: float) -> ReusePlan | NoReuse:
-    """Whether this turn's prefill pulls KV: the plan, or the reason it does not."""
+           now_s: float, looked_up_at: float = 0.0, now_mono: float = 0.0) -> ReusePlan | NoReuse:
+    """Whether this turn's prefill pulls KV: the plan, or the reason it does not.
+
+    ``looked_up_at`` and ``now_mono`` (``time.monotonic()``): when the lookup was answered, and now; P gets what
+    is left of the engine's offer window since the lookup to start its READ (kvbridge.offers)."""
     early = screen(features, wants_reuse=wants_reuse, prompt_tokens=prompt_tokens, policy=policy)
     if early is not None:
         return early
@@ -283,6 +289,13 @@ def decide(features: RequestFeatures, *, wants_reuse: bool, prompt_tokens: int,
     except ValueError:
         return NoReuse.BAD_LOCATION
     single_use = policy.single_use_entries and CONNECTOR_CAPABILITY not in engine.capabilities
+    # The connector frees a withdrawn entry's blocks only its offer window (plus the index lag bound) after the
+    # withdrawal: P must start its READ within that window of this lookup (ARCHITECTURE invariant 6).
+    offer_window_s: float | None = None
+    if CONNECTOR_CAPABILITY in engine.capabilities:
+        if not engine.HasField("offer_window") or engine.offer_window.ToNanoseconds() <= 0:
+            return NoReuse.NO_OFFER_WINDOW
+        offer_window_s = engine.offer_window.ToNanoseconds() / 1e9
     # P declines a read that would start after D's deadline, on D's clock (vLLM's remote_blocks_expiry_time):
     # known for stock D once this gateway learned D's clock from its responses. The connector's entries carry
     # none (their lease bounds them).
@@ -291,12 +304,11 @@ def decide(features: RequestFeatures, *, wants_reuse: bool, prompt_tokens: int,
     pull = kvparams.PullSource(
         engine_id=engine.engine_id, request_id=loc.engine_request_id, host=engine.kv_host, port=int(engine.kv_port),
         block_groups=groups, tp_size=int(engine.tp_size or 1), pp_size=int(engine.pp_size or 1),
-        dcp_size=int(engine.dcp_size or 1), expiry_time=engine_expiry)
+        dcp_size=int(engine.dcp_size or 1), expiry_time=engine_expiry, offer_window_s=offer_window_s,
+        looked_up_at=looked_up_at)
+    if offer_window_s is not None and \
+            offers.offer_ttl_ms(offer_window_s, now_mono - looked_up_at) <= 1000 * offers.READ_START_MARGIN_S:
+        return NoReuse.OFFER_EXPIRED
     return ReusePlan(source=pull, tokens=k, key=(engine.engine_id, loc.engine_request_id), consume=single_use,
                      epoch=int(loc.epoch), conversation_key=loc.conversation_key)
 
-
-def consumed_this(deleted: registry_pb2.Entry, plan: ReusePlan) -> bool:
-    """Whether the entry a consume (DeleteEntry) removed is the one the plan pulls: the same engine, request and
-    epoch. Anything else (a newer turn's entry registered since the lookup) means another caller took ours."""
-    return (deleted.engine_id, deleted.engine_request_id, int(deleted.epoch)) == (*plan.key, plan.epoch)

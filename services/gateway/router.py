@@ -284,6 +284,7 @@ class TurnRouter:
     async def _apply_lookup(self, turn: Turn, plan: _Plan, found: registry_pb2.LookupEntryResponse) -> None:
         """Decides on the lookup's answer; a single-use entry is then consumed in the registry before P may pull."""
         assert plan.prompt_ids is not None
+        answered_at = time.monotonic()  # P's READ must start within the engine's offer window of this
         loc = found.location
         if found.HasField("location") and loc.conversation_key == turn.conversation_key:
             plan.next_epoch = int(loc.epoch) + 1
@@ -296,7 +297,8 @@ class TurnRouter:
                                    pulling=(engine_id, loc.engine_request_id) in self._pulling,
                                    clock_offset_s=self._clock_offsets.get(engine_id))
         decided = reuse.decide(plan.features, wants_reuse=True, prompt_tokens=len(plan.prompt_ids), lookup=found,
-                               block_size=plan.block_size, source=source, policy=self._policy, now_s=time.time())
+                               block_size=plan.block_size, source=source, policy=self._policy, now_s=time.time(),
+                               looked_up_at=answered_at, now_mono=time.monotonic())
         if isinstance(decided, NoReuse):
             plan.verdict.outcome = decided
             return
