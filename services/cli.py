@@ -240,6 +240,16 @@ UP_EPILOG = """\
   Each engine busy-spins about one core and takes ~3 GB of memory. Ctrl-C or
   SIGTERM stops the engines' process groups, then the services. Served model: "tiny".
 
+secure mode (one keys file, one service key):
+  KVBRIDGE_API_KEYS_FILE=keys.json KVBRIDGE_API_KEY=<service key> kvbridge up --engines
+  keys.json maps each key to a role (docs/security.md); the service key's entry holds
+  the roles gateway, engine and operator: the gateway, the registry and the engines'
+  connectors all present it to each other (per-service overrides:
+  KVBRIDGE_GATEWAY_CONTROL_API_KEY, KVBRIDGE_REGISTRY_LEASE_SERVICE_API_KEY). The
+  deployment secret is KVBRIDGE_HASH_SECRET (hex; with --engines a fresh one per run when
+  unset). Without a keys file the services listen on loopback only; a non-loopback
+  KVBRIDGE_HOST needs KVBRIDGE_INSECURE=1.
+
 exit codes: 0 stopped by Ctrl-C/SIGTERM, 1 a start failed or an engine exited,
   2 bad arguments, 130 interrupted while starting.
 """

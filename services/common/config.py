@@ -7,6 +7,7 @@ objects.
 
 from __future__ import annotations
 
+import ipaddress
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -102,14 +103,38 @@ class EtcdTls:
         return f"EtcdTls(ca={len(self.ca_pem)}B, client_cert={'yes' if self.cert_pem else 'no'})"
 
 
+def is_loopback(host: str) -> bool:
+    """Whether a bind address reaches only this machine (127.0.0.0/8, ::1, localhost)."""
+    name = host.strip("[]")
+    if name == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(name).is_loopback
+    except ValueError:
+        return False  # a host name or "" / "0.0.0.0"-like wildcard: reachable from elsewhere
+
+
+def check_bind(host: str, *, secured: bool, insecure: bool, what: str = "server") -> None:
+    """Secure by default: without API keys a service listens on loopback only, unless KVBRIDGE_INSECURE=1
+    says it is meant to run open (a mesh that authenticates for it). ValueError naming the settings otherwise."""
+    if secured or insecure or is_loopback(host):
+        return
+    raise ValueError(
+        f"{what}: refusing to listen on {host!r} without API keys (every caller would hold every role); set "
+        "KVBRIDGE_API_KEYS_FILE, bind a loopback address (KVBRIDGE_HOST=127.0.0.1), or set KVBRIDGE_INSECURE=1 "
+        "to run open on purpose")
+
+
 class ServerSettings(BaseSettings):
     """gRPC server knobs common to all services."""
 
     model_config = SettingsConfigDict(env_prefix="KVBRIDGE_", extra="ignore")
 
     host: str = "127.0.0.1"
-    # JSON file mapping API keys to principals; unset = insecure dev mode.
+    # JSON file mapping API keys to principals; unset = insecure development mode (loopback only, see insecure).
     api_keys_file: Path | None = None
+    # KVBRIDGE_INSECURE=1: allow a non-loopback bind without API keys (development mode reachable from elsewhere).
+    insecure: bool = False
     max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 * 1024)
     max_concurrent_rpcs: int = Field(default=1024, ge=1, le=100_000)
     shutdown_grace_s: float = Field(default=5.0, ge=0, le=120)

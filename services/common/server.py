@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from .auth import Authenticator
 from .authz import AuthzInterceptor
-from .config import ServerSettings
+from .config import ServerSettings, check_bind
 from .decode_guard import DecodeGuardInterceptor
 from .introspection import HEALTH, ListingHealthServicer, enable_reflection
 from .telemetry import Telemetry
@@ -50,6 +50,8 @@ class GrpcServer:
                  telemetry: Telemetry | None = None, reuse_port: bool = False,
                  auth: Authenticator | None = None) -> None:
         self._settings = settings
+        if auth is not None:  # secure by default: no keys, loopback only (KVBRIDGE_INSECURE=1 overrides)
+            check_bind(settings.host, secured=not auth.insecure, insecure=settings.insecure, what="gRPC server")
         # Without one, spans go to the global tracer provider (a no-op unless the process set one).
         self.telemetry = telemetry or Telemetry.disabled(bindings[0].full_name if bindings else "grpc")
         opts = [

@@ -48,8 +48,9 @@ def missing_engine_packages() -> list[str]:
 class LocalEnginesConfig:
     # Model in <work_dir>/tiny-model (built once, reused), engine logs in <work_dir>/logs/.
     work_dir: Path = field(default_factory=default_work_dir)
-    # The deployment secret (kvbridge.secret, hex) shared by the connectors and the gateway; fresh per run.
-    hash_secret: str = field(default_factory=kvsecret.generate)
+    # The deployment secret (kvbridge.secret, hex) shared by the connectors and the gateway: KVBRIDGE_HASH_SECRET,
+    # else fresh per run.
+    hash_secret: str = field(default_factory=lambda: os.environ.get(kvsecret.ENV) or kvsecret.generate())
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     report_every_s: float = 10.0
 

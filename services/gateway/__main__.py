@@ -16,13 +16,19 @@ from .config import GatewaySettings
 
 _HELP = """KV-cache-aware gateway for P/D-disaggregated vLLM (OpenAI HTTP + gRPC front doors).
 
-Settings come from KVBRIDGE_GATEWAY_* environment variables, e.g.
+Settings come from KVBRIDGE_GATEWAY_* environment variables (and the stack-wide KVBRIDGE_API_KEYS_FILE,
+KVBRIDGE_API_KEY, KVBRIDGE_HASH_SECRET, KVBRIDGE_INSECURE), e.g.
   KVBRIDGE_GATEWAY_HTTP_PORT=8080 KVBRIDGE_GATEWAY_GRPC_PORT=50053
   KVBRIDGE_GATEWAY_REGISTRY_ADDRESS=127.0.0.1:50051 KVBRIDGE_GATEWAY_LEASE_ADDRESS=127.0.0.1:50052
   KVBRIDGE_GATEWAY_REGISTRY_CONNECTIONS=1 (more: spread lookups over a registry's server processes)
   KVBRIDGE_GATEWAY_PREFILL_ENGINES=http://p0:8000  KVBRIDGE_GATEWAY_DECODE_ENGINES=http://d0:8000
     (or a JSON list of {"url", "model", "engine_id", "kv_host", "kv_port", "block_size", "register_in_registry"})
-  KVBRIDGE_GATEWAY_HASH_SECRET_HEX=<32..128 hex chars>  KVBRIDGE_GATEWAY_API_KEYS_FILE=keys.json
+  KVBRIDGE_API_KEYS_FILE=keys.json (client and service keys; unset: insecure dev mode, loopback only unless
+    KVBRIDGE_INSECURE=1; older name KVBRIDGE_GATEWAY_API_KEYS_FILE)
+  KVBRIDGE_API_KEY=<service key> presented to registry and lease manager (override:
+    KVBRIDGE_GATEWAY_CONTROL_API_KEY)
+  KVBRIDGE_HASH_SECRET=<32..128 hex digits> the deployment secret shared with every connector; required with
+    API keys (`openssl rand -hex 32`; older name KVBRIDGE_GATEWAY_HASH_SECRET_HEX)
   KVBRIDGE_GATEWAY_REUSE_THRESHOLD_TOKENS=64  KVBRIDGE_GATEWAY_COMPAT_REGISTRATION=true
   KVBRIDGE_GATEWAY_TOKENIZERS='{"<model>": "/path/to/model"}'  (tokenize in-process with the model's HF
     tokenizer + chat template instead of P's /tokenize; see docs/gateway.md, "Tokenization")

@@ -34,7 +34,10 @@ Configuration comes from the environment:
   KVBRIDGE_PEER_CA_FILE          PEM CA verifying the lease manager's certificate (unset: plaintext);
                                  KVBRIDGE_PEER_CERT_FILE, KVBRIDGE_PEER_KEY_FILE: our client cert (mTLS)
   KVBRIDGE_HOST                  listen address (default 127.0.0.1)
-  KVBRIDGE_API_KEYS_FILE         JSON API keys (unset: insecure dev mode)
+  KVBRIDGE_API_KEYS_FILE         JSON API keys (unset: insecure dev mode, loopback only)
+  KVBRIDGE_INSECURE=1            allow a non-loopback KVBRIDGE_HOST without API keys (refused otherwise)
+  KVBRIDGE_API_KEY               the stack's service key, presented to the lease manager
+                                 (override: KVBRIDGE_REGISTRY_LEASE_SERVICE_API_KEY)
   KVBRIDGE_LOG_LEVEL             default INFO
   KVBRIDGE_REGISTRY_PORT         default 50051
   KVBRIDGE_REGISTRY_METRICS_PORT Prometheus /metrics port (default 9151; 0: off)
