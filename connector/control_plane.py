@@ -21,9 +21,10 @@ from typing import Any
 import grpc
 from google.protobuf import duration_pb2
 from kvbridge import hashchain
-from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
+from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
-from kvbridge.sdk.channel import tls_channel
+from kvbridge.sdk.channel import ClientOptions, tls_channel
+from kvbridge.sdk.lease import LeaseClient
 from kvbridge.types.v1 import types_pb2
 from kvbridge_connector import tracing
 from kvbridge_connector.params import ConversationRef
@@ -173,12 +174,16 @@ class ControlPlane:
     async def _main(self) -> None:
         options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
         settings = self._settings
-        registry_channel, lease_channel = (
-            tls_channel(target, root_certificates=settings.tls_ca, private_key=settings.tls_key,
-                        certificate_chain=settings.tls_cert, options=options)
-            for target in (settings.registry_target, settings.lease_target))
+        def channel(target: str) -> grpc.aio.Channel:
+            return tls_channel(target, root_certificates=settings.tls_ca, private_key=settings.tls_key,
+                               certificate_chain=settings.tls_cert, options=options)
+
+        registry_channel = channel(settings.registry_target)
         self._registry = registry_pb2_grpc.RegistryServiceStub(registry_channel)
-        self._lease = lease_pb2_grpc.LeaseServiceStub(lease_channel)
+        # The SDK's lease client owns the lease channel and follows NOT_LEADER to the leader: every lease call
+        # here uses its current stub (self._lease) and reports a failure to it (_lease_failed).
+        self._leases = LeaseClient(settings.lease_target, ClientOptions(timeout_s=settings.rpc_deadline_s),
+                                   channel_factory=channel)
         tasks = [
             asyncio.create_task(self._node_loop()),
             asyncio.create_task(self._watch_loop()),
@@ -191,7 +196,15 @@ class ControlPlane:
                 task.cancel()
             await asyncio.gather(*tasks, return_exceptions=True)
             await registry_channel.close()
-            await lease_channel.close()
+            await self._leases.close()
+
+    @property
+    def _lease(self) -> Any:
+        """The lease stub of the lease client's current target (the leader after a redirect)."""
+        return self._leases.stub
+
+    def _lease_failed(self, exc: BaseException) -> None:
+        self._leases.note_failure(exc)
 
     async def _unary(self, method: Any, request: Any) -> Any:
         return await method(request, timeout=self._settings.rpc_deadline_s, metadata=self._metadata)
@@ -223,6 +236,7 @@ class ControlPlane:
                 backoff = _BACKOFF_INITIAL_S
                 await self._keep_node_alive(grant.lease.lease_id)
             except (grpc.aio.AioRpcError, TimeoutError) as exc:
+                self._lease_failed(exc)
                 log.warning("kvbridge: node registration/keep-alive failed: %s", _describe(exc))
             await self._sleep(backoff)
             backoff = min(backoff * 2, _BACKOFF_MAX_S)
@@ -267,6 +281,7 @@ class ControlPlane:
                         self._emit(Connection(up=True))
                         backoff = _BACKOFF_INITIAL_S
             except grpc.aio.AioRpcError as exc:
+                self._lease_failed(exc)
                 log.warning("kvbridge: lease watch broken: %s", _describe(exc))
             self._emit(Connection(up=False))
             await self._sleep(backoff)
@@ -296,6 +311,7 @@ class ControlPlane:
                 else:
                     await self._revoke(command)
             except (grpc.aio.AioRpcError, TimeoutError, ValueError) as exc:
+                self._lease_failed(exc)
                 log.warning("kvbridge: %s failed: %s", type(command).__name__, _describe(exc))
 
     async def _register_entry(self, command: RegisterEntry) -> None:

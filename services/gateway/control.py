@@ -15,8 +15,10 @@ from typing import Concatenate, ParamSpec, TypeVar
 import grpc
 from google.protobuf import duration_pb2
 from kvbridge.errors import KvbridgeError, from_rpc_error
-from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
+from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
+from kvbridge.sdk.channel import ClientOptions
+from kvbridge.sdk.lease import LeaseClient
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.channels import peer_channel
 from kvbridge_services.common.config import PeerTlsSettings
@@ -73,7 +75,9 @@ class ControlPlane:
         self._tracer = tracer or trace.get_tracer("kvbridge.gateway")
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
         self._channels: list[grpc.aio.Channel] = []
-        self._lease: lease_pb2_grpc.LeaseServiceAsyncStub | None = None
+        # The SDK's lease client: it follows NOT_LEADER to the leader (one attempt more for that redirect).
+        self._lease: LeaseClient | None = None
+        self._stream_target = ""  # where the last KeepAlive stream went (open_keep_alive)
         # Calls rotate over the registry connections: a replica with several server processes serves each
         # connection from one of them.
         self._registry_stubs: list[registry_pb2_grpc.RegistryServiceAsyncStub] = []
@@ -85,9 +89,10 @@ class ControlPlane:
                 self._channels.append(ch)
                 self._registry_stubs.append(registry_pb2_grpc.RegistryServiceStub(ch))
         if lease_address:
-            ch = peer_channel(lease_address, tls, interceptors=client_interceptors())
-            self._channels.append(ch)
-            self._lease = lease_pb2_grpc.LeaseServiceStub(ch)
+            self._lease = LeaseClient(
+                lease_address, ClientOptions(api_key=api_key, timeout_s=timeout_s, max_attempts=2,
+                                             backoff_initial_s=0.01, backoff_max_s=0.05),
+                channel_factory=lambda target: peer_channel(target, tls, interceptors=client_interceptors()))
 
     @property
     def enabled(self) -> bool:
@@ -96,6 +101,8 @@ class ControlPlane:
     async def close(self) -> None:
         for ch in self._channels:
             await ch.close()
+        if self._lease is not None:
+            await self._lease.close()
 
     def _reg(self) -> registry_pb2_grpc.RegistryServiceAsyncStub:
         if not self._registry_stubs:
@@ -103,14 +110,14 @@ class ControlPlane:
         self._next_registry = (self._next_registry + 1) % len(self._registry_stubs)
         return self._registry_stubs[self._next_registry]
 
-    def _lse(self) -> lease_pb2_grpc.LeaseServiceAsyncStub:
+    def _lse(self) -> LeaseClient:
         if self._lease is None:
             raise ControlPlaneError("no lease manager configured")
         return self._lease
 
     @staticmethod
-    def _wrap(exc: grpc.RpcError, what: str) -> ControlPlaneError:
-        err: KvbridgeError = from_rpc_error(exc)
+    def _wrap(exc: grpc.RpcError | KvbridgeError, what: str) -> ControlPlaneError:
+        err: KvbridgeError = exc if isinstance(exc, KvbridgeError) else from_rpc_error(exc)
         return ControlPlaneError(f"{what}: {err}", reason=err.reason or err.code.name, code=err.code.name)
 
     # -- registry ----------------------------------------------------------------------
@@ -222,46 +229,43 @@ class ControlPlane:
     @_traced(_LEASE + "GrantLease")
     async def grant_lease(self, *, kind: int, tenant: str = "", engine_id: str, model: str = "",
                           conversation_key: str = "", retained_tokens: int = 0, ttl_s: float) -> int:
-        req = lease_pb2.GrantLeaseRequest(kind=kind, tenant=tenant, engine_id=engine_id, model=model,  # type: ignore[arg-type]
-                                          conversation_key=conversation_key, retained_tokens=retained_tokens,
-                                          ttl=_duration(ttl_s), request_id=f"gw-{uuid.uuid4().hex}")
         try:
-            resp = await self._lse().GrantLease(req, timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
+            resp = await self._lse().grant(kind=kind, tenant=tenant, engine_id=engine_id, model=model,
+                                           conversation_key=conversation_key, retained_tokens=retained_tokens,
+                                           ttl_s=ttl_s, request_id=f"gw-{uuid.uuid4().hex}")
+        except KvbridgeError as exc:
             raise self._wrap(exc, "GrantLease") from exc
         return int(resp.lease.lease_id)
 
     @_traced(_LEASE + "RevokeLease")
     async def revoke_lease(self, lease_id: int) -> None:
-        req = lease_pb2.RevokeLeaseRequest(lease_id=lease_id, reason=types_pb2.REVOKE_REASON_OPERATOR)
         try:
-            await self._lse().RevokeLease(req, timeout=self._timeout, metadata=self._metadata)
-        except grpc.RpcError as exc:
+            await self._lse().revoke(lease_id, types_pb2.REVOKE_REASON_OPERATOR)
+        except KvbridgeError as exc:
             raise self._wrap(exc, "RevokeLease") from exc
 
     def open_keep_alive(self, *, timeout_s: float) -> grpc.aio.StreamStreamCall[
             lease_pb2.KeepAliveRequest, lease_pb2.KeepAliveResponse]:
         """A KeepAlive stream the caller keeps open (deadline ``timeout_s``) and must cancel. Untraced:
-        it outlives any one turn."""
+        it outlives any one turn. Report how it failed with ``lease_stream_failed`` (follows NOT_LEADER)."""
+        client = self._lse()
+        self._stream_target = client.target
         call: grpc.aio.StreamStreamCall[lease_pb2.KeepAliveRequest, lease_pb2.KeepAliveResponse] = \
-            self._lse().KeepAlive(timeout=timeout_s, metadata=self._metadata)
+            client.stub.KeepAlive(timeout=timeout_s, metadata=self._metadata)
         return call
+
+    def lease_stream_failed(self, exc: BaseException) -> None:
+        """The stream of ``open_keep_alive`` failed: the lease client moves to the leader a NOT_LEADER names
+        (or back to the configured address), so the next stream goes there."""
+        if self._lease is not None:
+            self._lease.note_failure(exc, self._stream_target)
 
     @_traced(_LEASE + "KeepAlive")
     async def keep_alive(self, *, lease_ids: Sequence[int] = (),
                          conversations: Sequence[tuple[str, str, str]] = ()) -> list[lease_pb2.LeaseStatus]:
         """One KeepAlive round trip renewing leases by id and conversations by (tenant, model, key)."""
         refs = [lease_pb2.ConversationRef(tenant=t, model=m, conversation_key=k) for t, m, k in conversations]
-        req = lease_pb2.KeepAliveRequest(lease_ids=list(lease_ids), conversations=refs)
-        # The request goes in as an iterable, not call.write(): a write racing the stream's end raises
-        # InvalidStateError and hides the status; this way every failure surfaces as the RpcError.
-        call = self._lse().KeepAlive(iter([req]), timeout=self._timeout, metadata=self._metadata)
         try:
-            resp = await call.read()
-        except grpc.RpcError as exc:
+            return await self._lse().renew_once(list(lease_ids), refs)
+        except KvbridgeError as exc:
             raise self._wrap(exc, "KeepAlive") from exc
-        finally:
-            call.cancel()
-        if not isinstance(resp, lease_pb2.KeepAliveResponse):
-            return []
-        return list(resp.statuses)

@@ -106,6 +106,7 @@ class ConversationRenewer:
                 failures = 0
             except (grpc.RpcError, ConnectionError, asyncio.InvalidStateError) as exc:
                 # InvalidStateError: a write raced the stream's end (the reader holds the real cause).
+                self._control.lease_stream_failed(exc)  # NOT_LEADER: the next stream goes to the leader
                 delay = _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]
                 failures += 1
                 log.debug("conversation renewal stream failed (retry in %.1fs): %s", delay, exc)

@@ -13,8 +13,9 @@ import logging
 from typing import Protocol
 
 import grpc
-from kvbridge.errors import from_rpc_error
-from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
+from kvbridge.errors import KvbridgeError
+from kvbridge.sdk.channel import ClientOptions
+from kvbridge.sdk.lease import LeaseClient
 from kvbridge.types.v1 import types_pb2
 
 from ..common.channels import peer_channel
@@ -36,29 +37,24 @@ class LogOnlyReleaser:
 
 
 class GrpcLeaseReleaser:
-    """Revokes through kvbridge.lease.v1.LeaseService."""
+    """Revokes through kvbridge.lease.v1.LeaseService, with the SDK's lease client (follows NOT_LEADER)."""
 
     def __init__(self, target: str, *, api_key: str = "", timeout_s: float = 2.0,
                  tls: PeerTlsSettings | None = None) -> None:
-        self._channel = peer_channel(target, tls)
-        self._stub = lease_pb2_grpc.LeaseServiceStub(self._channel)
-        self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
-        self._timeout_s = timeout_s
+        # One attempt more than none, for a NOT_LEADER redirect; BackgroundRevoker retries the rest.
+        self._client = LeaseClient(target, ClientOptions(api_key=api_key or None, timeout_s=timeout_s, max_attempts=2),
+                                   channel_factory=lambda t: peer_channel(t, tls))
 
     async def revoke(self, lease_id: int, reason: types_pb2.RevokeReason.ValueType) -> None:
         try:
-            await self._stub.RevokeLease(
-                lease_pb2.RevokeLeaseRequest(lease_id=lease_id, reason=reason),
-                timeout=self._timeout_s,
-                metadata=self._metadata,
-            )
-        except grpc.RpcError as exc:
-            if exc.code() == grpc.StatusCode.NOT_FOUND:  # already gone: nothing to release
+            await self._client.revoke(lease_id, reason)
+        except KvbridgeError as exc:
+            if exc.code == grpc.StatusCode.NOT_FOUND:  # already gone: nothing to release
                 return
-            raise from_rpc_error(exc) from exc
+            raise
 
     async def close(self) -> None:
-        await self._channel.close()
+        await self._client.close()
 
 
 class BackgroundRevoker:

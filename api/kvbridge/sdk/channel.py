@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import random
-from collections.abc import AsyncGenerator, Iterator, Sequence
+from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -100,11 +100,16 @@ class BaseClient:
     replica, or a list of them) and follows the next NOT_LEADER from there.
     """
 
-    def __init__(self, target: str, options: ClientOptions | None = None) -> None:
+    def __init__(self, target: str, options: ClientOptions | None = None, *,
+                 channel_factory: Callable[[str], grpc.aio.Channel] | None = None) -> None:
+        """``channel_factory``: opens the channel to a target (the configured one, then each redirect's), for
+        callers that build their own (kvbridge services: peer TLS settings, tracing interceptors); default
+        ``open_channel`` with ``options``."""
         self.options = options or ClientOptions()
         self.configured_target = target
         self.target = target
-        self._channel = open_channel(target, self.options)
+        self._open: Callable[[str], grpc.aio.Channel] = channel_factory or (lambda t: open_channel(t, self.options))
+        self._channel = self._open(target)
         # Channels left by a redirect, closing while their calls finish (cut short by close()).
         self._retiring: dict[asyncio.Task[None], grpc.aio.Channel] = {}
         self._bind(self._channel)
@@ -115,7 +120,7 @@ class BaseClient:
     def _switch(self, target: str) -> None:
         old = self._channel
         self.target = target
-        self._channel = open_channel(target, self.options)
+        self._channel = self._open(target)
         self._bind(self._channel)
         # Calls already running on the old channel (another task's, a stream) get one attempt's deadline.
         task = asyncio.get_running_loop().create_task(old.close(grace=self.options.timeout_s))

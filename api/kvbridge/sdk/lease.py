@@ -16,7 +16,7 @@ from kvbridge.lease.v1 import lease_pb2 as pb
 from kvbridge.lease.v1 import lease_pb2_grpc as pb_grpc
 from kvbridge.types.v1 import types_pb2
 
-from .channel import BaseClient
+from .channel import BaseClient, backoff_delays
 
 log = logging.getLogger(__name__)
 
@@ -33,11 +33,35 @@ def _duration(seconds: float) -> duration_pb2.Duration:
 
 
 class LeaseClient(BaseClient):
+    """The one lease-manager client: the SDK's, the gateway's, the connector's and the registry's. Unary calls
+    and ``renew_once`` retry UNAVAILABLE and follow NOT_LEADER to the leader (``BaseClient``); a caller that
+    keeps its own stream on ``stub`` reports how it ended with ``note_failure``, which moves the client the
+    same way."""
+
     def _bind(self, channel: grpc.aio.Channel) -> None:
         self._lease = pb_grpc.LeaseServiceStub(channel)
 
     def _stub(self) -> Any:
         return self._lease
+
+    @property
+    def stub(self) -> pb_grpc.LeaseServiceAsyncStub:
+        """The stub of the current target (the leader after a redirect): look it up per call or stream."""
+        return self._lease
+
+    def note_failure(self, exc: BaseException, tried: str | None = None) -> None:
+        """A call or stream on ``stub`` to ``tried`` (default: the current target) failed with ``exc``: follow
+        the leader a NOT_LEADER names, or fall back to the configured target from a redirected address that
+        gave no answer. Anything else is left to the caller."""
+        if isinstance(exc, grpc.RpcError):
+            err: KvbridgeError = from_rpc_error(exc)
+        elif isinstance(exc, KvbridgeError):
+            err = exc
+        elif isinstance(exc, TimeoutError):
+            err = DeadlineExceeded("", "no answer within the deadline")
+        else:
+            return
+        self._follow(err, self.target if tried is None else tried, set())
 
     async def grant(
         self,
@@ -84,18 +108,27 @@ class LeaseClient(BaseClient):
     async def renew_once(
         self, lease_ids: list[int], conversations: list[pb.ConversationRef] | None = None
     ) -> list[pb.LeaseStatus]:
-        """One KeepAlive round trip on a short-lived stream (for occasional renewals)."""
-        # The request as an iterable, not call.write(): a write racing the stream's end raises
-        # InvalidStateError and hides the status; this way every failure is the RpcError.
+        """One KeepAlive round trip on a short-lived stream (for occasional renewals). Retried (a renewal is
+        idempotent) like a unary call: UNAVAILABLE with backoff, following NOT_LEADER."""
         req = pb.KeepAliveRequest(lease_ids=lease_ids, conversations=conversations or [])
-        call = self._lease.KeepAlive(iter([req]), metadata=self.options.metadata(), timeout=self.options.timeout_s)
-        try:
-            resp = await call.read()
-        except grpc.RpcError as exc:
-            raise from_rpc_error(exc) from None
-        if not isinstance(resp, pb.KeepAliveResponse):
-            return []
-        return list(resp.statuses)
+        delays = backoff_delays(self.options)
+        unreachable: set[str] = set()
+        while True:
+            tried = self.target
+            # The request as an iterable, not call.write(): a write racing the stream's end raises
+            # InvalidStateError and hides the status; this way every failure is the RpcError.
+            call = self._lease.KeepAlive(iter([req]), metadata=self.options.metadata(),
+                                         timeout=self.options.timeout_s)
+            try:
+                resp = await call.read()
+            except grpc.RpcError as exc:
+                await self._before_retry(from_rpc_error(exc), delays, tried, unreachable)
+                continue
+            finally:
+                call.cancel()
+            if not isinstance(resp, pb.KeepAliveResponse):
+                return []
+            return list(resp.statuses)
 
     def watch(self, engine_id: str) -> AsyncIterator[pb.WatchLeasesResponse]:
         """The WatchLeases stream of an engine (caller handles reconnects)."""
