@@ -506,7 +506,7 @@ def test_generated_secrets_are_usable() -> None:
     assert principals["registry"].roles == {Role.OPERATOR}
     assert principals["demo-client"].tenant == "demo" and principals["demo-client"].roles == {Role.TENANT}
     env = _secret_env_keys("service.env")
-    assert {"KVBRIDGE_GATEWAY_CONTROL_API_KEY", "KVBRIDGE_GATEWAY_HASH_SECRET_HEX"} <= env
+    assert {"KVBRIDGE_GATEWAY_CONTROL_API_KEY", "KVBRIDGE_HASH_SECRET"} <= env
     verify = subprocess.run(
         ["openssl", "verify", "-CAfile", str(out / "ca.crt"), str(out / "tls.crt")], capture_output=True, text=True
     )
