@@ -19,9 +19,9 @@ from tests.fixtures.vllm_engines import Engine
 # The e2e deployment secret (tests/e2e/conftest.py HASH_SECRET is its hex).
 E2E_SECRET = b"e2e-hash-secret-0123456789abcdef"
 
-# Fields of D's returned params a router sends back to P for a reuse pull.
 # The read window the tests give P, as the gateway does (kvbridge.offers): D's default offer window.
 OFFER_TTL_MS = 5000
+# Fields of D's returned params a router sends back to P for a reuse pull.
 REUSE_FIELDS = (
     "do_remote_decode", "do_remote_prefill", "remote_block_ids", "remote_engine_id", "remote_request_id",
     "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
@@ -56,7 +56,7 @@ class TurnResult:
 
 
 def prefill_params_for(prompt: list[int], reuse: dict[str, Any] | None,
-                       verified: list[int] | None = None) -> dict[str, Any]:
+                       verified: list[int] | None = None, offer_ttl_ms: int = OFFER_TTL_MS) -> dict[str, Any]:
     """P's kv_transfer_params: plain, or pulling what ``reuse`` (D's params of an earlier turn) offers, with
     the prefix digest of ``verified`` (default: the prompt), as the gateway sends it for the tokens it verified."""
     if reuse is None:
@@ -67,18 +67,18 @@ def prefill_params_for(prompt: list[int], reuse: dict[str, Any] | None,
     if 0 < pulled <= len(verified):
         params[hashchain.KV_PARAMS_PREFIX_DIGEST] = hashchain.prefix_digest(verified, pulled)
     # As the gateway does right after a lookup: P must start its READ within the offer window (kvbridge.offers).
-    params[offers.KV_PARAMS_OFFER_TTL_MS] = OFFER_TTL_MS
+    params[offers.KV_PARAMS_OFFER_TTL_MS] = offer_ttl_ms
     return params
 
 
 def pd_turn(
     prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int, *,
     reuse: dict[str, Any] | None = None, decode_extra: dict[str, Any] | None = None,
-    verified: list[int] | None = None, secret: bytes | None = None,
+    verified: list[int] | None = None, secret: bytes | None = None, offer_ttl_ms: int = OFFER_TTL_MS,
 ) -> TurnResult:
     """One disaggregated turn; ``reuse`` is D's params from an earlier turn (pull them back; see
     ``prefill_params_for``)."""
-    p_response = completion(prefill, prompt, 1, prefill_params_for(prompt, reuse, verified))
+    p_response = completion(prefill, prompt, 1, prefill_params_for(prompt, reuse, verified, offer_ttl_ms))
     prefill_params = dict(p_response["kv_transfer_params"])
     d_params = dict(prefill_params)
     d_params.update(decode_extra or {})

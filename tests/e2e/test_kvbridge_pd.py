@@ -234,6 +234,28 @@ def test_prefill_declines_a_pull_verified_for_other_tokens(
         assert matching.pulled_tokens == first.decode_params["remote_num_tokens"]
 
 
+def test_prefill_declines_an_offer_whose_read_window_has_passed(
+    kvbridge_pd: PDEngines, control_plane: ControlPlaneProcs
+) -> None:
+    """A READ is one-sided: D frees a withdrawn entry's blocks once the offer window has passed, so P must not
+    start a READ after it (a long P queue, a slow gateway). P recomputes and the answer is still right."""
+    prefill, decode = kvbridge_pd.prefill, kvbridge_pd.decode
+    rng = random.Random(47)
+    prompt = random_tokens(rng, 130)
+    with Heartbeater(control_plane.lease_target) as heartbeater:
+        first = pd_turn(prefill, decode, prompt, 20, decode_extra=kvbridge_fields("conv-window", 1))
+        heartbeater.lease_ids = {wait_for_entry(control_plane, "conv-window", 1).lease_id}
+        follow_up = prompt + first.output_ids + random_tokens(rng, 20)
+        expected = pd_turn(prefill, decode, follow_up, 10).output_ids
+        # 100 ms left of the window when P receives it: less than P's read-start margin (0.25 s).
+        late = pd_turn(prefill, decode, follow_up, 10, reuse=first.decode_params, offer_ttl_ms=100)
+        assert late.pulled_tokens == 0, "P read D's blocks after the offer's deadline"
+        assert late.output_ids == expected
+        in_time = pd_turn(prefill, decode, follow_up, 10, reuse=first.decode_params)
+        assert in_time.pulled_tokens == first.decode_params["remote_num_tokens"]
+        assert in_time.output_ids == expected
+
+
 def test_killed_decode_ends_its_leases_and_prefill_recomputes(
     kvbridge_pd: PDEngines, control_plane: ControlPlaneProcs, engine_pool: EnginePool
 ) -> None:
