@@ -75,7 +75,12 @@ async def _up(args: argparse.Namespace) -> int:
             print(f"kvbridge: up --engines needs {', '.join(missing)} installed (vLLM CPU + NIXL: see "
                   "docs/connector.md)", file=sys.stderr)
             return 1
-    stack = Stack(_stack_config(args), progress=_progress)
+    try:
+        config = _stack_config(args)
+    except ValueError as exc:  # a setting refused (pydantic's ValidationError is one): its message names it
+        print(f"kvbridge: up: {exc}", file=sys.stderr)
+        return 2
+    stack = Stack(config, progress=_progress)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -92,7 +97,9 @@ async def _up(args: argparse.Namespace) -> int:
             return 130
         try:
             starting.result()
-        except (OSError, RuntimeError, TimeoutError) as exc:  # a port in use, an engine that died or hung
+        # A port in use, an engine that died or hung, or a configuration refused at start (ValueError: e.g. a
+        # non-loopback address without API keys, API keys without KVBRIDGE_HASH_SECRET).
+        except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
             print(f"kvbridge: up failed: {exc}", file=sys.stderr)
             return 1
         _print_ready(stack)
