@@ -20,8 +20,8 @@ def _run(*args: str, timeout: float = 120) -> subprocess.CompletedProcess[str]:
     )
 
 
-def test_demo_reports_reuse_per_turn_and_isolation() -> None:
-    result = _run("demo", "--json")
+def test_demo_control_plane_only_reports_reuse_per_turn_and_isolation() -> None:
+    result = _run("demo", "--control-plane-only", "--json")
     assert result.returncode == 0, result.stderr
     turns = {t["turn"]: t for t in json.loads(result.stdout)}
     assert turns["turn 1"]["verdict"] == "not_found"
