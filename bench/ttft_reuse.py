@@ -41,10 +41,14 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from kvbridge import secret as kvsecret  # noqa: E402
+
 from tests.e2e.pd_client import completion, prefill_params_for, random_tokens  # noqa: E402
 from tests.fixtures.tiny_model import BENCH, ModelShape, build  # noqa: E402
 from tests.fixtures.vllm_engines import Engine, run_pd_engines  # noqa: E402
 
+# The deployment secret of the bench's connectors (hex in their config; the gateway's fields are signed with it).
+BENCH_SECRET = b"bench-hash-secret-0123456789abcdef"
 # UCX as the engines use it (tests/fixtures/vllm_engines.py), for the raw READ too.
 UCX_ENV = {"UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo", "UCX_RCACHE_MAX_UNRELEASED": "1024"}
 NIXL_NUM_THREADS = 4  # vLLM's default "num_threads" for a UCX-only agent
@@ -177,7 +181,10 @@ def pd_turn_timed(prefill: Engine, decode: Engine, prompt: list[int], output_tok
     # With the prefix digest, as the gateway sends it: P checks the pulled prefix is its own prompt's.
     p_time, p_response = timed_completion(prefill, prompt, 1, prefill_params_for(prompt, reuse))
     prefill_params = dict(p_response["kv_transfer_params"])
-    d_response = completion(decode, prompt, output_tokens, {**prefill_params, **(decode_extra or {})})
+    d_params = {**prefill_params, **(decode_extra or {})}
+    if decode_extra:  # signed as the gateway signs them: D's connector ignores unsigned kvbridge fields
+        kvsecret.sign_kv_params(BENCH_SECRET, d_params, now=time.time())
+    d_response = completion(decode, prompt, output_tokens, d_params)
     output = list(d_response["choices"][0]["token_ids"])
     return p_time, prefill_params, output, dict(d_response.get("kv_transfer_params") or {})
 
@@ -237,7 +244,7 @@ def run_engines(args: argparse.Namespace, contexts: list[int]) -> list[TurnRow]:
             print("[ttft] starting the control plane (etcd, registry, lease manager)", file=sys.stderr, flush=True)
             procs = stack.enter_context(run_control_plane(args.log_dir / "control-plane"))
             common = {"kvbridge_registry": procs.registry_target, "kvbridge_lease": procs.lease_target,
-                      "kvbridge_hash_secret": "bench-hash-secret-0123456789abcdef", "kvbridge_model": "tiny"}
+                      "kvbridge_hash_secret": BENCH_SECRET.hex(), "kvbridge_model": "tiny"}
             prefill.update(kvbridge_connector_overrides(common))
             decode.update(kvbridge_connector_overrides(
                 dict(common, kvbridge_entry_lease_ttl_s=3600, kvbridge_fallback_ttl_s=3600)))

@@ -151,6 +151,10 @@ class ConnectorSettings:
         env = os.environ if env is None else env
         secret_text = extra.get("kvbridge_hash_secret") or env.get(ENV_HASH_SECRET) or ""
         registry = str(extra.get("kvbridge_registry", ""))
+        if registry and not secret_text:
+            # Without it the engine's chains match no gateway's and it cannot verify the gateway's fields.
+            raise ValueError(f"kvbridge_registry is set: the deployment secret (kvbridge_hash_secret or "
+                             f"{ENV_HASH_SECRET}, hex, the gateway's) is required too")
         return cls(
             registry_target=registry,
             lease_target=str(extra.get("kvbridge_lease", "") or registry),

@@ -93,3 +93,9 @@ def test_a_mismatch_is_loud_and_refuses_reuse(caplog: pytest.LogCaptureFixture) 
     policy = reuse.Policy(threshold_tokens=16)
     assert reuse.screen(features, wants_reuse=True, prompt_tokens=None, policy=policy) is reuse.NoReuse.SECRET_MISMATCH
     assert reuse.NoReuse.SECRET_MISMATCH.label == "declined:secret_mismatch"
+
+
+def test_a_connector_with_a_control_plane_needs_the_secret() -> None:
+    with pytest.raises(ValueError, match="deployment secret"):
+        ConnectorSettings.from_extra_config({"kvbridge_registry": "127.0.0.1:1"}, env={})
+    assert ConnectorSettings.from_extra_config({}, env={}).hash_secret is None  # no control plane: stock vLLM
