@@ -65,7 +65,8 @@ class LeaseApp:
         # server first (binding the port), then the rest.
         self._election: LeaderElection | None = None
         self.persistence = LeasePersistence(
-            store, keys, self._fence, timeout_s=policy.store_timeout_s, batch_ops=policy.store_batch_ops
+            store, keys, self._fence, timeout_s=policy.store_timeout_s, batch_ops=policy.store_batch_ops,
+            attempt_s=policy.store_attempt_timeout_s,
         )
         extra = {"clock": clock} if clock is not None else {}
         self.manager = LeaseManager(

@@ -18,7 +18,7 @@ from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 
 from ..common.keys import KeyLayout
-from ..common.store.base import Compare, CompareTarget, Delete, Get, KeyValue, Op, Put, Store
+from ..common.store.base import Compare, CompareTarget, Delete, Get, KeyValue, Op, Put, Store, StoreUnavailable
 from .codec import from_proto, to_proto
 from .table import NODE, Ended, LeaseRecord
 
@@ -27,6 +27,8 @@ log = logging.getLogger(__name__)
 Fence = Callable[[], Sequence[Compare]]
 _CONFLICT_RETRIES = 5
 _LOAD_PAGE = 2000  # records per range read at takeover (~0.5 MB)
+_MIN_ATTEMPT_S = 0.05  # no retry with less time than this left
+_RETRY_PAUSE_S = 0.02
 
 
 class NotLeaderAnymore(Unavailable):
@@ -45,11 +47,13 @@ class StoreCounters:
 
 
 class LeasePersistence:
-    def __init__(self, store: Store, keys: KeyLayout, fence: Fence, *, timeout_s: float, batch_ops: int) -> None:
+    def __init__(self, store: Store, keys: KeyLayout, fence: Fence, *, timeout_s: float, batch_ops: int,
+                 attempt_s: float | None = None) -> None:
         self._store = store
         self._keys = keys
         self._fence = fence
         self._timeout = timeout_s
+        self._attempt = min(attempt_s or timeout_s, timeout_s)
         self._batch_ops = batch_ops
         self.counters = StoreCounters()
         # Grants are group-committed: one flusher writes everything queued meanwhile in one txn.
@@ -57,7 +61,21 @@ class LeasePersistence:
         self._grant_flusher: asyncio.Task[None] | None = None
 
     async def _txn(self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = ()) -> bool:
-        result = await self._store.txn(compares, success, failure, timeout=self._timeout)
+        """One of our txns, tried for at most ``attempt_s`` at a time within ``timeout_s``. Every txn here may be
+        applied twice with the same effect (puts of the same bytes, deletes, fenced compares), so an attempt
+        that got no answer is sent again: an etcd leader kill loses the proposals forwarded to the dead leader,
+        and waiting for them would hold every write for the whole timeout."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self._timeout
+        while True:
+            remaining = deadline - loop.time()
+            try:
+                result = await self._store.txn(compares, success, failure, timeout=min(self._attempt, remaining))
+                break
+            except (StoreUnavailable, TimeoutError):
+                if deadline - loop.time() < _MIN_ATTEMPT_S:
+                    raise
+                await asyncio.sleep(_RETRY_PAUSE_S)
         self.counters.txns += 1
         for op in success if result.succeeded else failure:
             if isinstance(op, Put):

@@ -52,12 +52,17 @@ class LeasePolicy(BaseSettings):
     # Ops per store transaction (etcd's default --max-txn-ops is 128).
     store_batch_ops: int = Field(default=128, ge=2, le=10_000)
     store_timeout_s: float = Field(default=5.0, gt=0, le=60)
+    # Each try of a lease write gets at most this long, then it is sent again (the same effect twice), within
+    # store_timeout_s: an etcd leader kill loses the proposals in flight to it (bench/etcd_failover.py).
+    store_attempt_timeout_s: float = Field(default=0.5, gt=0, le=60)
 
     # Log table size, renewals and store traffic this often (0: never).
     stats_log_interval_s: float = Field(default=60.0, ge=0, le=3600)
 
-    # Leader election: the leader key lives on a store lease of this TTL, refreshed this often.
-    leader_ttl_s: int = Field(default=2, ge=1, le=60)
+    # Leader election: the leader key lives on a store lease of this TTL, refreshed this often. A leader that
+    # cannot refresh for the TTL steps down, so the TTL must outlast an etcd leader election (default raft
+    # timings: 1-3 s, bench/etcd_failover.py); a crashed lease leader is replaced after about this long.
+    leader_ttl_s: int = Field(default=5, ge=1, le=60)
     leader_refresh_s: float = Field(default=0.5, gt=0, le=30)
 
     @model_validator(mode="after")
