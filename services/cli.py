@@ -147,6 +147,16 @@ def _print_ready(stack: Any) -> None:
 
 
 async def _demo(args: argparse.Namespace) -> int:
+    if not args.control_plane_only:
+        from kvbridge_services.agentdemo import main_async
+        from kvbridge_services.devengines.local import missing_engine_packages
+
+        missing = missing_engine_packages()
+        if missing:
+            print(f"kvbridge: demo needs {', '.join(missing)} installed (scripts/install), or run "
+                  "`kvbridge demo --control-plane-only`", file=sys.stderr)
+            return 1
+        return await main_async(args, _progress)
     from kvbridge_services.demo import run_demo
     from kvbridge_services.stack import Stack
 
@@ -259,6 +269,31 @@ secure mode (one keys file, one service key):
 
 exit codes: 0 stopped by Ctrl-C/SIGTERM, 1 a start failed or an engine exited,
   2 bad arguments, 130 interrupted while starting.
+"""
+
+DEMO_EPILOG = """\
+what it plays (tenant acme unless named; the model has random weights, so the demo
+plays the agent: each assistant turn is what the model answered, then a tool result):
+  1 first turn          system prompt with tool definitions + a request: miss
+  2 after search_flights  a tool result appended after a 9 s tool pause that outlives
+                        the decode engine's 6 s entry lease: the SDK's Conversation
+                        heartbeat holds the KV, the turn is a hit
+  3 after search_hotels   append-only again: hit
+  4 hotel output stripped the client elides the hotel tool output: a partial hit
+                        (verified up to the edit, the rest recomputed)
+  5 other tenant        globex sends acme's conversation id: miss (tenant isolation)
+  6 fork                a new request sharing the system prompt, no conversation id:
+                        content-addressed hit
+  Every turn is also sent cold (new conversation id and cache_salt) to measure TTFT
+  without reuse. Model: the "demo" shape (8 layers, hidden 768, fp32, random weights),
+  built once into <engines-dir>/demo-model. About 3-5 minutes on a 2-core machine,
+  most of it the engines starting (progress every 10 s).
+
+--control-plane-only: the earlier fast demo: registry + lease manager in-process and a
+  simulated decode engine over the gRPC API (seconds; no vLLM needed). --data-dir
+  applies to it only.
+
+exit codes: 0 done, 1 an engine or the stack failed, 2 bad arguments, 130 interrupted.
 """
 
 # name -> (script in bench/, one-line description)
@@ -382,9 +417,25 @@ def build_parser() -> argparse.ArgumentParser:
                     metavar="SECONDS", help="--engines: give up if the engines are not healthy by then "
                                             "(default %(default).0f)")
 
-    demo = sub.add_parser("demo", help="start the stack in-process and run a multi-turn reuse demo")
+    demo = sub.add_parser(
+        "demo", help="the stack with two vLLM CPU engines and an agent conversation: TTFT with and without reuse",
+        description="Start the stack (secure mode, generated keys file) with one prefill and one decode vLLM CPU "
+                    "engine carrying the kvbridge connector, play an agent conversation through the OpenAI "
+                    "Python SDK (streaming) and print per turn the context, the tokens pulled, the reuse "
+                    "verdict and the time to first token with reuse and without (the same messages sent again "
+                    "with nothing to reuse). Ctrl-C stops the engines and the services.",
+        epilog=DEMO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
     stack_flags(demo, False)
-    demo.add_argument("--json", action="store_true", help="print the per-turn report as JSON")
+    demo.add_argument("--json", action="store_true", help="print the report as JSON on stdout (progress: stderr)")
+    demo.add_argument("--control-plane-only", action="store_true",
+                      help="no engines: the fast version against a simulated decode engine (gRPC API only)")
+    demo.add_argument("--engines-dir", default=None,
+                      help="model cache, engine logs and the PNG (default: $XDG_CACHE_HOME/kvbridge, "
+                           "else ~/.cache/kvbridge)")
+    demo.add_argument("--png", default=None, help="where to write the TTFT chart (default: "
+                                                  "<engines-dir>/demo-ttft.png)")
+    demo.add_argument("--engine-start-timeout", type=_positive_float, default=DEFAULT_ENGINE_START_TIMEOUT_S,
+                      metavar="SECONDS", help="give up if the engines are not healthy by then (default %(default).0f)")
 
     def client_flags(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--registry", default=DEFAULT_REGISTRY, help="registry address (env KVBRIDGE_REGISTRY_ADDRESS)")

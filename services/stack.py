@@ -8,6 +8,7 @@ kvbridge connector, which register themselves and are routed by the gateway.
 from __future__ import annotations
 
 import asyncio
+import importlib
 import logging
 import time
 from collections.abc import Callable
@@ -76,6 +77,10 @@ class Stack:
         where = ",".join(cfg.store.etcd_endpoints) if cfg.store.etcd_endpoints else (
             f"embedded (WAL in {cfg.data_dir})" if cfg.data_dir else "embedded (in memory)")
         self._progress(f"store: {where}")
+        if cfg.engines is not None and cfg.gateway is not None:
+            # The gateway loads the model's tokenizer with transformers, whose first import takes ~20 s here: done
+            # now, off the loop, or it stalls the lease manager's election and the registry's index follower.
+            await asyncio.to_thread(importlib.import_module, "transformers")
         self.store = open_store(cfg.store, data_dir=cfg.data_dir)
         # Engines busy-spin the cores: a generous leader TTL keeps the only lease manager leader while they run.
         policy = (LeasePolicy(port=cfg.lease_port, leader_ttl_s=15, leader_refresh_s=1) if cfg.engines

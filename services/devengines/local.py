@@ -46,13 +46,20 @@ def missing_engine_packages() -> list[str]:
 
 @dataclass
 class LocalEnginesConfig:
-    # Model in <work_dir>/tiny-model (built once, reused), engine logs in <work_dir>/logs/.
+    # Model in <work_dir>/<shape>-model (built once, reused), engine logs in <work_dir>/logs/.
     work_dir: Path = field(default_factory=default_work_dir)
     # The deployment secret (kvbridge.secret, hex) shared by the connectors and the gateway: KVBRIDGE_HASH_SECRET,
     # else fresh per run.
     hash_secret: str = field(default_factory=lambda: os.environ.get(kvsecret.ENV) or kvsecret.generate())
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S
     report_every_s: float = 10.0
+    # The generated model's shape (kvbridge_services.devengines.model.SHAPES): "tiny" (2 layers, functional) or
+    # "demo" (8 layers, hidden 768: a prefill cost worth saving); built into <work_dir>/<shape>-model.
+    shape: str = "tiny"
+    # The engines' --max-model-len (None: the launcher's default).
+    max_model_len: int | None = None
+    # Extra kv_connector_extra_config settings of the decode engine's connector (e.g. kvbridge_entry_lease_ttl_s).
+    decode_extra: dict[str, object] = field(default_factory=dict)
 
     @property
     def hash_secret_hex(self) -> str:
@@ -69,7 +76,7 @@ class LocalEngines:
 
     @property
     def model_dir(self) -> Path:
-        return self.config.work_dir / "tiny-model"
+        return self.config.work_dir / f"{self.config.shape}-model"
 
     @property
     def log_dir(self) -> Path:
@@ -80,12 +87,14 @@ class LocalEngines:
         common = {"kvbridge_registry": registry_address, "kvbridge_lease": lease_address,
                   "kvbridge_hash_secret": self.config.hash_secret, "kvbridge_model": SERVED_MODEL_NAME}
         ports = free_port(), free_port()
+        sizing = {"max_model_len": self.config.max_model_len} if self.config.max_model_len else {}
         prefill, decode = pd_specs(
             self.model_dir, self.log_dir,
             prefill_overrides=dict(kvbridge_connector_overrides(
-                dict(common, kvbridge_http_url=f"http://127.0.0.1:{ports[0]}")), port=ports[0]),
+                dict(common, kvbridge_http_url=f"http://127.0.0.1:{ports[0]}")), port=ports[0], **sizing),
             decode_overrides=dict(kvbridge_connector_overrides(
-                dict(common, kvbridge_http_url=f"http://127.0.0.1:{ports[1]}")), port=ports[1]),
+                dict(common, kvbridge_http_url=f"http://127.0.0.1:{ports[1]}", **self.config.decode_extra)),
+                port=ports[1], **sizing),
         )
         for spec in (prefill, decode):
             engine = start_engine(spec)
@@ -105,12 +114,13 @@ class LocalEngines:
         if self._built:
             return
         self.log_dir.mkdir(parents=True, exist_ok=True)
-        self._progress(f"tiny random-weight model: {self.model_dir} (built on first use)")
+        self._progress(f"{self.config.shape} random-weight model: {self.model_dir} (built on first use)")
         log_path = self.log_dir / "model-build.log"
         with log_path.open("wb") as log_file:
             # A child process: torch stays out of this one, and Ctrl-C can stop the build at once.
             self._builder = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "kvbridge_services.devengines.model", str(self.model_dir),
+                "--shape", self.config.shape,
                 stdout=log_file, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
             )
         try:
@@ -122,7 +132,7 @@ class LocalEngines:
                 await self._builder.wait()
         if code != 0:
             tail = "\n".join(log_path.read_text(errors="replace").splitlines()[-20:])
-            raise RuntimeError(f"building the tiny model failed (exit {code}, log {log_path}):\n{tail}")
+            raise RuntimeError(f"building the {self.config.shape} model failed (exit {code}, log {log_path}):\n{tail}")
         self._built = True
 
     def exited(self) -> Engine | None:
