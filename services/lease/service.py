@@ -54,7 +54,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         spec = self._grant_spec(request, principal)
         request_id = v.optional_request_id(request.request_id)
         self._m.require_serving()
-        record, evicted = await self._m.grant(spec, request_id)
+        record, evicted = await self._m.grant(spec, request_id, context.time_remaining)
         return lease_pb2.GrantLeaseResponse(lease=to_proto(record), evicted_lease_ids=evicted)
 
     def _grant_spec(self, r: lease_pb2.GrantLeaseRequest, principal: Principal) -> GrantSpec:

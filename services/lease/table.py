@@ -48,6 +48,8 @@ class LeaseRecord:
     last_renew_time: float
     # Deadline last written to the store (checkpoints write it back once it lags too far).
     persisted_deadline: float = 0.0
+    # GrantLeaseRequest.request_id of its grant ("": none), persisted so replays survive a failover.
+    request_id: str = ""
 
     @property
     def conversation(self) -> ConversationId:
@@ -112,6 +114,7 @@ class LeaseTable:
         retained_tokens: int = 0,
         ttl_s: float,
         max_lifetime_s: float,
+        request_id: str = "",
     ) -> tuple[LeaseRecord, list[Ended]]:
         """A new live lease, and the leases revoked (BUDGET) to make room for it."""
         if len(self.leases) >= self.limits.max_leases:
@@ -136,6 +139,7 @@ class LeaseTable:
             max_deadline=max_deadline,
             deadline=min(now + ttl_s, max_deadline),
             last_renew_time=now,
+            request_id=request_id,
         )
         record.persisted_deadline = record.deadline
         self._insert(record)
