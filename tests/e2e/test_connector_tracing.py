@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -94,7 +95,8 @@ async def test_turn_two_trace_shows_decode_registration_and_prefill_pull(
             turn: SpanContext = root.get_span_context()
             source = kvparams.PullSource(engine_id=entry.engine_id, request_id=entry.engine_request_id,
                                          host="127.0.0.1", port=decode.side_channel_port,
-                                         block_groups=[list(g.ids) for g in entry.block_ids])
+                                         block_groups=[list(g.ids) for g in entry.block_ids],
+                                         offer_window_s=5.0, looked_up_at=time.monotonic())
             tokens = kvparams.reusable_tokens(entry.token_count, len(prompt), BLOCK_SIZE)
             p_out = await asyncio.to_thread(completion, prefill, prompt, 1,
                                             kvparams.reuse_prefill_params(source, tokens, BLOCK_SIZE,

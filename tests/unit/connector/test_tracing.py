@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -35,11 +36,12 @@ from opentelemetry import trace
 from opentelemetry.proto.trace.v1 import trace_pb2
 from opentelemetry.sdk.trace import TracerProvider
 
+from tests.fixtures.common import VLLM_HINT, require, wait_leader
 from tests.fixtures.otlp_receiver import OtlpReceiver, ReceivedSpan, running_receiver
 
 from .real_scheduler import BLOCK, BYTES_PER_TOKEN, FakeRequest, scheduler
 
-pytest.importorskip("vllm")
+require("vllm", VLLM_HINT)
 
 TENANT = "acme-tenant"
 CONVERSATION = "conv-private-key"  # neither string is hex: a 16-hex-char hash cannot contain it
@@ -94,7 +96,8 @@ PROMPT = list(range(10, 210))
 
 def _pull_params(tokens: int) -> dict[str, Any]:
     source = kvparams.PullSource(engine_id="decode-0", request_id="d-req-1", host="127.0.0.1", port=5600,
-                                 block_groups=[list(range(1, 9))])
+                                 block_groups=[list(range(1, 9))], offer_window_s=5.0,
+                                 looked_up_at=time.monotonic())
     return kvparams.reuse_prefill_params(source, tokens, BLOCK, prompt_ids=PROMPT)
 
 
@@ -190,9 +193,7 @@ async def control_plane(receiver: OtlpReceiver) -> AsyncIterator[ControlPlaneApp
     lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
                      ServerSettings(shutdown_grace_s=0.2), telemetry=lease_tel)
     await lease.start()
-    async with asyncio.timeout(10):
-        while not lease.is_leader:  # noqa: ASYNC110 - polling another component
-            await asyncio.sleep(0.02)
+    await wait_leader(lease)
     registry = RegistryApp(store, settings=RegistrySettings(port=0, lease_service_target=lease.address),
                            server_settings=ServerSettings(shutdown_grace_s=0.2), telemetry=reg_tel)
     await registry.start()
