@@ -34,7 +34,7 @@ from kvbridge_services.registry.config import RegistrySettings
 
 TENANT_HEADER = "x-kvbridge-tenant"
 
-# Edge cases every kind is tried with, then generated strings (hypothesis' text strategy, fixed seed).
+# Edge cases every kind is tried with, then seeded random strings (_generated: the same list every run).
 EDGES = [
     "acme", "acme corp", " acme", "acme ", "", "a", "a" * 128, "a" * 129, "a" * 256, "a" * 257, "Qwen/Qwen3-0.6B",
     "org/model@rev", "chat 42", "team-7.eu", "10.0.0.5:8100", "tab\there", "nl\nhere", "nul\0", "ünïcode", "a/b",
