@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.test_cli_up_engines import _leftovers
+from tests.e2e.test_cli_up_engines import _engine_groups, _leftovers
 from tests.fixtures.vllm_engines import EnginePool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -36,13 +36,18 @@ def test_demo_json_reports_reuse_verdicts_ttfts_and_a_png(tmp_path: Path, engine
                "--png", str(png)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
                             start_new_session=True)
+    out, err = "", ""
     try:
-        out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+        try:
+            out, err = proc.communicate(timeout=RUN_TIMEOUT_S)
+        except subprocess.TimeoutExpired:
+            proc.send_signal(signal.SIGINT)  # the demo stops its engines' process groups itself
+            out, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
-        for pid in _leftovers(set(), str(engines_dir)):  # never leave engines spinning the cores
+        for pid in _leftovers(_engine_groups(err), str(engines_dir)):  # never leave engines spinning the cores
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
     assert proc.returncode == 0, err[-6000:]
@@ -73,4 +78,6 @@ def test_demo_json_reports_reuse_verdicts_ttfts_and_a_png(tmp_path: Path, engine
     assert 0 < fork["pulled_tokens"] < fork["context_tokens"]
     assert png.is_file() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert report["png"] == str(png)
-    assert _leftovers(set(), str(engines_dir)) == [], "vLLM processes of the demo survived it"
+    groups = _engine_groups(err)
+    assert len(groups) == 2, err[-3000:]
+    assert _leftovers(groups, str(engines_dir)) == [], "vLLM processes of the demo survived it"
