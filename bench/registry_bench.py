@@ -302,19 +302,19 @@ async def run_backend(name: str, store: Store, args: argparse.Namespace, store_p
     return out
 
 
-def entry_sizes() -> list[tuple[int, int, int, int]]:
-    """(tokens, bytes of the full chain, bytes of the stored Entry value, bytes in the in-memory index)."""
+def entry_sizes(stride: int = 4, tail_blocks: int = 0) -> list[tuple[int, int, int, int]]:
+    """(tokens, bytes of the full chain, bytes of the stored Entry value, bytes in the in-memory index),
+    the entry compacted as the registry stores it (``write_record``) with this stride and exact tail."""
+    from kvbridge_services.common.hashrecord import HashRecord
+    from kvbridge_services.registry.core import write_record
+
     rows = []
     for n_tokens in (2048, 8192, 24576):
         req = entry_request(tokens_for(n_tokens), "conv-000001", 12345678901, 3)
-        from kvbridge_services.common.hashrecord import HashRecord
-
-        rec = HashRecord.from_chain(list(req.entry.block_hashes), 4)
+        rec = HashRecord.from_chain(list(req.entry.block_hashes), stride, tail_blocks)
         stored = registry_pb2.Entry()
         stored.CopyFrom(req.entry)
-        del stored.block_hashes[:]
-        stored.block_hashes.extend(rec.checkpoints)
-        stored.chain_stride, stored.final_block_hash = 4, rec.final
+        write_record(stored, rec)
         stored.register_time.GetCurrentTime()
         index = RegistryIndex()
         count = 500
@@ -333,6 +333,18 @@ def entry_sizes() -> list[tuple[int, int, int, int]]:
         mem = sum(s.size_diff for s in after.compare_to(before, "filename")) // count
         rows.append((n_tokens, 16 * len(req.entry.block_hashes), len(stored.SerializeToString()), mem))
     return rows
+
+
+def report_sizes() -> None:
+    """Bytes per entry, checkpoints only (stride 4, the earlier default) and with the registry's defaults."""
+    defaults = RegistrySettings()
+    print("| tokens (block 16) | stored as | full chain bytes | stored Entry bytes (etcd value) "
+          "| in-memory index bytes/entry |")
+    print("|---|---|---|---|---|")
+    for stride, tail in ((4, 0), (defaults.chain_stride, defaults.chain_exact_tail_blocks)):
+        label = f"stride {stride}, tail {tail} blocks"
+        for n, full, stored, mem in entry_sizes(stride, tail):
+            print(f"| {n} | {label} | {full} | {stored} | {mem} |")
 
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
@@ -362,10 +374,7 @@ def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
         print(f"| {r['backend']} | {rr:.0f} | {r50:.3f} | {r99:.3f} | {pr:.0f} | {p50:.3f} | {p99:.3f} "
               f"| {r['content_lookup_rate']:.0f} |")
     print()
-    print("| tokens (block 16) | full chain bytes | stored Entry bytes (etcd value) | in-memory index bytes/entry |")
-    print("|---|---|---|---|")
-    for n, full, stored, mem in entry_sizes():
-        print(f"| {n} | {full} | {stored} | {mem} |")
+    report_sizes()
 
 
 def plot(results: list[dict[str, Any]], path: str, serve_rows: list[dict[str, Any]]) -> None:
@@ -574,7 +583,11 @@ async def main() -> None:
     parser.add_argument("--serve-rounds", type=int, default=1, help="repeat the serving-capacity runs")
     parser.add_argument("--h2-connections", type=int, default=32, help="h2load connections (spread over the processes)")
     parser.add_argument("--h2-streams", type=int, default=2, help="requests in flight per h2load connection")
+    parser.add_argument("--sizes-only", action="store_true", help="only the bytes-per-entry table")
     args = parser.parse_args()
+    if args.sizes_only:
+        report_sizes()
+        return
     serve_rows = await serve_capacity(args) if args.serve_processes else []
     if args.serve_only:
         report_serve(serve_rows, args)

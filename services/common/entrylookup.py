@@ -19,6 +19,8 @@ def record_of(entry: registry_pb2.Entry) -> HashRecord:
         entry.chain_stride or 1,
         entry.final_block_hash,
         entry.token_count // entry.block_size,
+        entry.tail_block_hashes,
+        entry.tail_start_block,
     )
 
 

@@ -1,15 +1,20 @@
 """The compact hash record an entry persists, and prefix verification against it.
 
-A registration carries one 16-byte hash per full block; the registry keeps only
-every ``stride``-th hash (checkpoint i is the hash of block (i+1)*stride-1) and
-the final one. 24K tokens at block size 16 is 1,536 blocks: 24 KiB of hashes in
-full, ~6 KiB with stride 4.
+A registration carries one 16-byte hash per full block; the registry keeps
+  - every ``stride``-th hash below the *tail* (checkpoint i is the hash of block (i+1)*stride-1),
+  - every hash of the tail: the blocks [tail_start, blocks-1), tail_start a multiple of stride, at most
+    ``tail_blocks`` + stride - 1 of them (docs/adr/0018: where consecutive turns of a conversation diverge),
+  - and the final one.
+24K tokens at block size 16 is 1,536 blocks: 24 KiB of hashes in full, ~7.7 KiB with stride 4 and a
+128-block tail.
 
 Verification relies on the chain being cumulative (each hash covers all earlier
 blocks): equality at block j implies equality at every block below j. So:
   1. the prompt agrees at the entry's final block -> the whole entry is reusable
      (append-only history, the common case, one comparison);
-  2. else binary-search the checkpoints -> the longest checkpoint-aligned prefix.
+  2. else binary-search the tail -> the longest common prefix, exact to the block, when it ends in the tail;
+  3. else binary-search the checkpoints -> the longest checkpoint-aligned prefix.
+Every block answered is one whose full 16-byte hash matched (no truncated hashes).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import overload
+
+HASH_SIZE = 16
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,22 +34,50 @@ class HashRecord:
     final: bytes
     # Number of full blocks the chain covered.
     blocks: int
+    # Hashes of blocks tail_start .. blocks-2 (every block); empty: no tail, checkpoints cover the chain.
+    tail: Sequence[bytes] = ()
+    tail_start: int = 0
 
     @classmethod
-    def from_chain(cls, hashes: Sequence[bytes], stride: int) -> HashRecord:
-        if not hashes or stride < 1:
-            raise ValueError("a hash record needs at least one block and stride >= 1")
-        checkpoints = tuple(hashes[stride - 1 :: stride])
-        return cls(stride=stride, checkpoints=checkpoints, final=hashes[-1], blocks=len(hashes))
+    def from_chain(cls, hashes: Sequence[bytes], stride: int, tail_blocks: int = 0) -> HashRecord:
+        """Keeps every ``stride``-th hash, every hash of the last ``tail_blocks`` (rounded out to a
+        stride boundary) and the final one."""
+        if not hashes or stride < 1 or tail_blocks < 0:
+            raise ValueError("a hash record needs at least one block, stride >= 1 and tail_blocks >= 0")
+        blocks = len(hashes)
+        tail_start = max(0, (blocks - tail_blocks) // stride * stride) if tail_blocks else blocks
+        if tail_start >= blocks - 1:  # nothing between the checkpoints and the final block: no tail
+            return cls(stride=stride, checkpoints=tuple(hashes[stride - 1 :: stride]), final=hashes[-1],
+                       blocks=blocks)
+        checkpoints = tuple(hashes[stride - 1 : tail_start : stride])
+        return cls(stride=stride, checkpoints=checkpoints, final=hashes[-1], blocks=blocks,
+                   tail=tuple(hashes[tail_start : blocks - 1]), tail_start=tail_start)
 
     @classmethod
-    def from_stored(cls, checkpoints: Sequence[bytes], stride: int, final: bytes, blocks: int) -> HashRecord:
-        """From persisted fields; ``blocks`` is recovered by the caller (see blocks_from_stored)."""
-        return cls(stride=stride, checkpoints=checkpoints, final=final, blocks=blocks)
+    def from_stored(cls, checkpoints: Sequence[bytes], stride: int, final: bytes, blocks: int,
+                    tail_packed: bytes = b"", tail_start: int = 0) -> HashRecord:
+        """From persisted fields; ``blocks`` is recovered by the caller (see entrylookup.record_of).
+
+        A tail that does not end right below the final block (a damaged or foreign record) is dropped:
+        the checkpoints alone still verify correctly, only more coarsely."""
+        tail: Sequence[bytes] = ()
+        if tail_packed and len(tail_packed) % HASH_SIZE == 0 and tail_start % stride == 0 \
+                and tail_start + len(tail_packed) // HASH_SIZE == blocks - 1:
+            tail = PackedChain(tail_packed, HASH_SIZE)
+            if len(checkpoints) > tail_start // stride:
+                checkpoints = checkpoints[: tail_start // stride]
+        else:
+            tail_start = 0
+        return cls(stride=stride, checkpoints=checkpoints, final=final, blocks=blocks, tail=tail,
+                   tail_start=tail_start)
+
+    def packed_tail(self) -> bytes:
+        return b"".join(self.tail)
 
     def positions(self) -> list[tuple[int, bytes]]:
-        """(block index, hash) of every hash kept: checkpoints, then the final block."""
+        """(block index, hash) of every hash kept: checkpoints, the tail, then the final block."""
         out = [((i + 1) * self.stride - 1, h) for i, h in enumerate(self.checkpoints)]
+        out += [(self.tail_start + i, h) for i, h in enumerate(self.tail)]
         if not out or out[-1][0] != self.blocks - 1:
             out.append((self.blocks - 1, self.final))
         return out
@@ -52,6 +87,17 @@ class HashRecord:
         last = self.blocks - 1
         if len(prompt) > last and prompt[last] == self.final:
             return self.blocks
+        tail = self.tail
+        if tail and len(prompt) > self.tail_start and prompt[self.tail_start] == tail[0]:
+            # The prompt matches into the tail: the deepest tail block it matches, exactly.
+            lo, hi = 1, min(len(tail), len(prompt) - self.tail_start)  # lo tail hashes known equal
+            while lo < hi:
+                mid = (lo + hi + 1) // 2
+                if prompt[self.tail_start + mid - 1] == tail[mid - 1]:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            return self.tail_start + lo
         # Checkpoints the prompt is long enough to be compared at.
         usable = min(len(self.checkpoints), len(prompt) // self.stride)
         lo, hi = 0, usable  # lo checkpoints known equal; answer in [lo, hi]
@@ -98,4 +144,4 @@ class PackedChain(Sequence[bytes]):
 
 def stored_bytes(record: HashRecord) -> int:
     """Hash bytes persisted for one entry."""
-    return 16 * (len(record.checkpoints) + 1)
+    return HASH_SIZE * (len(record.checkpoints) + len(record.tail) + 1)

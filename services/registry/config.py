@@ -16,6 +16,10 @@ class RegistrySettings(BaseSettings):
     metrics_port: int = Field(default=0, ge=0, le=65535)
     # Hash record: keep every chain_stride-th block hash plus the last one.
     chain_stride: int = Field(default=4, ge=1, le=1024)
+    # ... and every block hash of an entry's last chain_exact_tail_blocks blocks (rounded out to a stride
+    # boundary), so a prompt diverging there (the previous turn's output re-rendered, reasoning stripped) is
+    # verified exactly to the block; 0: checkpoints only (docs/adr/0018). 16 bytes per tail block in the store.
+    chain_exact_tail_blocks: int = Field(default=128, ge=0, le=1 << 20)
     # Content-addressed lookups index every content_index_stride-th block hash (a multiple of
     # chain_stride) plus each entry's final one.
     content_index_stride: int = Field(default=16, ge=1, le=4096)

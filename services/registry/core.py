@@ -65,6 +65,16 @@ def _exists(key: bytes) -> Compare:
     return Compare(key, CompareTarget.VERSION, ">", 0)
 
 
+def write_record(stored: registry_pb2.Entry, record: HashRecord) -> None:
+    """Replaces ``stored``'s whole chain with the compact record the registry persists."""
+    del stored.block_hashes[:]
+    stored.block_hashes.extend(record.checkpoints)
+    stored.chain_stride = record.stride
+    stored.final_block_hash = record.final
+    stored.tail_block_hashes = record.packed_tail()
+    stored.tail_start_block = record.tail_start
+
+
 def _digest_of(entry: registry_pb2.Entry) -> bytes:
     return hashlib.sha256(entry.SerializeToString(deterministic=True)).digest()
 
@@ -303,15 +313,14 @@ class Registry:
     # ------------------------------------------------------------------ register
 
     def _compact(self, entry: registry_pb2.Entry, tenant: str) -> tuple[registry_pb2.Entry, bytes]:
-        """The entry as stored (every stride-th hash, server time) and its content digest."""
-        record = HashRecord.from_chain(entry.block_hashes, self._settings.chain_stride)
+        """The entry as stored (every stride-th hash, the tail's every hash, server time) and its content
+        digest."""
+        record = HashRecord.from_chain(entry.block_hashes, self._settings.chain_stride,
+                                       self._settings.chain_exact_tail_blocks)
         stored = registry_pb2.Entry()
         stored.CopyFrom(entry)
         stored.key.tenant = tenant
-        del stored.block_hashes[:]
-        stored.block_hashes.extend(record.checkpoints)
-        stored.chain_stride = record.stride
-        stored.final_block_hash = record.final
+        write_record(stored, record)
         stored.ClearField("engine_incarnation")  # the registry sets it from its engine record
         digest = _digest_of(stored)  # before register_time is set: same as _content_digest, without a copy
         stored.register_time.CopyFrom(_now_ts(self._clock))

@@ -91,6 +91,9 @@ def check_entry_for_register(entry: registry_pb2.Entry, limits: Limits) -> None:
         )
     if entry.chain_stride not in (0, 1):
         raise invalid_field("entry.chain_stride", "a registration carries the whole chain (0 or 1)")
+    if entry.tail_block_hashes or entry.tail_start_block:
+        field = "entry.tail_block_hashes" if entry.tail_block_hashes else "entry.tail_start_block"
+        raise invalid_field(field, "set by the registry from block_hashes; leave it empty")
     if entry.final_block_hash and entry.final_block_hash != hashes[-1]:
         raise invalid_field("entry.final_block_hash", "must be empty or equal the last block hash")
     if entry.lease_id == 0:

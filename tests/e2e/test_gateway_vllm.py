@@ -56,10 +56,7 @@ async def _gateway(pd: PDEngines, *, reuse: bool) -> AsyncIterator[GatewayApp]:
         await store.close()
 
 
-EDIT_AT = 170  # inside turn 1's 200 prompt tokens, past the first 128-token checkpoint span
-CHAIN_STRIDE = RegistrySettings().chain_stride
-
-
+EDIT_AT = 170  # inside turn 1's 200 prompt tokens, past the first 128-token checkpoint span (not block-aligned)
 async def _complete(c: httpx.AsyncClient, gw: GatewayApp, prompt: list[int], conv: str, *,
                     max_tokens: int = 16) -> tuple[str, list[int]]:
     """One greedy completion turn through the gateway; its reuse verdict and output token ids."""
@@ -127,7 +124,8 @@ async def test_edited_history_reuses_only_the_verified_prefix_and_a_foreign_prom
     assert not foreign.startswith("hit"), foreign
     if edited.startswith("declined:prefill_timeout"):
         pytest.xfail(f"vLLM's NIXL pull stalled on this host; gateway fell back to recompute: {edited}")
-    # Only whole checkpoint spans before the edit are verified: the registry keeps every CHAIN_STRIDE-th
-    # block hash (docs/hash-chain.md), so with 32-token blocks the proof has a 128-token granularity.
-    span = CHAIN_STRIDE * BLOCK_SIZE
-    assert edited == f"hit;tokens={EDIT_AT // span * span}", edited
+    # The blocks before the edit are verified exactly: turn 1's entry (~8 blocks of 32 tokens) lies within
+    # the registry's exact tail (chain_exact_tail_blocks, docs/adr/0018); past it the proof would floor
+    # to a CHAIN_STRIDE-block checkpoint.
+    assert RegistrySettings().chain_exact_tail_blocks >= 16
+    assert edited == f"hit;tokens={EDIT_AT // BLOCK_SIZE * BLOCK_SIZE}", edited

@@ -26,7 +26,9 @@ async def expect_error(call, code: grpc.StatusCode, reason: str) -> None:  # typ
 async def test_append_only_history_gets_full_reuse(env: Env) -> None:
     await env.engine()
     resp = await env.register(HISTORY)
-    assert resp.entry.chain_stride == 4 and len(resp.entry.block_hashes) == 25
+    # 100 blocks, within the default 128-block exact tail: no checkpoints, every hash but the final in the tail.
+    assert resp.entry.chain_stride == 4 and len(resp.entry.block_hashes) == 0
+    assert resp.entry.tail_start_block == 0 and len(resp.entry.tail_block_hashes) == 16 * 99
     assert resp.entry.final_block_hash
     new_prompt = [*HISTORY, 7, 8, 9, 10, 11, 12, 13, 14, 15]
     got = await env.lookup(new_prompt, min_tokens=16)
@@ -42,8 +44,9 @@ async def test_append_only_history_gets_full_reuse(env: Env) -> None:
 @pytest.mark.parametrize(
     ("name", "edit", "expected_blocks"),
     [
-        ("edited at token 150", lambda h: [*h[:150], 7, *h[151:]], 36),  # block 37 changed; checkpoint floor 36
-        ("truncated to 250 tokens", lambda h: h[:250], 60),  # 62 full blocks; checkpoint floor 60
+        # 100 blocks, all within the default exact tail (chain_exact_tail_blocks 128): exact to the block.
+        ("edited at token 150", lambda h: [*h[:150], 7, *h[151:]], 37),  # block 37 changed
+        ("truncated to 250 tokens", lambda h: h[:250], 62),  # 62 full blocks
         ("reasoning stripped after 322", lambda h: h[:322] + h[360:], 80),
         ("edited in block 0", lambda h: [9, *h[1:]], 0),
     ],
@@ -90,8 +93,8 @@ async def test_content_addressed_lookup_finds_fork(env: Env) -> None:
         tenant="acme", model=env_model(), block_hashes=chain(fork), block_size=BLOCK))
     assert got.verdict == V.LOOKUP_VERDICT_HIT
     assert got.location.conversation_key == "conv-a"
-    # 21 blocks match conv-a; the record keeps every 4th hash, so the proof floors to block 20.
-    assert got.verified_tokens == 80
+    # 21 blocks match conv-a, proven exactly (the whole entry is within the exact tail).
+    assert got.verified_tokens == 84
     other = await env.stub.LookupEntry(registry_pb2.LookupEntryRequest(
         tenant="beta", model=env_model(), block_hashes=chain(fork, "beta"), block_size=BLOCK))
     assert other.verdict == V.LOOKUP_VERDICT_NOT_FOUND

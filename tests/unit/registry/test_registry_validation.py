@@ -45,6 +45,8 @@ def test_good_request_passes() -> None:
         ("entry.block_hashes", lambda r: r.entry.block_hashes.pop(), "INVALID_FIELD"),
         ("entry.block_hashes[1]", lambda r: r.entry.block_hashes.__setitem__(1, b"x" * 17), "INVALID_FIELD"),
         ("entry.chain_stride", lambda r: setattr(r.entry, "chain_stride", 4), "INVALID_FIELD"),
+        ("entry.tail_block_hashes", lambda r: setattr(r.entry, "tail_block_hashes", b"t" * 16), "INVALID_FIELD"),
+        ("entry.tail_start_block", lambda r: setattr(r.entry, "tail_start_block", 4), "INVALID_FIELD"),
         ("entry.final_block_hash", lambda r: setattr(r.entry, "final_block_hash", b"z" * 16), "INVALID_FIELD"),
         ("entry.lease_id", lambda r: setattr(r.entry, "lease_id", 0), "INVALID_FIELD"),
         ("entry.epoch", lambda r: setattr(r.entry, "epoch", 0), "INVALID_FIELD"),

@@ -129,6 +129,8 @@ class Entry(_message.Message):
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     REGISTER_TIME_FIELD_NUMBER: _builtins.int
     ENGINE_INCARNATION_FIELD_NUMBER: _builtins.int
+    TAIL_BLOCK_HASHES_FIELD_NUMBER: _builtins.int
+    TAIL_START_BLOCK_FIELD_NUMBER: _builtins.int
     engine_id: _builtins.str
     engine_request_id: _builtins.str
     """vLLM request id on the decode engine (kv_transfer_params remote_request_id)."""
@@ -136,7 +138,8 @@ class Entry(_message.Message):
     token_count: _builtins.int
     """Tokens whose KV the blocks hold."""
     chain_stride: _builtins.int
-    """Stored: block_hashes[i] is the hash of block (i+1)*chain_stride-1, plus
+    """Stored: block_hashes[i] is the hash of block (i+1)*chain_stride-1 (for
+    the blocks below tail_start_block when tail_block_hashes is set), plus
     final_block_hash for the last full block. 1 means every block.
     """
     final_block_hash: _builtins.bytes
@@ -152,6 +155,14 @@ class Entry(_message.Message):
     never answer an entry whose engine has registered again since (a new
     process under the same engine_id).
     """
+    tail_block_hashes: _builtins.bytes
+    """Stored: the hashes of every block from tail_start_block (a multiple of
+    chain_stride) up to, not including, the last full block, packed (16
+    bytes each, in order), so that a prompt diverging there is verified
+    exactly to the block (docs/adr/0018). Empty: no tail, the checkpoints
+    cover the whole chain. Never set on RegisterEntry.
+    """
+    tail_start_block: _builtins.int
     @_builtins.property
     def key(self) -> Global___EntryKey: ...
     @_builtins.property
@@ -186,10 +197,12 @@ class Entry(_message.Message):
         expire_time: _timestamp_pb2.Timestamp | None = ...,
         register_time: _timestamp_pb2.Timestamp | None = ...,
         engine_incarnation: _builtins.int = ...,
+        tail_block_hashes: _builtins.bytes = ...,
+        tail_start_block: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["expire_time", b"expire_time", "key", b"key", "register_time", b"register_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "block_size", b"block_size", "chain_stride", b"chain_stride", "engine_id", b"engine_id", "engine_incarnation", b"engine_incarnation", "engine_request_id", b"engine_request_id", "epoch", b"epoch", "expire_time", b"expire_time", "final_block_hash", b"final_block_hash", "key", b"key", "lease_id", b"lease_id", "register_time", b"register_time", "token_count", b"token_count"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_hashes", b"block_hashes", "block_ids", b"block_ids", "block_size", b"block_size", "chain_stride", b"chain_stride", "engine_id", b"engine_id", "engine_incarnation", b"engine_incarnation", "engine_request_id", b"engine_request_id", "epoch", b"epoch", "expire_time", b"expire_time", "final_block_hash", b"final_block_hash", "key", b"key", "lease_id", b"lease_id", "register_time", b"register_time", "tail_block_hashes", b"tail_block_hashes", "tail_start_block", b"tail_start_block", "token_count", b"token_count"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
