@@ -60,6 +60,10 @@ def _gateway_for_engines(gw: GatewaySettings, engines: LocalEngines) -> GatewayS
     })
 
 
+def _load_tokenizer(model_dir: Path) -> None:
+    importlib.import_module("transformers").AutoTokenizer.from_pretrained(str(model_dir))
+
+
 class Stack:
     def __init__(self, config: StackConfig, progress: Callable[[str], None] = lambda _msg: None) -> None:
         self.config = config
@@ -77,10 +81,6 @@ class Stack:
         where = ",".join(cfg.store.etcd_endpoints) if cfg.store.etcd_endpoints else (
             f"embedded (WAL in {cfg.data_dir})" if cfg.data_dir else "embedded (in memory)")
         self._progress(f"store: {where}")
-        if cfg.engines is not None and cfg.gateway is not None:
-            # The gateway loads the model's tokenizer with transformers, whose first import takes ~20 s here: done
-            # now, off the loop, or it stalls the lease manager's election and the registry's index follower.
-            await asyncio.to_thread(importlib.import_module, "transformers")
         self.store = open_store(cfg.store, data_dir=cfg.data_dir)
         # Engines busy-spin the cores: a generous leader TTL keeps the only lease manager leader while they run.
         policy = (LeasePolicy(port=cfg.lease_port, leader_ttl_s=15, leader_refresh_s=1) if cfg.engines
@@ -105,6 +105,11 @@ class Stack:
         if cfg.engines is not None:
             self.engines = LocalEngines(cfg.engines, self._progress)
             await self.engines.build_model()  # before the gateway, which loads the model's tokenizer
+            if cfg.gateway is not None:
+                # The gateway loads that tokenizer on the loop; transformers' first imports take 20-30 s on a busy
+                # 2-core machine: done here off the loop first, or they stall the lease manager's election (it
+                # stepped down) and the registry's index follower.
+                await asyncio.to_thread(_load_tokenizer, self.engines.model_dir)
         if cfg.gateway is not None:
             gw = cfg.gateway.model_copy(
                 update={"registry_address": self.registry.address, "lease_address": self.lease.address}
