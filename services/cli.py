@@ -274,20 +274,20 @@ exit codes: 0 stopped by Ctrl-C/SIGTERM, 1 a start failed or an engine exited,
 DEMO_EPILOG = """\
 what it plays (tenant acme unless named; the model has random weights, so the demo
 plays the agent: each assistant turn is what the model answered, then a tool result):
-  1 first turn          system prompt with tool definitions + a request: miss
-  2 after search_flights  a tool result appended after a 9 s tool pause that outlives
-                        the decode engine's 6 s entry lease: the SDK's Conversation
-                        heartbeat holds the KV, the turn is a hit
-  3 after search_hotels   append-only again: hit
-  4 hotel output stripped the client elides the hotel tool output: a partial hit
-                        (verified up to the edit, the rest recomputed)
-  5 other tenant        globex sends acme's conversation id: miss (tenant isolation)
-  6 fork                a new request sharing the system prompt, no conversation id:
-                        content-addressed hit
+  1 first turn     system prompt with tool definitions + a request: miss
+  2 search_flights a tool result appended after a 9 s tool pause that outlives the
+                   decode engine's 6 s entry lease: the SDK's Conversation heartbeat
+                   holds the KV, the turn is a hit
+  3 search_hotels  append-only again: hit
+  4 stripped       the client elides the hotel tool output: a partial hit (verified
+                   up to the edit, the rest recomputed)
+  5 other tenant   globex sends acme's conversation id: miss (tenant isolation)
+  6 fork           a new request sharing the system prompt, no conversation id:
+                   content-addressed hit
   Every turn is also sent cold (new conversation id and cache_salt) to measure TTFT
   without reuse. Model: the "demo" shape (8 layers, hidden 768, fp32, random weights),
-  built once into <engines-dir>/demo-model. About 3-5 minutes on a 2-core machine,
-  most of it the engines starting (progress every 10 s).
+  built once into <engines-dir>/demo-model. 6-7 minutes on a busy 2-core machine,
+  most of it the engines starting (progress every 10 s; bench/results/demo.md).
 
 --control-plane-only: the earlier fast demo: registry + lease manager in-process and a
   simulated decode engine over the gRPC API (seconds; no vLLM needed). --data-dir
