@@ -1,7 +1,7 @@
 """Shared pytest fixtures: real etcd servers and clusters.
 
-Without an etcd binary the etcd fixtures skip locally but FAIL when the ``CI``
-environment variable is set, so a CI image missing etcd cannot pass silently.
+Without an etcd binary the etcd fixtures FAIL (tests/fixtures/common.py: a missing part fails its
+tests, never skips them), so no run missing etcd can pass silently.
 """
 
 from __future__ import annotations
@@ -12,22 +12,13 @@ from pathlib import Path
 
 import pytest
 
-from tests.fixtures.etcd import EtcdCluster, EtcdServer, etcd_binary, start_cluster, start_server
+from tests.fixtures.common import require_etcd_binary
+from tests.fixtures.etcd import EtcdCluster, EtcdServer, start_cluster, start_server
 
 # Service processes spawned by tests must not fight over the fixed production
 # metrics ports (9151/9152): tests that want /metrics pick free ports themselves.
 for _var in ("KVBRIDGE_REGISTRY_METRICS_PORT", "KVBRIDGE_LEASE_METRICS_PORT"):
     os.environ.setdefault(_var, "0")
-
-
-def require_etcd_binary() -> str:
-    binary = etcd_binary()
-    if binary is None:
-        message = "etcd binary not found (apt-get install etcd-server, or set ETCD_BIN)"
-        if os.environ.get("CI"):
-            pytest.fail(f"{message}; CI is set, so etcd tests must not be skipped", pytrace=False)
-        pytest.skip(message)
-    return binary
 
 
 @pytest.fixture

@@ -14,17 +14,10 @@ from typing import Any
 import pytest
 
 from tests.e2e.pd_client import E2E_SECRET
+from tests.fixtures.common import VLLM_HINT, require, require_etcd_binary
 from tests.fixtures.control_plane_procs import ControlPlaneProcs, run_control_plane
 from tests.fixtures.tiny_model import model_dir_for_engines
 from tests.fixtures.vllm_engines import EnginePool, PDEngines
-
-
-def _require_vllm() -> None:
-    try:
-        import nixl._api  # noqa: F401
-        import vllm  # noqa: F401
-    except ImportError as exc:
-        pytest.skip(f"vLLM/NIXL not installed: {exc}")
 
 
 @pytest.fixture(scope="session")
@@ -35,7 +28,8 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def engine_pool(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[EnginePool]:
-    _require_vllm()
+    require("vllm", VLLM_HINT)
+    require("nixl._api", VLLM_HINT)
     log_root = tmp_path_factory.mktemp("vllm-logs")
     pool = EnginePool(tiny_model_dir, log_root)
     try:
@@ -62,10 +56,7 @@ FALLBACK_TTL_S = 15
 @pytest.fixture(scope="session")
 def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProcs]:
     """etcd + registry + lease manager processes, shared by the session."""
-    from tests.fixtures.etcd import etcd_binary
-
-    if etcd_binary() is None:
-        pytest.skip("etcd binary not found")
+    require_etcd_binary()
     with run_control_plane(tmp_path_factory.mktemp("control-plane")) as procs:
         yield procs
 

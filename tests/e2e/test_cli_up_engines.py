@@ -8,7 +8,6 @@ Starts its own engines (not the shared pool): the pool is closed first so only o
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -21,7 +20,8 @@ import httpx
 import pytest
 
 from tests.fixtures.cli_proc import wait_for_output
-from tests.fixtures.vllm_engines import EnginePool, free_port
+from tests.fixtures.common import CONNECTOR_HINT, free_port, require
+from tests.fixtures.vllm_engines import EnginePool
 
 REPO = Path(__file__).resolve().parents[2]
 START_TIMEOUT_S = 15 * 60  # engines take 45-60 s alone; far longer beside other CPU-heavy work
@@ -54,8 +54,7 @@ def _engine_groups(progress: str) -> set[int]:
 def test_up_engines_answers_a_chat_turn_and_sigint_leaves_no_engine(
     tmp_path: Path, engine_pool: EnginePool
 ) -> None:
-    if importlib.util.find_spec("kvbridge_connector") is None:
-        pytest.skip("kvbridge_connector not installed")
+    require("kvbridge_connector", CONNECTOR_HINT)
     engine_pool.close()  # this machine fits one pair of engines
     engines_dir = tmp_path / "kvbridge-engines"
     http_port = free_port()

@@ -7,7 +7,6 @@ to the lease manager)."""
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import re
@@ -21,7 +20,8 @@ import pytest
 
 from tests.e2e.test_cli_up_engines import START_TIMEOUT_S, _engine_groups, _leftovers
 from tests.fixtures.cli_proc import wait_for_output
-from tests.fixtures.vllm_engines import EnginePool, free_port
+from tests.fixtures.common import CONNECTOR_HINT, DEV_HINT, free_port, require
+from tests.fixtures.vllm_engines import EnginePool
 
 REPO = Path(__file__).resolve().parents[2]
 TENANT_KEY, SERVICE_KEY = "kvb_e2e_tenant", "kvb_e2e_service"
@@ -30,9 +30,8 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(START_TIMEO
 
 
 def test_up_engines_secure_with_one_keys_file_and_one_service_key(tmp_path: Path, engine_pool: EnginePool) -> None:
-    if importlib.util.find_spec("kvbridge_connector") is None or importlib.util.find_spec("openai") is None:
-        pytest.skip("kvbridge_connector or openai not installed")
-    import openai
+    require("kvbridge_connector", CONNECTOR_HINT)
+    openai = require("openai", DEV_HINT)
 
     engine_pool.close()  # this machine fits one pair of engines
     keys = tmp_path / "keys.json"

@@ -8,7 +8,6 @@ it, which the turn reported as ``declined:registry_unavailable``.
 
 from __future__ import annotations
 
-import asyncio
 import random
 import string
 from collections.abc import AsyncIterator
@@ -31,6 +30,8 @@ from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
+
+from tests.fixtures.common import wait_leader
 
 TENANT_HEADER = "x-kvbridge-tenant"
 
@@ -69,9 +70,7 @@ async def stack() -> AsyncIterator[Stack]:
     server = ServerSettings(shutdown_grace_s=0.1)
     lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5), server, auth=auth)
     await lease.start()
-    async with asyncio.timeout(10):
-        while not lease.is_leader:  # noqa: ASYNC110 - polling another component
-            await asyncio.sleep(0.02)
+    await wait_leader(lease)
     registry = RegistryApp(store, settings=RegistrySettings(port=0, lease_service_target=lease.address),
                            server_settings=server, auth=auth)
     await registry.start()

@@ -7,7 +7,6 @@ registers the static engines and their entries); one key per single role for the
 
 from __future__ import annotations
 
-import asyncio
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -33,6 +32,7 @@ from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
 
+from tests.fixtures.common import wait_leader
 from tests.tools.engine_sim import SimConfig, SimServer
 
 MODEL = "sim-model"
@@ -130,12 +130,6 @@ def write_keys(path: Path) -> Path:
     return path
 
 
-async def _wait_leader(app: LeaseApp) -> None:
-    async with asyncio.timeout(10):
-        while not app.is_leader:  # noqa: ASYNC110 - polling another component
-            await asyncio.sleep(0.02)
-
-
 @pytest.fixture
 async def secure(tmp_path: Path) -> AsyncIterator[SecureStack]:
     auth = Authenticator.from_file(write_keys(tmp_path / "keys.json"))
@@ -143,7 +137,7 @@ async def secure(tmp_path: Path) -> AsyncIterator[SecureStack]:
     server = ServerSettings(shutdown_grace_s=0.2)
     lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5), server, auth=auth)
     await lease.start()
-    await _wait_leader(lease)
+    await wait_leader(lease)
     registry = RegistryApp(store, settings=RegistrySettings(port=0, lease_service_target=lease.address,
                                                             lease_service_api_key=SERVICE_KEY),
                            server_settings=server, auth=auth)

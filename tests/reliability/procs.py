@@ -7,8 +7,8 @@ import signal
 import subprocess
 from pathlib import Path
 
+from tests.fixtures.common import free_port
 from tests.fixtures.control_plane_procs import _spawn, _stop, _wait_for_grpc
-from tests.fixtures.etcd import free_port
 
 
 def service_env(etcd_endpoints: str, **extra: str) -> dict[str, str]:

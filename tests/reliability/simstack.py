@@ -3,7 +3,6 @@ P and D, and the gateway (settings overridable), driven over HTTP."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import grpc
@@ -18,17 +17,12 @@ from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
 
+from tests.fixtures.common import wait_leader
 from tests.tools.engine_sim import SimConfig, SimServer
 
 from .conftest import BLOCK, MODEL, SECRET_HEX
 
 LONG = " ".join(f"w{i}" for i in range(100, 200))
-
-
-async def _wait_leader(app: LeaseApp) -> None:
-    async with asyncio.timeout(20):
-        while not app.is_leader:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
 
 
 def _static(sim: SimServer) -> StaticEngine:
@@ -50,7 +44,7 @@ class Stack:
         self.lease = LeaseApp(self.store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5,
                                                       store_timeout_s=1.0), server)
         await self.lease.start()
-        await _wait_leader(self.lease)
+        await wait_leader(self.lease, timeout_s=20)
         self.registry = RegistryApp(self.store, settings=RegistrySettings(port=0,
                                                                           lease_service_target=self.lease.address),
                                     server_settings=server, store_timeout_s=1.0)

@@ -25,8 +25,9 @@ from kvbridge_services.common.config import EtcdTls, StoreSettings
 from kvbridge_services.common.store.base import StoreUnavailable
 from kvbridge_services.common.store.etcd import EtcdStore
 
+from tests.fixtures.common import free_port
 from tests.fixtures.control_plane_procs import _spawn, _stop, _wait_for_grpc
-from tests.fixtures.etcd import EtcdServer, EtcdTlsFiles, free_port
+from tests.fixtures.etcd import EtcdServer, EtcdTlsFiles
 
 from .conftest import BLOCK, MODEL, chain
 from .pki import Pki, make_pki

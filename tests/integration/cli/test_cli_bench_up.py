@@ -15,8 +15,7 @@ import pytest
 from kvbridge_services.cli import BENCHES
 
 from tests.fixtures.cli_proc import wait_for_output
-from tests.fixtures.etcd import etcd_binary
-from tests.fixtures.vllm_engines import free_port
+from tests.fixtures.common import free_port, require_etcd_binary
 
 REPO = Path(__file__).resolve().parents[3]
 
@@ -38,8 +37,7 @@ def test_bench_help_lists_every_bench_script_with_a_description() -> None:
 
 @pytest.mark.etcd
 def test_bench_registry_runs_the_script_with_the_given_arguments() -> None:
-    if etcd_binary() is None:
-        pytest.skip("etcd binary not found")  # the registry bench also measures a local etcd
+    require_etcd_binary()  # the registry bench also measures a local etcd
     args = ["--registrations", "20", "--lookups", "40", "--client-procs", "1"]
     result = _run("bench", "registry", "--", *args, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]

@@ -16,8 +16,8 @@ from kvbridge_connector import control_plane as cp
 from kvbridge_connector.params import ConversationRef
 from kvbridge_connector.settings import ConnectorSettings
 
+from tests.fixtures.common import require_etcd_binary
 from tests.fixtures.control_plane_procs import ControlPlaneProcs, run_control_plane
-from tests.fixtures.etcd import etcd_binary
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
@@ -28,8 +28,7 @@ TOKENS = tuple(range(8, 8 + 100))  # 3 full blocks of 32 + 4 tokens
 
 @pytest.fixture(scope="module")
 def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProcs]:
-    if etcd_binary() is None:
-        pytest.skip("etcd binary not found")
+    require_etcd_binary()
     with run_control_plane(Path(tmp_path_factory.mktemp("cp"))) as running:
         yield running
 

@@ -6,7 +6,7 @@ import httpx
 
 from tests.fixtures.gateway_stack import LONG, chat, reference, turn
 
-from .conftest import MODEL, Stack
+from .conftest import BLOCK, MODEL, Stack
 
 
 async def test_multi_turn_reuses_decode_kv_and_answers_equal(stack: Stack) -> None:
@@ -25,15 +25,27 @@ async def test_multi_turn_reuses_decode_kv_and_answers_equal(stack: Stack) -> No
         assert answer == await reference(stack, msgs)
 
 
-async def test_edited_history_reuses_only_verified_prefix(stack: Stack) -> None:
+async def _tokens(stack: Stack, messages: list[dict[str, str]]) -> list[int]:
+    async with httpx.AsyncClient() as c:
+        r = await c.post(stack.decode.url + "/tokenize", json={"model": MODEL, "messages": messages})
+    return [int(t) for t in r.json()["tokens"]]
+
+
+async def test_edited_history_reuses_exactly_the_blocks_before_the_edit(stack: Stack) -> None:
     msgs = [{"role": "user", "content": LONG}]
     answer, _ = await turn(stack, msgs)
-    edited = [{"role": "user", "content": LONG[: len(LONG) // 2] + " EDITED " + LONG[len(LONG) // 2:]},
+    cut = LONG.index("word90")  # late enough that the blocks before it pass the 64-token reuse threshold
+    edited = [{"role": "user", "content": LONG[:cut] + "EDITED " + LONG[cut:]},
               {"role": "assistant", "content": answer}, {"role": "user", "content": "next"}]
+    before, after = await _tokens(stack, msgs), await _tokens(stack, edited)
+    common = next(i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
+    expected = common // BLOCK * BLOCK  # the whole blocks before the first edited token, no more
+    assert expected >= 64
+    pulled_before = (await stack.sim_stats(stack.prefill))["remote_pulled_tokens"]
     answer2, verdict = await turn(stack, edited)
-    k = int(verdict.split("=")[1])
-    assert k < 80  # at most the blocks before the edit (~62 tokens) ...
-    assert answer2 == await reference(stack, edited)  # ... and the answer is still right
+    assert verdict == f"hit;tokens={expected}", (verdict, common)
+    assert (await stack.sim_stats(stack.prefill))["remote_pulled_tokens"] - pulled_before == expected
+    assert answer2 == await reference(stack, edited)  # and the answer is still right
 
 
 async def test_other_conversations_key_yields_no_reuse_and_correct_answer(stack: Stack) -> None:

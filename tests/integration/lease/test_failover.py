@@ -17,7 +17,7 @@ from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.etcd import EtcdStore
 
-from tests.fixtures.etcd import free_port
+from tests.fixtures.common import free_port
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 

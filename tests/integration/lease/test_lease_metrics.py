@@ -15,7 +15,7 @@ from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fixtures.etcd import free_port
+from tests.fixtures.common import free_port
 
 from .harness import lease_app
 

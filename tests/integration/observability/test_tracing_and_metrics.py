@@ -4,7 +4,6 @@ spans at a real OTLP/gRPC receiver, linked across services; /metrics of registry
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from kvbridge_services.registry.config import RegistrySettings
 from opentelemetry.proto.trace.v1 import trace_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
+from tests.fixtures.common import free_port, wait_leader
 from tests.fixtures.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.tools.engine_sim import SimConfig, SimServer
 
@@ -35,12 +35,6 @@ CONVERSATION = "conv-private-key"  # neither string is hex: a hash can never con
 LONG = " ".join(f"word{i}" for i in range(120))
 SERVER, CLIENT = trace_pb2.Span.SPAN_KIND_SERVER, trace_pb2.Span.SPAN_KIND_CLIENT
 LOOKUP = "kvbridge.registry.v1.RegistryService/LookupEntry"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass(frozen=True)
@@ -77,11 +71,9 @@ async def observed() -> AsyncIterator[Observed]:
     lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
                      ServerSettings(shutdown_grace_s=0.2), telemetry=lease_tel)
     await lease.start()
-    async with asyncio.timeout(10):
-        while not lease.is_leader:  # noqa: ASYNC110 - polling another component
-            await asyncio.sleep(0.02)
+    await wait_leader(lease)
     registry = RegistryApp(store, settings=RegistrySettings(port=0, lease_service_target=lease.address,
-                                                            metrics_port=_free_port()),
+                                                            metrics_port=free_port()),
                            server_settings=ServerSettings(shutdown_grace_s=0.2), telemetry=reg_tel)
     await registry.start()
     p = SimServer(SimConfig(role="prefill", engine_id="p0", model=MODEL, block_size=BLOCK))

@@ -7,7 +7,6 @@ attached to a store lease of the same id).
 
 from __future__ import annotations
 
-import importlib.util
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -29,10 +28,6 @@ from kvbridge_services.registry.config import RegistrySettings
 SECRET = b"registry-test-secret-0123456789"
 MODEL = "Qwen/Qwen3-0.6B"
 BLOCK = 4
-
-
-def has_etcd_store() -> bool:
-    return importlib.util.find_spec("kvbridge_services.common.store.etcd") is not None
 
 
 def etcd_store(endpoints: Sequence[str]) -> Store:
@@ -131,8 +126,6 @@ async def store(request: pytest.FixtureRequest) -> AsyncIterator[Store]:
     if request.param == "memory":
         s: Store = MemoryStore()
     else:
-        if not has_etcd_store():
-            pytest.skip("EtcdStore not available yet")
         server = request.getfixturevalue("etcd_server")
         s = etcd_store([server.endpoint])
     try:

@@ -17,11 +17,11 @@ from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.keys import KeyLayout
 
-from tests.fixtures.etcd import free_port
+from tests.fixtures.common import free_port
 
-from .conftest import MODEL, Env, chain, etcd_store, has_etcd_store, start_env, stop_env
+from .conftest import MODEL, Env, chain, etcd_store, start_env, stop_env
 
-pytestmark = [pytest.mark.etcd, pytest.mark.skipif(not has_etcd_store(), reason="EtcdStore not available")]
+pytestmark = [pytest.mark.etcd]
 V = registry_pb2.LookupVerdict
 TOKENS = list(range(3000, 3000 + 64))
 

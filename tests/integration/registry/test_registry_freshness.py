@@ -18,7 +18,7 @@ from prometheus_client import generate_latest
 
 from tests.fixtures.etcd import EtcdServer
 
-from .conftest import Env, etcd_store, has_etcd_store, start_env, stop_env
+from .conftest import Env, etcd_store, start_env, stop_env
 
 V = registry_pb2.LookupVerdict
 HISTORY = list(range(3000, 3000 + 40))
@@ -87,8 +87,6 @@ async def test_a_stopped_feeder_turns_hits_into_index_stale_and_not_serving(memo
 
 @pytest.mark.etcd
 async def test_a_frozen_etcd_stops_hits_within_the_bound_and_recovers(etcd_server: EtcdServer) -> None:
-    if not has_etcd_store():
-        pytest.fail("EtcdStore missing")
     store = etcd_store([etcd_server.endpoint])
     env = await start_env(store, index_max_lag_s=MAX_LAG_S)
     pid = etcd_server.pid

@@ -13,9 +13,9 @@ from kvbridge.registry.v1 import registry_pb2
 from kvbridge_services.common.auth import DEV_PRINCIPAL
 from kvbridge_services.common.store.base import Op, Put, TxnResult
 
-from .conftest import MODEL, Env, has_etcd_store, start_env, stop_env
+from .conftest import MODEL, Env, start_env, stop_env
 
-pytestmark = [pytest.mark.etcd, pytest.mark.skipif(not has_etcd_store(), reason="EtcdStore not available")]
+pytestmark = [pytest.mark.etcd]
 TOKENS = list(range(500, 500 + 40))
 WIDE_WINDOW = {"register_batch_window_ms": 50.0}  # wide enough that concurrent calls share a window
 

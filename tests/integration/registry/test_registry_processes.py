@@ -6,7 +6,6 @@ import asyncio
 import contextlib
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,27 +20,14 @@ from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge_services.common.keys import KeyLayout
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.fixtures.etcd import free_port
+from tests.fixtures.common import consecutive_free_ports, free_port
 
-from .conftest import Env, etcd_store, has_etcd_store
+from .conftest import Env, etcd_store
 from .test_registry_durability import TOKENS, etcd_endpoints_env
 
-pytestmark = [pytest.mark.etcd, pytest.mark.skipif(not has_etcd_store(), reason="EtcdStore not available")]
+pytestmark = [pytest.mark.etcd]
 HIT = registry_pb2.LOOKUP_VERDICT_HIT
 PROCESSES = 2
-
-
-def two_free_ports() -> int:
-    """A port p with p + 1 free too (worker i serves /metrics on base + i)."""
-    for _ in range(50):
-        base = free_port()
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", base + 1))
-            except OSError:
-                continue
-        return base
-    raise AssertionError("no two consecutive free ports")
 
 
 def children(pid: int) -> list[int]:
@@ -107,7 +93,7 @@ class Supervised:
 async def supervised_registry(endpoint: str, tmp_path: Path) -> AsyncIterator[Supervised]:
     """A registry with PROCESSES server processes on real etcd, with a test helper on its own store client."""
     store = etcd_store([endpoint])
-    port, metrics = free_port(), two_free_ports()
+    port, metrics = free_port(), consecutive_free_ports(PROCESSES)
     proc = start_supervisor(endpoint, port, metrics, tmp_path / "registry.log")
     try:
         yield Supervised(proc, f"127.0.0.1:{port}", metrics,

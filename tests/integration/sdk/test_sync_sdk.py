@@ -6,7 +6,6 @@ Blocking calls run in a worker thread (``asyncio.to_thread``): the stack serves 
 from __future__ import annotations
 
 import asyncio
-import socket
 import threading
 
 import pytest
@@ -19,6 +18,7 @@ from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
 
+from tests.fixtures.common import free_port
 from tests.fixtures.gateway_stack import LONG, MODEL, Stack, turn
 
 from .conftest import ACME_KEY, ENTRY_LEASE_TTL_S
@@ -70,14 +70,8 @@ async def test_sync_clients_chat_stream_conversation_and_errors(sdk_stack: Stack
     assert _sdk_threads() == threads_before  # every client's loop thread ended with its `with`
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 async def test_unavailable_is_retried_until_the_server_is_up() -> None:
-    port = _free_port()
+    port = free_port()
     target = f"127.0.0.1:{port}"
     patient = ClientOptions(max_attempts=40, backoff_initial_s=0.05, backoff_max_s=0.2)
     async with AsyncRegistryClient(target, ClientOptions(max_attempts=2, backoff_initial_s=0.01)) as impatient:

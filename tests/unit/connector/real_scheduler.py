@@ -11,10 +11,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import pytest
 from kvbridge_connector.settings import ConnectorSettings
 
-torch = pytest.importorskip("torch")
+from tests.fixtures.common import VLLM_HINT, require
+
+torch = require("torch", VLLM_HINT)
 
 BLOCK = 32
 

@@ -8,9 +8,11 @@ from typing import Any
 import pytest
 from kvbridge import hashchain, offers
 
+from tests.fixtures.common import VLLM_HINT, require
+
 from .real_scheduler import FakeRequest, scheduler
 
-pytest.importorskip("vllm")
+require("vllm", VLLM_HINT)
 
 PROMPT = list(range(10, 210))
 

@@ -111,7 +111,6 @@ class _Recorder:
 
 
 def test_decode_engine_registers_only_gateway_signed_conversations(vllm_configs: dict[str, Any]) -> None:
-    pytest.importorskip("vllm")
     extra = {"kvbridge_registry": "127.0.0.1:1", "kvbridge_hash_secret": SECRET.hex(), "kvbridge_model": "tiny"}
     with scheduler(vllm_configs, "kv_consumer", extra) as sched:
         sched.control_plane.stop()

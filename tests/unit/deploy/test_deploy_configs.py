@@ -23,6 +23,8 @@ from google.protobuf import descriptor_pb2, json_format
 from google.protobuf.descriptor import FieldDescriptor
 from google.protobuf.message import Message
 
+from tests.fixtures.common import DEV_HINT, missing, require
+
 ROOT = Path(__file__).resolve().parents[3]
 DEPLOY = ROOT / "deploy"
 ENVOY_YAML = DEPLOY / "envoy" / "envoy.yaml"
@@ -65,7 +67,7 @@ def test_every_yaml_parses() -> None:
 
 
 def test_yamllint_clean() -> None:
-    pytest.importorskip("yamllint", reason="yamllint==1.38.0 is a dev dependency")
+    require("yamllint", DEV_HINT)
     from yamllint import config, linter  # type: ignore[import-untyped,unused-ignore]
 
     conf = config.YamlLintConfig(file=str(ROOT / ".yamllint"))
@@ -142,7 +144,7 @@ def _check_pgv(msg: Message, path: str, problems: list[str]) -> None:
 
 
 def test_envoy_config_matches_envoy_api_schema() -> None:
-    pytest.importorskip("envoy.config.bootstrap.v3.bootstrap_pb2", reason="xds-protos==1.85.0 is a dev dependency")
+    require("envoy.config.bootstrap.v3.bootstrap_pb2", DEV_HINT)
     from envoy.config.bootstrap.v3 import bootstrap_pb2  # type: ignore[import-untyped,unused-ignore]
 
     config = envoy_config()
@@ -157,7 +159,7 @@ def test_envoy_config_matches_envoy_api_schema() -> None:
 
 
 def test_envoy_schema_check_catches_a_typo() -> None:
-    pytest.importorskip("envoy.config.bootstrap.v3.bootstrap_pb2", reason="xds-protos==1.85.0 is a dev dependency")
+    require("envoy.config.bootstrap.v3.bootstrap_pb2", DEV_HINT)
     from envoy.config.bootstrap.v3 import bootstrap_pb2  # type: ignore[import-untyped,unused-ignore]
 
     config = envoy_config()
@@ -258,7 +260,7 @@ def test_envoy_transcoder_descriptor_names_the_gateway_service() -> None:
 
 def test_descriptor_set_is_up_to_date(tmp_path: Path) -> None:
     if not (ROOT / ".venv" / "bin" / "buf").exists() and shutil.which("buf") is None:
-        pytest.skip("buf not installed")
+        missing("buf", DEV_HINT)
     out = tmp_path / "kvbridge.pb"
     env_buf = {} if (ROOT / ".venv" / "bin" / "buf").exists() else {"BUF": "buf"}
     subprocess.run(
@@ -301,7 +303,7 @@ def test_kustomization_lists_every_manifest() -> None:
 
 
 def test_manifests_match_kubernetes_schemas() -> None:
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate==1.37.0 is a dev dependency")
+    kv = require("kubernetes_validate", DEV_HINT)
     for doc in manifests():
         kv.validate(doc, K8S_VERSION, strict=True)
 
@@ -380,7 +382,7 @@ def _generated_secrets() -> Path:
     """Runs the real secret generator once into a temp dir (needs openssl)."""
     if "dir" not in _SECRETS_CACHE:
         if shutil.which("openssl") is None:
-            pytest.skip("openssl not installed")
+            missing("openssl", "apt-get install openssl")
         import tempfile
 
         out = Path(tempfile.mkdtemp(prefix="kvbridge-secrets-")) / "secrets"
@@ -515,8 +517,8 @@ def test_generated_secrets_are_usable() -> None:
 
 def test_validators_reject_broken_configs() -> None:
     """The schema checks above are only worth something if they fail on bad input."""
-    pytest.importorskip("envoy.config.bootstrap.v3.bootstrap_pb2", reason="xds-protos==1.85.0 is a dev dependency")
-    kv = pytest.importorskip("kubernetes_validate", reason="kubernetes-validate==1.37.0 is a dev dependency")
+    require("envoy.config.bootstrap.v3.bootstrap_pb2", DEV_HINT)
+    kv = require("kubernetes_validate", DEV_HINT)
     from envoy.config.bootstrap.v3 import bootstrap_pb2  # type: ignore[import-untyped,unused-ignore]
 
     config = envoy_config()
