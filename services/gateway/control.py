@@ -261,11 +261,9 @@ class ControlPlane:
             self._lease.note_failure(exc, self._stream_target)
 
     @_traced(_LEASE + "KeepAlive")
-    async def keep_alive(self, *, lease_ids: Sequence[int] = (),
-                         conversations: Sequence[tuple[str, str, str]] = ()) -> list[lease_pb2.LeaseStatus]:
-        """One KeepAlive round trip renewing leases by id and conversations by (tenant, model, key)."""
-        refs = [lease_pb2.ConversationRef(tenant=t, model=m, conversation_key=k) for t, m, k in conversations]
+    async def keep_alive(self, *, lease_ids: Sequence[int]) -> list[lease_pb2.LeaseStatus]:
+        """One KeepAlive round trip renewing leases by id (the gateway's engines' node leases)."""
         try:
-            return await self._lse().renew_once(list(lease_ids), refs)
+            return await self._lse().renew_once(list(lease_ids))
         except KvbridgeError as exc:
             raise self._wrap(exc, "KeepAlive") from exc

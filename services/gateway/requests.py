@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvbridge import ids
@@ -39,7 +39,6 @@ class Turn:
     prompt_token_ids: list[int] | None = None
     client_wants_token_ids: bool = False
     timeout_s: float | None = None
-    extras: dict[str, Any] = field(default_factory=dict)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:

@@ -318,9 +318,6 @@ class LeaseTable:
         ids = [*self._nodes.get(engine_id, ()), *self._by_engine.get(engine_id, ())]
         return [self.leases[i] for i in ids]
 
-    def node_leases(self, engine_id: str) -> set[int]:
-        return set(self._nodes.get(engine_id, ()))
-
     def iter_from(self, after_id: int) -> Iterator[LeaseRecord]:
         """Live leases with id > after_id, ascending: ids only grow and a takeover restores in key
         (= id) order before granting, so the dict's insertion order is id order."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvbridge.registry.v1 import registry_pb2
@@ -214,6 +214,3 @@ class RegistryIndex:
         """The entries of ``engine``'s id made by another incarnation than ``engine`` (a previous process)."""
         return [item for eid in self._by_engine.get(engine.engine_id, ())
                 if (item := self.entries[eid]).entry.engine_incarnation != engine.node_lease_id]
-
-    def iter_entries(self) -> Iterator[IndexedEntry]:
-        return iter(list(self.entries.values()))
