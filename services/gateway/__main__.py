@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     overrides = {k: v for k, v in (("http_port", args.http_port), ("grpc_port", args.grpc_port),
                                    ("host", args.host)) if v is not None}
-    settings = GatewaySettings(**overrides)  # type: ignore[arg-type]
+    settings = GatewaySettings(**overrides)
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(_serve(settings))

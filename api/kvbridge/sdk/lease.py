@@ -133,7 +133,7 @@ class LeaseClient(BaseClient):
     def watch(self, engine_id: str) -> AsyncIterator[pb.WatchLeasesResponse]:
         """The WatchLeases stream of an engine (caller handles reconnects)."""
         call = self._lease.WatchLeases(pb.WatchLeasesRequest(engine_id=engine_id), metadata=self.options.metadata())
-        return call.__aiter__()  # type: ignore[no-any-return]
+        return call.__aiter__()
 
 
 class Heartbeater:
