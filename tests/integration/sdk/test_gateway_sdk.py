@@ -15,11 +15,12 @@ from kvbridge.errors import InvalidArgument, NotFound, Reason, Unauthenticated
 from kvbridge.sdk import ClientOptions, GatewayClient, LeaseClient, RegistryClient, Sampling
 from prometheus_client import CollectorRegistry
 
-from tests.fixtures.gateway_stack import LONG, MODEL, Stack, reference, turn
+from tests.fixtures.gateway_stack import LONG, MODEL, OPERATOR_KEY, Stack, reference, turn
 
 from .conftest import ACME_KEY, ENTRY_LEASE_TTL_S
 
 ACME = ClientOptions(api_key=ACME_KEY)
+OPERATOR = ClientOptions(api_key=OPERATOR_KEY)  # inspects entries and leases (tenants may not)
 KEEPALIVE = "/kvbridge.lease.v1.LeaseService/KeepAlive"
 
 
@@ -93,10 +94,10 @@ async def _seeded(stack: Stack, key: str, content: str = LONG) -> list[dict[str,
 
 async def test_conversation_outlives_lease_ttl_and_close_releases_kv(sdk_stack: Stack) -> None:
     assert sdk_stack.lease is not None and sdk_stack.registry is not None
-    registry = RegistryClient(sdk_stack.registry.address, ACME)
-    leases = LeaseClient(sdk_stack.lease.address, ACME)
+    registry = RegistryClient(sdk_stack.registry.address, OPERATOR)
+    leases = LeaseClient(sdk_stack.lease.address, OPERATOR)
     history = await _seeded(sdk_stack, "agent-1")
-    lease_id = (await registry.get_entry("", MODEL, "agent-1")).lease_id
+    lease_id = (await registry.get_entry("acme", MODEL, "agent-1")).lease_id
     async with GatewayClient(sdk_stack.gateway.grpc_address, ACME, lease_target=sdk_stack.lease.address,
                              heartbeat_interval_s=ENTRY_LEASE_TTL_S / 4) as gw:
         async with gw.conversation(model=MODEL, key="agent-1", history=history,
@@ -104,7 +105,7 @@ async def test_conversation_outlives_lease_ttl_and_close_releases_kv(sdk_stack: 
             # The agent "runs tools" for well over the TTL: only the heartbeats keep the KV.
             await asyncio.sleep(ENTRY_LEASE_TTL_S * 3)
             assert (await leases.get(lease_id)).lease_id == lease_id
-            assert (await registry.get_entry("", MODEL, "agent-1")).lease_id == lease_id
+            assert (await registry.get_entry("acme", MODEL, "agent-1")).lease_id == lease_id
             reply = await conv.send("now summarize")
             assert reply.reuse.verdict == "hit"
             assert [m["role"] for m in conv.messages] == ["user", "assistant", "user", "assistant"]
@@ -113,12 +114,12 @@ async def test_conversation_outlives_lease_ttl_and_close_releases_kv(sdk_stack: 
         assert conv.closed
         # A conversation that still holds KV when closed releases it at once, not at the end of a TTL.
         history = await _seeded(sdk_stack, "agent-2")
-        lease_id = (await registry.get_entry("", MODEL, "agent-2")).lease_id
+        lease_id = (await registry.get_entry("acme", MODEL, "agent-2")).lease_id
         conv = gw.conversation(model=MODEL, key="agent-2", history=history)
         conv.open()
         assert await conv.close() is True
         with pytest.raises(NotFound) as no_entry:
-            await registry.get_entry("", MODEL, "agent-2")
+            await registry.get_entry("acme", MODEL, "agent-2")
         assert no_entry.value.reason == Reason.ENTRY_NOT_FOUND
         with pytest.raises(NotFound) as no_lease:
             await leases.get(lease_id)
@@ -132,17 +133,17 @@ async def test_lease_expires_without_the_conversation_handle(sdk_stack: Stack) -
     """The control for the test above: without heartbeats the same lease is gone after the TTL."""
     assert sdk_stack.lease is not None and sdk_stack.registry is not None
     await _seeded(sdk_stack, "no-agent")
-    async with RegistryClient(sdk_stack.registry.address, ACME) as registry:
-        lease_id = (await registry.get_entry("", MODEL, "no-agent")).lease_id
+    async with RegistryClient(sdk_stack.registry.address, OPERATOR) as registry:
+        lease_id = (await registry.get_entry("acme", MODEL, "no-agent")).lease_id
         await asyncio.sleep(ENTRY_LEASE_TTL_S * 3)
-        async with LeaseClient(sdk_stack.lease.address, ACME) as leases:
+        async with LeaseClient(sdk_stack.lease.address, OPERATOR) as leases:
             with pytest.raises(NotFound):
                 await leases.get(lease_id)
 
 
 async def test_two_conversations_share_one_keepalive_stream(sdk_stack: Stack) -> None:
     assert sdk_stack.lease is not None and sdk_stack.registry is not None
-    registry = RegistryClient(sdk_stack.registry.address, ACME)
+    registry = RegistryClient(sdk_stack.registry.address, OPERATOR)
     h1 = await _seeded(sdk_stack, "pair-1")
     h2 = await _seeded(sdk_stack, "pair-2", LONG + " and more")
     async with GatewayClient(sdk_stack.gateway.grpc_address, ACME, lease_target=sdk_stack.lease.address,
@@ -153,7 +154,7 @@ async def test_two_conversations_share_one_keepalive_stream(sdk_stack: Stack) ->
         async with a, b:
             await asyncio.sleep(ENTRY_LEASE_TTL_S * 3)
             for conv in (a, b):  # both kept alive well past the TTL ...
-                await registry.get_entry("", MODEL, conv.key)
+                await registry.get_entry("acme", MODEL, conv.key)
             # ... by renewals on a stream that is still open: no KeepAlive stream ended meanwhile.
             assert renewals(sdk_stack) >= renewed_before + 2 * 3
             assert keepalive_streams_ended(sdk_stack) == ended_before

@@ -19,11 +19,12 @@ from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
 
 from tests.fixtures.common import free_port
-from tests.fixtures.gateway_stack import LONG, MODEL, Stack, turn
+from tests.fixtures.gateway_stack import LONG, MODEL, OPERATOR_KEY, Stack, turn
 
 from .conftest import ACME_KEY, ENTRY_LEASE_TTL_S
 
 ACME = ClientOptions(api_key=ACME_KEY)
+OPERATOR = ClientOptions(api_key=OPERATOR_KEY)  # inspects entries and leases (tenants may not)
 
 
 def _sdk_threads() -> int:
@@ -40,14 +41,14 @@ async def test_sync_clients_chat_stream_conversation_and_errors(sdk_stack: Stack
 
     def scenario() -> None:
         with GatewayClient(gateway, ACME, lease_target=lease, heartbeat_interval_s=ENTRY_LEASE_TTL_S / 4) as gw, \
-                RegistryClient(registry, ACME) as reg, LeaseClient(lease, ACME) as leases:
+                RegistryClient(registry, OPERATOR) as reg, LeaseClient(lease, OPERATOR) as leases:
             assert [m.id for m in gw.list_models()] == [MODEL]
             whole = gw.chat([{"role": "user", "content": "w10 w11"}], model=MODEL, sampling=Sampling(max_tokens=4))
             chunks = list(gw.stream_chat([{"role": "user", "content": "w10 w11"}], model=MODEL,
                                          sampling=Sampling(max_tokens=4)))
             assert "".join(c.delta_content for c in chunks) == whole.text and len(chunks) > 1
             assert len(gw.complete("w10 w11", model=MODEL, sampling=Sampling(max_tokens=3)).token_ids) == 3
-            lease_id = reg.get_entry("", MODEL, "sync-1").lease_id
+            lease_id = reg.get_entry("acme", MODEL, "sync-1").lease_id
             with gw.conversation(model=MODEL, key="sync-1", history=history,
                                  sampling=Sampling(max_tokens=5)) as conv:
                 threading.Event().wait(ENTRY_LEASE_TTL_S * 3)  # heartbeats run on the client's loop thread
