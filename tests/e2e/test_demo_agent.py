@@ -8,7 +8,6 @@ Starts its own engines (not the shared pool): the pool is closed first so only o
 from __future__ import annotations
 
 import contextlib
-import importlib.util
 import json
 import os
 import signal
@@ -19,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from tests.e2e.test_cli_up_engines import _engine_groups, _leftovers
+from tests.fixtures.common import CONNECTOR_HINT, require
 from tests.fixtures.vllm_engines import EnginePool
 
 REPO = Path(__file__).resolve().parents[2]
@@ -28,8 +28,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow, pytest.mark.timeout(RUN_TIMEOUT
 
 
 def test_demo_json_reports_reuse_verdicts_ttfts_and_a_png(tmp_path: Path, engine_pool: EnginePool) -> None:
-    if importlib.util.find_spec("kvbridge_connector") is None:
-        pytest.skip("kvbridge_connector not installed")
+    require("kvbridge_connector", CONNECTOR_HINT)
     engine_pool.close()  # this machine fits one pair of engines
     engines_dir, png = tmp_path / "engines", tmp_path / "ttft.png"
     command = [sys.executable, "-m", "kvbridge_services.cli", "demo", "--json", "--engines-dir", str(engines_dir),
