@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
+
+from cachetools import FIFOCache
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -58,7 +59,8 @@ class FinishedPull:
 class PullReporter:
     def __init__(self, bytes_per_token: int) -> None:
         self._bytes_per_token = bytes_per_token
-        self._in_flight: OrderedDict[str, _Pull] = OrderedDict()
+        # Pulls aborted before finishing are never finished here: the oldest is forgotten past the cap.
+        self._in_flight: FIFOCache[str, _Pull] = FIFOCache(maxsize=_MAX_IN_FLIGHT)
         self.succeeded = 0
         self.failed = 0
         self.tokens_pulled = 0
@@ -69,8 +71,6 @@ class PullReporter:
         if request_id in self._in_flight:
             return
         self._in_flight[request_id] = _Pull(tokens, source_engine, time.perf_counter(), time.time_ns(), blocks, parent)
-        while len(self._in_flight) > _MAX_IN_FLIGHT:  # aborted before finishing: forget the oldest
-            self._in_flight.popitem(last=False)
 
     def finish(self, request_id: str, *, failed: bool) -> FinishedPull | None:
         """The finished pull (None when it was not started here); logs it and updates the totals."""

@@ -19,6 +19,7 @@ from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from cachetools import FIFOCache
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.entrylookup import record_of
@@ -27,6 +28,7 @@ from kvbridge_services.common.hashrecord import HashRecord
 log = logging.getLogger(__name__)
 
 EntryId = tuple[str, str, str]  # (tenant, model, conversation_key)
+MAX_TOMBSTONES = 100_000  # recent deletions remembered against late watch events
 
 
 @dataclass(slots=True)
@@ -64,9 +66,8 @@ class RegistryIndex:
         self.suspect_engines: set[str] = set()
         self._engine_revs: dict[str, int] = {}
         # Recent deletions (id -> revision), so a late event of an older put does not resurrect an
-        # entry deleted by this replica ahead of its watch. FIFO-capped.
-        self._tombstones: OrderedDict[EntryId, int] = OrderedDict()
-        self._max_tombstones = 100_000
+        # entry deleted by this replica ahead of its watch. FIFO-capped (a re-deletion moves to the end).
+        self._tombstones: FIFOCache[EntryId, int] = FIFOCache(maxsize=MAX_TOMBSTONES)
 
     # --- freshness ---
 
@@ -121,9 +122,6 @@ class RegistryIndex:
             del self.entries[eid]
         if self._tombstones.get(eid, 0) < revision:
             self._tombstones[eid] = revision
-            self._tombstones.move_to_end(eid)
-            while len(self._tombstones) > self._max_tombstones:
-                self._tombstones.popitem(last=False)
 
     def _unlink(self, item: IndexedEntry) -> None:
         tenant = item.id[0]

@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import pytest
 from kvbridge import hashchain
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.hashrecord import HashRecord
+from kvbridge_services.registry import index
 from kvbridge_services.registry.index import RegistryIndex
 
 S = b"0123456789abcdef"
@@ -32,6 +34,18 @@ def test_revisions_order_updates_and_deletes() -> None:
     assert not idx.entries and idx.tenant_count("acme") == 0
     assert not idx.holders("acme", "m", stored("c", list(range(40))).final_block_hash)
     assert not idx._content  # every content hash unlinked
+
+
+def test_deletions_are_remembered_first_in_first_out_up_to_the_cap(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(index, "MAX_TOMBSTONES", 2)
+    idx = RegistryIndex()
+    for rev, conv in enumerate(("a", "b", "c"), start=10):
+        idx.delete_entry(("acme", "m", conv), rev)
+    idx.delete_entry(("acme", "m", "b"), 20)  # deleted again: now the newest, "c" the oldest remembered
+    idx.delete_entry(("acme", "m", "d"), 21)  # over the cap: "c" is forgotten, "b" kept
+    for conv in ("b", "c", "d"):
+        idx.put_entry(stored(conv, list(range(8))), 5)  # late events older than every deletion
+    assert sorted(eid[2] for eid in idx.entries) == ["c"]  # only the forgotten deletion lets one back
 
 
 def test_content_index_is_per_tenant_and_cleaned_up() -> None:
