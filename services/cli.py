@@ -307,6 +307,8 @@ BENCHES: dict[str, tuple[str, str]] = {
                  "gateway tokenization per turn vs prompt length: incremental encoding vs the whole prompt"),
     "load": ("load_run.py", "concurrent multi-turn conversations through gateway + registry + lease on etcd"),
     "ttft-reuse": ("ttft_reuse.py", "multi-turn TTFT with/without pulling decode KV back (starts 2 vLLM engines)"),
+    "etcd-failover": ("etcd_failover.py",
+                      "lease-manager writes through etcd leader kills on a 3-member cluster with default raft timings"),
 }
 
 

@@ -61,7 +61,8 @@ def test_no_keys_means_loopback_only_unless_insecure_is_explicit() -> None:
         check_bind("0.0.0.0", secured=False, insecure=False)
 
 
-def test_a_server_without_keys_refuses_a_public_address(monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_a_server_without_keys_refuses_a_public_address(monkeypatch: pytest.MonkeyPatch) -> None:
+    # async: grpc.aio builds its server on the running loop (a sync test after others has none).
     with pytest.raises(ValueError, match=r"refusing to listen on '0\.0\.0\.0' without API keys"):
         GrpcServer(ServerSettings(host="0.0.0.0"), 0, [], auth=Authenticator({}))
     secured = Authenticator({"k": Principal(name="op", tenant=None, roles=frozenset({Role.OPERATOR}))})
