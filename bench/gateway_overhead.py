@@ -13,7 +13,9 @@ gateway (``conversation_id`` set, so lookups, pulls and compatibility-mode regis
 directly: prefill on P (``max_tokens=1``, ``do_remote_decode``), then decode on D with P's returned params.
 The direct path also pulls the previous turn's KV from D exactly like the gateway's hit path (an oracle
 router with no control plane), so engine work is the same on both sides and the per-turn difference is what
-the gateway adds. Order alternates per turn. ``--direct-mode plain`` drops the pull. Writes <out>.md,
+the gateway adds. Order alternates per turn. ``--direct-mode plain`` drops the pull. ``--prompt-tokens
+2048,8192,24576,65536,131072`` replaces the concurrency levels by prompt-size levels (one conversation each,
+the simulators' --max-model-len raised to fit; bench/results/gateway_by_size.md). Writes <out>.md,
 <out>_overhead.png and (with ``--profile-seconds``) <out>_profile.txt (cProfile of the control-plane process).
 """
 
@@ -166,7 +168,7 @@ class Procs:
             cmd = [sys.executable, "-m", "tests.tools.engine_sim", "--role", role, "--port", str(port),
                    "--engine-id", eid, "--model", MODEL, "--block-size", str(BLOCK), "--total-blocks", "1000000",
                    "--decoder-kv-blocks-ttl", "120", "--prefill-us-per-token", str(args.prefill_us_per_token),
-                   "--decode-us-per-token", str(args.decode_us_per_token)]
+                   "--decode-us-per-token", str(args.decode_us_per_token), "--max-model-len", str(args.max_model_len)]
             if self.tokenizer_dir is not None:
                 cmd += ["--hf-tokenizer", str(self.tokenizer_dir)]
             log = open(self.tmp / f"sim-{eid}.log", "wb")  # noqa: SIM115 - lives as long as the process
@@ -270,11 +272,14 @@ class Pair:
     direct_s: float
     verdict: str
     same_answer: bool
+    prompt_tokens: int = 0  # the gateway turn's usage.prompt_tokens
 
 
 @dataclass
 class Level:
     concurrency: int
+    prompt_words: int = 0  # first prompt of each conversation (--prompt-tokens levels; 0: --prompt-words)
+    target_tokens: int = 0  # the --prompt-tokens level this is
     pairs: list[Pair] = field(default_factory=list)
     errors: Counter[str] = field(default_factory=Counter)
     load_before: tuple[float, float, float] = (0.0, 0.0, 0.0)
@@ -299,14 +304,15 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> 
 
 
 async def gateway_turn(http: aiohttp.ClientSession, gw: str, msgs: list[dict[str, str]], conv: str,
-                       max_tokens: int) -> tuple[str, str]:
+                       max_tokens: int) -> tuple[str, str, int]:
     body = {"model": MODEL, "messages": msgs, "max_tokens": max_tokens, "conversation_id": conv}
     async with http.post(gw + "/v1/chat/completions", json=body) as resp:
         data = await resp.json(content_type=None)
         if resp.status != 200:
             raise TurnFailed(f"gateway {resp.status}")
         verdict = resp.headers.get("x-kvbridge-reuse", "").split(";")[0]
-    return str(data["choices"][0]["message"]["content"]), verdict
+    return (str(data["choices"][0]["message"]["content"]), verdict,
+            int((data.get("usage") or {}).get("prompt_tokens") or 0))
 
 
 async def direct_turn(http: aiohttp.ClientSession, p_url: str, d_url: str, msgs: list[dict[str, str]],
@@ -335,7 +341,8 @@ async def worker(idx: int, level: Level, procs: Procs, args: argparse.Namespace,
         conv_n = 0
         while time.monotonic() < stop_at:
             conv = f"c{level.concurrency}-{idx}-{conv_n}-{os.getpid()}"
-            first = " ".join(f"w{(idx * 13 + conv_n * 7 + i) % 500 + 10}" for i in range(args.prompt_words))
+            first = " ".join(f"w{(idx * 13 + conv_n * 7 + i) % 500 + 10}"
+                             for i in range(level.prompt_words or args.prompt_words))
             msgs = [{"role": "user", "content": first}]
             retained: dict[str, Any] | None = None
             conv_n += 1
@@ -347,8 +354,8 @@ async def worker(idx: int, level: Level, procs: Procs, args: argparse.Namespace,
                     for leg in ((0, 1) if (turn + idx) % 2 == 0 else (1, 0)):
                         started = time.perf_counter()
                         if leg == 0:
-                            gw_answer, verdict = await gateway_turn(http, procs.gateway_url, msgs, conv,
-                                                                    args.max_tokens)
+                            gw_answer, verdict, prompt_tokens = await gateway_turn(
+                                http, procs.gateway_url, msgs, conv, args.max_tokens)
                             t_gw = time.perf_counter() - started
                         else:
                             answer, retained = await direct_turn(http, procs.prefill_url, procs.decode_url, msgs,
@@ -359,7 +366,7 @@ async def worker(idx: int, level: Level, procs: Procs, args: argparse.Namespace,
                     level.errors[str(exc) if isinstance(exc, TurnFailed) else type(exc).__name__] += 1
                     break
                 if time.monotonic() >= record_from:
-                    level.pairs.append(Pair(t_gw, t_direct, verdict, gw_answer == answer))
+                    level.pairs.append(Pair(t_gw, t_direct, verdict, gw_answer == answer, prompt_tokens))
                 msgs = [*msgs, {"role": "assistant", "content": answer},
                         {"role": "user", "content": f"w{turn + 11} w{idx % 400 + 10} and tell me more about it"}]
                 await asyncio.sleep(args.think_ms / 1000)
@@ -397,8 +404,9 @@ def _deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
 
 
-async def run_level(procs: Procs, concurrency: int, seconds: float, args: argparse.Namespace) -> Level:
-    level = Level(concurrency)
+async def run_level(procs: Procs, concurrency: int, seconds: float, args: argparse.Namespace,
+                    prompt_words: int = 0, target_tokens: int = 0) -> Level:
+    level = Level(concurrency, prompt_words, target_tokens)
     level.load_before = os.getloadavg()
     start = time.monotonic()
     record_from, stop_at = start + args.warmup_s, start + args.warmup_s + seconds
@@ -414,7 +422,7 @@ async def run_level(procs: Procs, concurrency: int, seconds: float, args: argpar
             counters0 = await _counters(procs.gateway_url)
         if metrics_at_start is not None and int(now - start) % 5 == 0:
             added = [p.gateway_s - p.direct_s for p in level.pairs]
-            print(f"  [{concurrency:>2} conv] t={now - start:5.1f}s pairs={len(level.pairs):5d} "
+            print(f"  [{concurrency:>2} conv {target_tokens or ''}] t={now - start:5.1f}s pairs={len(level.pairs):5d} "
                   f"added p50={pct(added, 0.5) * 1e3:6.2f} ms errors={sum(level.errors.values())} "
                   f"load={os.getloadavg()[0]:.1f}", flush=True)
     for t in tasks:
@@ -483,10 +491,35 @@ def profile_summary(path: Path, top: int = 25) -> str:
     return out.getvalue()
 
 
+def _level_name(lv: Level) -> str:
+    if lv.target_tokens:
+        return f"{lv.target_tokens // 1024}K-token prompts"
+    return f"{lv.concurrency} conversation{'s' if lv.concurrency > 1 else ''}"
+
+
+def _p50_goal_s(lv: Level) -> float | None:
+    """The issue's p50 goal: 2 ms (1 conversation, or prompts up to 24K tokens), 5 ms at 128K, none between."""
+    if not lv.target_tokens:
+        return 0.002
+    if lv.target_tokens <= 24 * 1024:
+        return 0.002
+    return 0.005 if lv.target_tokens >= 128 * 1024 else None
+
+
+def _verdict(added: list[float], lv: Level) -> str:
+    goal = _p50_goal_s(lv)
+    p50, p99 = pct(added, 0.5), pct(added, 0.99)
+    parts = []
+    if goal is not None:
+        parts.append(f"p50 {'met' if p50 <= goal else '**not met**'}")
+    if lv.target_tokens:
+        parts.append(f"p99 {'met' if p99 <= 3 * max(p50, 0.0) else '**not met**'}")
+    return ", ".join(parts) or "-"
+
+
 def write_report(levels: list[Level], args: argparse.Namespace, out: Path, command: str,
                  profile_text: str | None) -> None:
-    rows = ["| figure | " + " | ".join(f"{lv.concurrency} conversation{'s' if lv.concurrency > 1 else ''}"
-                                       for lv in levels) + " |",
+    rows = ["| figure | " + " | ".join(_level_name(lv) for lv in levels) + " |",
             "| --- |" + " --- |" * len(levels)]
 
     def row(name: str, fn: Any) -> None:
@@ -496,6 +529,9 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
         return [p.gateway_s - p.direct_s for p in lv.pairs]
 
     row("turn pairs measured (after warm-up)", lambda lv: f"{len(lv.pairs)} in {lv.seconds:.0f} s")
+    if any(lv.target_tokens for lv in levels):
+        row("prompt tokens per turn, min / median / max (usage)", lambda lv: " / ".join(
+            f"{pct([p.prompt_tokens for p in lv.pairs], q):.0f}" for q in (0.0, 0.5, 1.0)))
     row("errors", lambda lv: str(sum(lv.errors.values())) + (f" {dict(lv.errors)}" if lv.errors else ""))
     row("gateway p50 / p99 (ms)", lambda lv: " / ".join(_ms(pct([p.gateway_s for p in lv.pairs], q))
                                                          for q in (0.5, 0.99)))
@@ -512,7 +548,7 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
         f"{k}: {v:.0f}" for k, v in sorted(lv.tokenize_paths.items())) or "-")
     row("lookups by source (gateway metric)", lambda lv: ", ".join(
         f"{k}: {v:.0f}" for k, v in sorted(lv.lookup_sources.items())) or "-")
-    row("target p50 added ≤ 2 ms", lambda lv: "met" if pct(added(lv), 0.5) <= 0.002 else "**not met**")
+    row("target (p50 added ≤ 2 ms to 24K tokens, ≤ 5 ms at 128K; p99 ≤ 3x p50)", lambda lv: _verdict(added(lv), lv))
     row("reuse verdicts (gateway)", lambda lv: ", ".join(f"{k}: {v}" for k, v in
                                                          sorted(Counter(p.verdict for p in lv.pairs).items())))
     row("same answer gateway vs direct", lambda lv: f"{sum(p.same_answer for p in lv.pairs)}/{len(lv.pairs)}")
@@ -544,7 +580,11 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
         f"{args.max_tokens} output tokens; {layout}, gateway log level {args.gateway_log_level}"
         f"{', on uvloop' if args.uvloop else ''}; this load client (aiohttp) in its own process. "
         f"Tokenization (`--tokenize {args.tokenize}`): {tokenize_note}. "
-        f"Conversations of {args.turns} turns starting from {args.prompt_words} words, "
+        + (f"Conversations of {args.turns} turns starting from a prompt of about the level's size (words "
+           f"calibrated with P's /tokenize), one conversation at a time, simulators started with --max-model-len "
+           f"{args.max_model_len}, "
+           if args.prompt_tokens else f"Conversations of {args.turns} turns starting from {args.prompt_words} words, ")
+        +
         f"{args.think_ms} ms think time; each turn is sent through the gateway (`conversation_id` set: lookup, "
         f"pull, compatibility-mode registration) and directly ({args.direct_mode} mode: prefill max_tokens=1 + "
         f"do_remote_decode{pull_note}, then decode with P's params), alternating which goes first, "
@@ -565,8 +605,10 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
         "![latency CDFs and added latency](gateway_overhead.png)",
     ]
     if profile_text is not None:
+        where = (f"{max(args.prompt_tokens) // 1024}K-token prompts" if args.prompt_tokens
+                 else f"{max(args.levels)} conversations")
         lines += ["", f"Profile: cProfile of the gateway process during a {args.profile_seconds:.0f} s "
-                  f"run at {max(args.levels)} conversations (not part of the figures above); full listing in "
+                  f"run at {where} (not part of the figures above); full listing in "
                   f"`{out.name}_profile.txt`.", "", "```", profile_text.split("\n\n", 1)[0], "```"]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
@@ -576,6 +618,10 @@ def plot(levels: list[Level], path: Path) -> None:
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    if levels and levels[0].target_tokens:
+        plot_by_size(levels, path, plt)
+        return
 
     fig, axes = plt.subplots(1, len(levels) + 1, figsize=(5 * (len(levels) + 1), 4))
     for ax, lv in zip(axes, levels, strict=False):
@@ -601,12 +647,60 @@ def plot(levels: list[Level], path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def plot_by_size(levels: list[Level], path: Path, plt: Any) -> None:
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
+    xs = [lv.target_tokens for lv in levels]
+    for q, style in ((0.5, "o-"), (0.99, "s--")):
+        ax.plot(xs, [pct([p.gateway_s - p.direct_s for p in lv.pairs], q) * 1e3 for lv in levels], style,
+                label=f"added p{int(q * 100)}")
+    ax.plot([2048, 24 * 1024], [2, 2], "r:", label="goal p50 ≤ 2 ms (to 24K)")
+    ax.plot([128 * 1024], [5], "rv", label="goal p50 ≤ 5 ms (128K)")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(xs, [f"{x // 1024}K" for x in xs])
+    ax.set_xlabel("prompt tokens")
+    ax.set_ylabel("ms added per turn (gateway - direct)")
+    ax.set_title("gateway added latency by prompt size, 1 conversation")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    for label, key in (("gateway", "gateway_s"), ("direct", "direct_s")):
+        ax2.plot(xs, [pct([getattr(p, key) for p in lv.pairs], 0.5) * 1e3 for lv in levels], "o-", label=label)
+    ax2.set_xscale("log", base=2)
+    ax2.set_yscale("log")
+    ax2.set_xticks(xs, [f"{x // 1024}K" for x in xs])
+    ax2.set_xlabel("prompt tokens")
+    ax2.set_ylabel("turn p50 (ms)")
+    ax2.set_title("turn latency p50")
+    ax2.legend()
+    ax2.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+async def calibrate_words(prefill_url: str, tokens: int) -> int:
+    """Words of the bench's first prompt that P's /tokenize (the engines' own tokenizer) counts as ~tokens."""
+    sample = 2000
+    text = " ".join(f"w{i % 500 + 10}" for i in range(sample))
+    async with aiohttp.ClientSession() as http, http.post(prefill_url + "/tokenize", json={
+            "model": MODEL, "messages": [{"role": "user", "content": text}]}) as resp:
+        count = int((await resp.json(content_type=None))["count"])
+    return max(1, int(tokens * sample / count))
+
+
 # ---- main ---------------------------------------------------------------------------------------------------
 
 
 async def bench(args: argparse.Namespace, procs: Procs) -> tuple[list[Level], Path | None]:
     levels = []
-    for conc in args.levels:
+    for tokens in args.prompt_tokens:
+        words = await calibrate_words(procs.prefill_url, tokens)
+        print(f"level: {tokens}-token prompts ({words} words), 1 conversation, {args.seconds:.0f} s "
+              f"(+{args.warmup_s:.0f} s warm-up)", flush=True)
+        lv = await run_level(procs, 1, args.seconds, args, words, tokens)
+        added = [p.gateway_s - p.direct_s for p in lv.pairs]
+        print(f"  done: {len(lv.pairs)} pairs, added p50 {_ms(pct(added, 0.5))} ms p99 {_ms(pct(added, 0.99))} ms",
+              flush=True)
+        levels.append(lv)
+    for conc in [] if args.prompt_tokens else args.levels:
         print(f"level: {conc} concurrent conversation(s), {args.seconds:.0f} s (+{args.warmup_s:.0f} s warm-up)",
               flush=True)
         lv = await run_level(procs, conc, args.seconds, args)
@@ -617,11 +711,15 @@ async def bench(args: argparse.Namespace, procs: Procs) -> tuple[list[Level], Pa
     prof_path = None
     if args.profile_seconds > 0:
         prof_path = procs.tmp / "gateway.prof"
-        print(f"profile: restarting the gateway under cProfile, {args.profile_seconds:.0f} s at "
-              f"{max(args.levels)} conversations", flush=True)
+        print(f"profile: restarting the gateway under cProfile, {args.profile_seconds:.0f} s", flush=True)
         procs.stop_gateway()
         procs.start_gateway(args, profile=prof_path)
-        await run_level(procs, max(args.levels), args.profile_seconds, args)
+        if args.prompt_tokens:
+            tokens = max(args.prompt_tokens)
+            await run_level(procs, 1, args.profile_seconds, args, await calibrate_words(procs.prefill_url, tokens),
+                            tokens)
+        else:
+            await run_level(procs, max(args.levels), args.profile_seconds, args)
         procs.stop_gateway()
     return levels, prof_path
 
@@ -637,6 +735,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32],
                    help="concurrent conversations per level (default 1,32)")
+    p.add_argument("--prompt-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[],
+                   help="levels by prompt size instead of --levels: one conversation per level whose first prompt "
+                   "is about this many tokens (e.g. 2048,8192,24576,65536,131072)")
+    p.add_argument("--max-model-len", type=int, default=0, help="the simulators' context length (default: 8192, "
+                   "or the largest --prompt-tokens + 8192)")
     p.add_argument("--seconds", type=float, default=45.0, help="measured seconds per level")
     p.add_argument("--warmup-s", type=float, default=5.0)
     p.add_argument("--profile-seconds", type=float, default=20.0, help="0: no profiled run")
@@ -663,6 +766,8 @@ def main() -> None:
     p.add_argument("--other-cpus", type=_cpu_set, help="pin the simulators, the control plane and this load client "
                    "to these CPUs (e.g. 1)")
     args = p.parse_args()
+    if not args.max_model_len:
+        args.max_model_len = max([8192, *(t + 8192 for t in args.prompt_tokens)])
     if (args.gateway_cpus is None) != (args.other_cpus is None):
         p.error("--gateway-cpus and --other-cpus go together")
     if args.other_cpus is not None:

@@ -121,6 +121,9 @@ class GatewaySettings(BaseSettings):
     # A conversation's previous prompt encoding is kept so its next turn encodes only the new text (bounded LRU
     # over all models; 0 turns it off).
     tokenizer_prefix_cache_mb: int = Field(default=256, ge=0, le=65_536)
+    # A conversation's last hashed token ids and block-hash chain are kept so its next turn hashes only new
+    # blocks (chaincache.py; ~5 bytes a token; bounded LRU over all conversations; 0 turns it off).
+    chain_cache_mb: int = Field(default=256, ge=0, le=65_536)
 
     # Limits.
     max_body_bytes: int = Field(default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024)

@@ -40,19 +40,23 @@ def strip_client_params(body: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in body.items() if k not in _INTERNAL_BODY_KEYS}
 
 
-def _is_int(x: object) -> bool:
-    return isinstance(x, int) and not isinstance(x, bool)
+def _all_ints(values: Sequence[object]) -> bool:
+    """Every value a plain int (JSON integers; not bool): one C-level pass, not a Python call per block id."""
+    return set(map(type, values)) <= _INT_ONLY
+
+
+_INT_ONLY = frozenset({int})
 
 
 def block_groups(raw: object) -> list[list[int]]:
     """``remote_block_ids`` as a list of groups; vLLM sends one list per KV group (older: one flat list)."""
     if not isinstance(raw, list | tuple):
         raise ValueError("remote_block_ids must be a list")
-    if all(_is_int(x) for x in raw):
+    if _all_ints(raw):
         return [list(raw)]
     groups: list[list[int]] = []
     for group in raw:
-        if not isinstance(group, list | tuple) or not all(_is_int(x) for x in group):
+        if not isinstance(group, list | tuple) or not _all_ints(group):
             raise ValueError("remote_block_ids groups must be lists of integers")
         groups.append(list(group))
     return groups

@@ -12,7 +12,8 @@ import contextlib
 import contextvars
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from array import array
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,6 +27,7 @@ from kvbridge_services.common.telemetry import Telemetry
 from opentelemetry import trace
 
 from . import kvparams, reuse
+from .chaincache import ChainCache, Scope
 from .config import GatewaySettings
 from .control import ControlPlane, ControlPlaneError
 from .engines import DECODE, PREFILL, EnginePool, EngineState
@@ -100,6 +102,7 @@ class TurnRouter:
         self._http = http
         self._metrics = metrics
         self._secret = hashchain.check_secret(secret)
+        self._chains = ChainCache(self._secret, max_bytes=settings.chain_cache_mb * 1024 * 1024)
         self.canary = SecretCanary(self._secret, metrics.secret_mismatch)
         self._pulling: set[tuple[str, str]] = set()
         self._policy = reuse.Policy(threshold_tokens=settings.reuse_threshold_tokens,
@@ -250,7 +253,8 @@ class TurnRouter:
     async def _lookup(self, turn: Turn, plan: _Plan) -> None:
         assert plan.prompt_ids is not None
         b, threshold = plan.block_size, self._s.reuse_threshold_tokens
-        hashes = hashchain.chain(self._secret, turn.tenant, turn.model, turn.cache_salt, b, plan.prompt_ids)
+        hashes = self._chains.chain(Scope(turn.tenant, turn.model, turn.cache_salt, b), turn.conversation_key,
+                                    plan.prompt_ids)
         if self._mirror is not None:
             found = self._mirror.lookup(tenant=turn.tenant, model=turn.model,
                                         conversation_key=turn.conversation_key, block_hashes=hashes,
@@ -483,7 +487,8 @@ class TurnRouter:
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
 
-    async def _register(self, turn: Turn, plan: _Plan, engine: EngineState, params: object, seq: list[int]) -> None:
+    async def _register(self, turn: Turn, plan: _Plan, engine: EngineState, params: object,
+                        seq: Sequence[int]) -> None:
         retained = kvparams.retained_from_decode(params, len(seq))
         if retained is None:
             self._metrics.registrations.labels("nothing_retained").inc()
@@ -509,7 +514,8 @@ class TurnRouter:
         if full == 0:
             self._metrics.registrations.labels("too_short").inc()
             return
-        hashes = hashchain.chain(self._secret, turn.tenant, turn.model, turn.cache_salt, b, seq[: full * b])
+        hashes = self._chains.chain(Scope(turn.tenant, turn.model, turn.cache_salt, b), turn.conversation_key,
+                                    seq[: full * b])
         n_blocks = -(-retained.token_count // b)
         groups = [types_pb2.BlockIds(ids=g[:n_blocks]) for g in retained.block_groups]
         lease_id = 0
@@ -593,8 +599,9 @@ def _upstream_failure(step: str, exc: UpstreamError) -> KvbridgeError:
     return Unavailable(Reason.UPSTREAM_FAILED, f"{step} failed: {exc}")
 
 
-def _sequence(turn: Turn, data: dict[str, Any]) -> list[int] | None:
-    """Prompt + generated token ids from a non-streaming response with return_token_ids."""
+def _sequence(turn: Turn, data: dict[str, Any]) -> array[int] | None:
+    """Prompt + generated token ids from a non-streaming response with return_token_ids (None: absent or not
+    all ids in 0..2^32-1). An array: converted in C, not one Python int() per token of a 128K-token prompt."""
     choices = data.get("choices") or []
     if not choices or not isinstance(choices[0], dict):
         return None
@@ -603,7 +610,12 @@ def _sequence(turn: Turn, data: dict[str, Any]) -> list[int] | None:
     out = choice.get("token_ids")
     if not isinstance(prompt, list) or not isinstance(out, list):
         return None
-    return [int(t) for t in prompt] + [int(t) for t in out]
+    try:
+        seq = array("I", prompt)
+        seq.extend(out)
+    except (TypeError, OverflowError):
+        return None
+    return seq
 
 
 def _drop_token_ids(data: dict[str, Any]) -> None:

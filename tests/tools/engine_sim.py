@@ -681,6 +681,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-id", default="")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--total-blocks", type=int, default=4096)
+    parser.add_argument("--max-model-len", type=int, default=SimConfig.max_model_len,
+                        help="longest prompt + max_tokens accepted (vLLM's --max-model-len)")
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--decoder-kv-blocks-ttl", type=float, default=480.0)
     parser.add_argument("--kv-recompute-threshold", type=int, default=0)
@@ -695,7 +697,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="directory with HF tokenizer files: tokenize and render chat prompts with it")
     a = parser.parse_args(argv)
     cfg = SimConfig(role=a.role, model=a.model, engine_id=a.engine_id, host=a.host, port=a.port,
-                    block_size=a.block_size, total_blocks=a.total_blocks, vocab=a.vocab,
+                    block_size=a.block_size, total_blocks=a.total_blocks, max_model_len=a.max_model_len, vocab=a.vocab,
                     decoder_kv_blocks_ttl=a.decoder_kv_blocks_ttl, kv_recompute_threshold=a.kv_recompute_threshold,
                     kv_load_failure_policy=a.kv_load_failure_policy, prefill_us_per_token=a.prefill_us_per_token,
                     decode_us_per_token=a.decode_us_per_token, stall_s=a.stall_s,

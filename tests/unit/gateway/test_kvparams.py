@@ -66,6 +66,10 @@ def test_block_groups_accepts_flat_and_grouped() -> None:
     assert kvparams.block_groups([[1], [2]]) == [[1], [2]]
     with pytest.raises(ValueError):
         kvparams.block_groups([[1], "x"])
+    for bad in ([[1, True]], [[1, 2.0]], [[1, "3"]], [[1], [None]]):  # bool, float, str: not block ids
+        with pytest.raises(ValueError):
+            kvparams.block_groups(bad)
+    assert kvparams.block_groups([]) == [[]] and kvparams.block_groups([[]]) == [[]]
 
 
 def test_retained_from_decode() -> None:
