@@ -39,7 +39,8 @@ async def tls_registry(tmp_path: Path) -> AsyncIterator[tuple[str, Path]]:
     files = pki.write(tmp_path)
     server = ServerSettings(shutdown_grace_s=0, tls_cert_file=files["server_cert"], tls_key_file=files["server_key"])
     store = MemoryStore()
-    app = RegistryApp(store, settings=RegistrySettings(port=0), server_settings=server, auth=Authenticator({**KEYS, OPERATOR_KEY: OPERATOR_PRINCIPAL}))
+    auth = Authenticator({**KEYS, OPERATOR_KEY: OPERATOR_PRINCIPAL})
+    app = RegistryApp(store, settings=RegistrySettings(port=0), server_settings=server, auth=auth)
     await app.start()
     yield app.address, files["ca_pem"]
     await app.stop(0.1)
@@ -60,7 +61,8 @@ async def test_every_python_block_runs(sdk_stack: Stack, tls_registry: tuple[str
     assert sdk_stack.lease is not None and sdk_stack.registry is not None
     tls_address, ca_file = tls_registry
     env = {"KVBRIDGE_GATEWAY": sdk_stack.gateway.grpc_address, "KVBRIDGE_LEASE": sdk_stack.lease.address,
-           "KVBRIDGE_REGISTRY": sdk_stack.registry.address, "KVBRIDGE_API_KEY": ACME_KEY, "KVBRIDGE_OPERATOR_API_KEY": OPERATOR_KEY, "KVBRIDGE_MODEL": MODEL,
+           "KVBRIDGE_REGISTRY": sdk_stack.registry.address, "KVBRIDGE_API_KEY": ACME_KEY,
+           "KVBRIDGE_OPERATOR_API_KEY": OPERATOR_KEY, "KVBRIDGE_MODEL": MODEL,
            "KVBRIDGE_CA_FILE": str(ca_file), "KVBRIDGE_TLS_REGISTRY": tls_address,
            "KVBRIDGE_TLS_SERVER_NAME": "localhost"}
     for name, value in env.items():
