@@ -41,7 +41,18 @@ def etcd_cluster(tmp_path: Path) -> Iterator[EtcdCluster]:
         cluster.close()
 
 
+# The e2e engine pool keeps one P/D pair per configuration (tests/e2e/conftest.py): tests of one configuration
+# run together so each pair starts once. Tests that start engines of their own (kvbridge up, the demo) first.
+_ENGINE_CONFIGURATIONS = ("pd_engines", "kvbridge_pd", "traced_pd", "small_cache_pd")
+
+
+def _engine_group(item: pytest.Item) -> int:
+    names = getattr(item, "fixturenames", ())
+    return next((i + 1 for i, name in enumerate(_ENGINE_CONFIGURATIONS) if name in names), 0)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run the e2e tests last: their vLLM engines are shared for the rest of the session and
     spin both cores of this machine, which would starve every timing-bounded test after them."""
-    items.sort(key=lambda item: item.get_closest_marker("e2e") is not None)
+    items.sort(key=lambda item: (item.get_closest_marker("e2e") is not None,
+                                 _engine_group(item) if item.get_closest_marker("e2e") else 0))
