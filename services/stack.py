@@ -11,12 +11,12 @@ import asyncio
 import importlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvbridge_services.common.auth import Authenticator
-from kvbridge_services.common.config import ServerSettings, StoreSettings
+from kvbridge_services.common.config import PeerTlsSettings, ServerSettings, StoreSettings
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store import Store, open_store
 from kvbridge_services.common.telemetry import Telemetry
@@ -64,6 +64,119 @@ def _load_tokenizer(model_dir: Path) -> None:
     importlib.import_module("transformers").AutoTokenizer.from_pretrained(str(model_dir))
 
 
+class ServiceStack:
+    """The in-process builder of lease manager -> registry -> (optional) gateway on one given store, used by
+    ``Stack`` and by every test that needs a stack (one copy of the wiring).
+
+    ``start()`` fills in the addresses (the registry's lease target, the gateway's registry and lease address);
+    if any step fails or is cancelled, everything built so far (a half-started app too) is stopped in reverse
+    order before the error propagates. ``stop()`` stops gateway, registry, lease manager, each even if an earlier
+    one fails, then raises the first failure. The store stays the caller's. Also an async context manager.
+    ``auth`` is the lease manager's and registry's, ``gateway_auth`` the gateway's (None: from its keys file);
+    ``server`` the lease manager's and registry's server settings, ``gateway_server`` the gateway's gRPC one;
+    ``telemetry``: per service name (kvbridge-lease, -registry, -gateway; None: disabled);
+    ``stop_grace_s``: the lease manager's and registry's shutdown grace (None: ``server.shutdown_grace_s``)."""
+
+    def __init__(self, store: Store, *, lease_policy: LeasePolicy, registry: RegistrySettings,
+                 gateway: GatewaySettings | None = None, server: ServerSettings | None = None,
+                 gateway_server: ServerSettings | None = None, auth: Authenticator | None = None,
+                 gateway_auth: Authenticator | None = None, keys: KeyLayout | None = None,
+                 registry_store_timeout_s: float = 5.0, registry_peer_tls: PeerTlsSettings | None = None,
+                 gateway_peer_tls: PeerTlsSettings | None = None,
+                 telemetry: Callable[[str], Telemetry | None] | None = None, leader_timeout_s: float = 10.0,
+                 stop_grace_s: float | None = None) -> None:
+        self.store = store
+        self._lease_policy, self._registry_settings, self._gateway_settings = lease_policy, registry, gateway
+        self._server, self._gateway_server = server or ServerSettings(), gateway_server
+        self._auth, self._gateway_auth, self._keys = auth, gateway_auth, keys
+        self._registry_store_timeout_s = registry_store_timeout_s
+        self._registry_peer_tls, self._gateway_peer_tls = registry_peer_tls, gateway_peer_tls
+        self._telemetry = telemetry or (lambda _name: None)
+        self._leader_timeout_s, self._stop_grace_s = leader_timeout_s, stop_grace_s
+        self.lease: LeaseApp | None = None
+        self.registry: RegistryApp | None = None
+        self.gateway: GatewayApp | None = None
+        self._started: list[tuple[str, Callable[[], Awaitable[None]]]] = []
+
+    async def __aenter__(self) -> ServiceStack:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def start(self) -> None:
+        await self._guarded(self._start())
+
+    async def start_gateway(self, settings: GatewaySettings) -> GatewayApp:
+        """The gateway, after ``start()`` without one (e.g. once the engines' model exists); its registry and
+        lease addresses filled in. A failure stops everything, as in ``start()``."""
+        await self._guarded(self._start_gateway(settings))
+        assert self.gateway is not None
+        return self.gateway
+
+    async def _guarded(self, starting: Awaitable[None]) -> None:
+        try:
+            await starting
+        except BaseException:  # cancellation too: nothing started may outlive a failed start
+            try:
+                await self._stop_all()
+            except Exception:
+                log.warning("stopping after a failed start failed", exc_info=True)
+            raise
+
+    async def _start(self) -> None:
+        grace = self._stop_grace_s
+        self.lease = lease = LeaseApp(self.store, self._lease_policy, self._server, auth=self._auth,
+                                      keys=self._keys, telemetry=self._telemetry("kvbridge-lease"))
+        self._started.append(("lease manager", lambda: lease.stop(grace)))
+        await lease.start()
+        try:
+            async with asyncio.timeout(self._leader_timeout_s):
+                while not lease.is_leader:  # noqa: ASYNC110 - polling the election task
+                    await asyncio.sleep(0.02)
+        except TimeoutError:
+            raise TimeoutError("the lease manager did not become leader in time (another leader on this store?)"
+                               ) from None
+        reg = self._registry_settings.model_copy(update={"lease_service_target": lease.address})
+        self.registry = registry = RegistryApp(
+            self.store, settings=reg, server_settings=self._server, keys=self._keys, auth=self._auth,
+            store_timeout_s=self._registry_store_timeout_s, telemetry=self._telemetry("kvbridge-registry"),
+            peer_tls=self._registry_peer_tls)
+        self._started.append(("registry", lambda: registry.stop(grace)))
+        await registry.start()
+        if self._gateway_settings is not None:
+            await self._start_gateway(self._gateway_settings)
+
+    async def _start_gateway(self, settings: GatewaySettings) -> None:
+        if self.lease is None or self.registry is None or self.gateway is not None:
+            raise RuntimeError("start_gateway() needs a started lease manager and registry and no gateway yet")
+        gw = settings.model_copy(update={"registry_address": self.registry.address,
+                                         "lease_address": self.lease.address})
+        self.gateway = gateway = GatewayApp(
+            gw, auth=self._gateway_auth, server_settings=self._gateway_server,
+            telemetry=self._telemetry("kvbridge-gateway"), peer_tls=self._gateway_peer_tls)
+        self._started.append(("gateway", gateway.stop))
+        await gateway.start()
+
+    async def stop(self) -> None:
+        """Stops everything started, newest first; raises the first failure once all are stopped."""
+        errors = await self._stop_all()
+        if errors:
+            raise errors[0]
+
+    async def _stop_all(self) -> list[Exception]:
+        errors: list[Exception] = []
+        while self._started:
+            name, stop = self._started.pop()
+            try:
+                await stop()
+            except Exception as exc:
+                log.warning("stopping the %s failed", name, exc_info=True)
+                errors.append(exc)
+        return errors
+
+
 class Stack:
     def __init__(self, config: StackConfig, progress: Callable[[str], None] = lambda _msg: None) -> None:
         self.config = config
@@ -73,6 +186,7 @@ class Stack:
         self.registry: RegistryApp | None = None
         self.gateway: GatewayApp | None = None
         self.engines: LocalEngines | None = None
+        self.services: ServiceStack | None = None
 
     async def start(self, *, leader_timeout_s: float = 15.0) -> None:
         cfg = self.config
@@ -86,21 +200,17 @@ class Stack:
         policy = (LeasePolicy(port=cfg.lease_port, leader_ttl_s=15, leader_refresh_s=1) if cfg.engines
                   else LeasePolicy(port=cfg.lease_port))
         # Each service keeps its own tracer (service.name) and metrics registry, as when run separately.
-        self.lease = LeaseApp(self.store, policy, cfg.server, auth=auth, keys=keys,
-                              telemetry=Telemetry.from_env("kvbridge-lease"))
-        await self.lease.start()
-        deadline = time.monotonic() + leader_timeout_s
-        while not self.lease.is_leader:
-            if time.monotonic() > deadline:
-                raise TimeoutError("the lease manager did not become leader in time (another leader on this store?)")
-            await asyncio.sleep(0.05)
+        self.services = ServiceStack(
+            self.store, lease_policy=policy, registry=RegistrySettings(port=cfg.registry_port), server=cfg.server,
+            gateway_server=cfg.server, auth=auth, gateway_auth=auth, keys=keys,
+            registry_store_timeout_s=cfg.store.etcd_timeout_s, telemetry=Telemetry.from_env,
+            leader_timeout_s=leader_timeout_s)
+        try:
+            await self.services.start()
+        finally:
+            self.lease, self.registry = self.services.lease, self.services.registry
+        assert self.lease is not None and self.registry is not None
         self._progress(f"lease manager: {self.lease.address} (leader)")
-        reg_settings = RegistrySettings(port=cfg.registry_port, lease_service_target=self.lease.address)
-        self.registry = RegistryApp(
-            self.store, settings=reg_settings, server_settings=cfg.server, keys=keys, auth=auth,
-            store_timeout_s=cfg.store.etcd_timeout_s, telemetry=Telemetry.from_env("kvbridge-registry"),
-        )
-        await self.registry.start()
         self._progress(f"registry: {self.registry.address}")
         if cfg.engines is not None:
             self.engines = LocalEngines(cfg.engines, self._progress)
@@ -111,14 +221,12 @@ class Stack:
                 # stepped down) and the registry's index follower.
                 await asyncio.to_thread(_load_tokenizer, self.engines.model_dir)
         if cfg.gateway is not None:
-            gw = cfg.gateway.model_copy(
-                update={"registry_address": self.registry.address, "lease_address": self.lease.address}
-            )
-            if self.engines is not None:
-                gw = _gateway_for_engines(gw, self.engines)
-            self.gateway = GatewayApp(gw, auth=auth, server_settings=cfg.server,
-                                      telemetry=Telemetry.from_env("kvbridge-gateway"))
-            await self.gateway.start()
+            gw = cfg.gateway if self.engines is None else _gateway_for_engines(cfg.gateway, self.engines)
+            try:
+                await self.services.start_gateway(gw)
+            finally:
+                self.gateway = self.services.gateway
+            assert self.gateway is not None
             self._progress(f"gateway: {self.gateway.http_url} (HTTP)")
         if self.engines is not None:
             await self.engines.start(self.registry.address, self.lease.address)
@@ -139,12 +247,11 @@ class Stack:
     async def stop(self) -> None:
         if self.engines is not None:
             await self.engines.stop()
-        for app in (self.gateway, self.registry, self.lease):
-            if app is not None:
-                try:
-                    await app.stop()
-                except Exception:
-                    log.warning("stopping %s failed", type(app).__name__, exc_info=True)
+        if self.services is not None:
+            try:
+                await self.services.stop()
+            except Exception:
+                log.warning("stopping the services failed", exc_info=True)
         if self.store is not None:
             await self.store.close()
         for app in (self.gateway, self.registry, self.lease):
