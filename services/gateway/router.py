@@ -49,6 +49,9 @@ _MAX_CLOCKS = 10_000  # cap of the engine clock table (one row per decode engine
 # A deadline closer than this counts as passed (vLLM's P uses the same slack on D's expiry).
 _EXPIRY_MARGIN_S = 5.0
 _EXPIRY_PARAM = "remote_blocks_expiry_time"
+# The kvbridge connector marks D's returned params when it retains the blocks under its own lease
+# (kvbridge_connector.params.RETAINED).
+RETAINED_PARAM = "kvbridge_retained"
 
 
 @dataclass(slots=True)
@@ -493,6 +496,11 @@ class TurnRouter:
         if retained is None:
             self._metrics.registrations.labels("nothing_retained").inc()
             return
+        if _connector_registers(engine, params):
+            # The kvbridge connector on D registers its own entry under its own lease and frees the blocks when
+            # that lease ends: an entry of ours would outlive them (and supersede the connector's).
+            self._metrics.registrations.labels("connector_registers").inc()
+            return
         if engine.engine_id and retained.engine_id != engine.engine_id:
             log.warning("D %s reported engine id %s; not registering", engine.url, retained.engine_id)
             self._metrics.registrations.labels("engine_mismatch").inc()
@@ -557,6 +565,14 @@ class TurnRouter:
         if old is None and len(self._clock_offsets) >= _MAX_CLOCKS:
             self._clock_offsets.pop(next(iter(self._clock_offsets)))
         self._clock_offsets[engine_id] = offset_low if old is None else max(old, offset_low)
+
+
+def _connector_registers(engine: EngineState, params: object) -> bool:
+    """Whether D runs the kvbridge connector (its record says so, or it marked the response retained)."""
+    record = engine.record
+    if record is not None and reuse.CONNECTOR_CAPABILITY in record.capabilities:
+        return True
+    return isinstance(params, dict) and params.get(RETAINED_PARAM) is True
 
 
 def _epoch_for(plan: _Plan) -> int:
