@@ -7,6 +7,7 @@ registers the static engines and their entries); one key per single role for the
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -31,8 +32,8 @@ from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
+from kvbridge_services.stack import ServiceStack
 
-from tests.fixtures.common import wait_leader
 from tests.tools.engine_sim import SimConfig, SimServer
 
 MODEL = "sim-model"
@@ -134,41 +135,28 @@ def write_keys(path: Path) -> Path:
 async def secure(tmp_path: Path) -> AsyncIterator[SecureStack]:
     auth = Authenticator.from_file(write_keys(tmp_path / "keys.json"))
     store = MemoryStore()
-    server = ServerSettings(shutdown_grace_s=0.2)
-    lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5), server, auth=auth)
-    await lease.start()
-    await wait_leader(lease)
-    registry = RegistryApp(store, settings=RegistrySettings(port=0, lease_service_target=lease.address,
-                                                            lease_service_api_key=SERVICE_KEY),
-                           server_settings=server, auth=auth)
-    await registry.start()
     p = SimServer(SimConfig(role="prefill", engine_id="p0", model=MODEL, block_size=BLOCK))
     d = SimServer(SimConfig(role="decode", engine_id="d0", model=MODEL, block_size=BLOCK))
-    await p.__aenter__()
-    await d.__aenter__()
-    settings = GatewaySettings(
-        host="127.0.0.1", http_port=0, grpc_port=0, registry_address=registry.address,
-        lease_address=lease.address, control_api_key=SERVICE_KEY, hash_secret_hex=SECRET_HEX,
-        default_block_size=BLOCK, reuse_threshold_tokens=BLOCK,
-        prefill_engines=[StaticEngine(url=p.url, model=MODEL, engine_id="p0", kv_host="127.0.0.1",
-                                      kv_port=p.cfg.port, block_size=BLOCK, register_in_registry=True)],
-        decode_engines=[StaticEngine(url=d.url, model=MODEL, engine_id="d0", kv_host="127.0.0.1",
-                                     kv_port=d.cfg.port, block_size=BLOCK, register_in_registry=True)],
-        engines_from_registry=False, health_interval_s=0.5)
-    gw = GatewayApp(settings, auth=auth)
-    await gw.start()
-    reg_ch = grpc.aio.insecure_channel(registry.address)
-    lease_ch = grpc.aio.insecure_channel(lease.address)
-    stack = SecureStack(store, lease, registry, gw, p, d, [reg_ch, lease_ch],
-                        registry_pb2_grpc.RegistryServiceStub(reg_ch), lease_pb2_grpc.LeaseServiceStub(lease_ch))
-    try:
-        yield stack
-    finally:
-        for ch in stack.channels:
-            await ch.close()
-        await gw.stop()
-        await d.__aexit__(None, None, None)
-        await p.__aexit__(None, None, None)
-        await registry.stop(0.1)
-        await lease.stop(0.1)
-        await store.close()
+    async with contextlib.AsyncExitStack() as held:
+        held.push_async_callback(store.close)
+        for sim in (p, d):
+            await held.enter_async_context(sim)
+        settings = GatewaySettings(
+            host="127.0.0.1", http_port=0, grpc_port=0, control_api_key=SERVICE_KEY, hash_secret_hex=SECRET_HEX,
+            default_block_size=BLOCK, reuse_threshold_tokens=BLOCK,
+            prefill_engines=[StaticEngine(url=p.url, model=MODEL, engine_id="p0", kv_host="127.0.0.1",
+                                          kv_port=p.cfg.port, block_size=BLOCK, register_in_registry=True)],
+            decode_engines=[StaticEngine(url=d.url, model=MODEL, engine_id="d0", kv_host="127.0.0.1",
+                                         kv_port=d.cfg.port, block_size=BLOCK, register_in_registry=True)],
+            engines_from_registry=False, health_interval_s=0.5)
+        services = await held.enter_async_context(ServiceStack(
+            store, lease_policy=LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
+            registry=RegistrySettings(port=0, lease_service_api_key=SERVICE_KEY), gateway=settings,
+            server=ServerSettings(shutdown_grace_s=0.2), auth=auth, gateway_auth=auth, stop_grace_s=0.1))
+        assert services.lease is not None and services.registry is not None and services.gateway is not None
+        reg_ch = grpc.aio.insecure_channel(services.registry.address)
+        lease_ch = grpc.aio.insecure_channel(services.lease.address)
+        for ch in (reg_ch, lease_ch):
+            held.push_async_callback(ch.close)
+        yield SecureStack(store, services.lease, services.registry, services.gateway, p, d, [reg_ch, lease_ch],
+                          registry_pb2_grpc.RegistryServiceStub(reg_ch), lease_pb2_grpc.LeaseServiceStub(lease_ch))
