@@ -10,14 +10,11 @@ import httpx
 from kvbridge.lease.v1 import lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2_grpc
 from kvbridge_services.common.config import ServerSettings
-from kvbridge_services.gateway.app import GatewayApp
 from kvbridge_services.gateway.config import GatewaySettings, StaticEngine
-from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
-from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
+from kvbridge_services.stack import ServiceStack
 
-from tests.fixtures.common import wait_leader
 from tests.tools.engine_sim import SimConfig, SimServer
 
 from .conftest import BLOCK, MODEL, SECRET_HEX
@@ -40,49 +37,50 @@ class Stack:
         self.overrides = gateway
 
     async def __aenter__(self) -> Stack:
-        server = ServerSettings(shutdown_grace_s=0.2)
-        self.lease = LeaseApp(self.store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5,
-                                                      store_timeout_s=1.0), server)
-        await self.lease.start()
-        await wait_leader(self.lease, timeout_s=20)
-        self.registry = RegistryApp(self.store, settings=RegistrySettings(port=0,
-                                                                          lease_service_target=self.lease.address),
-                                    server_settings=server, store_timeout_s=1.0)
-        await self.registry.start()
         self.prefill_sims = [SimServer(SimConfig(role="prefill", engine_id=f"p{i}", model=MODEL, block_size=BLOCK))
                              for i in range(self.prefills)]
         self.prefill = self.prefill_sims[0]
         self.decode = [SimServer(SimConfig(role="decode", engine_id=f"d{i}", model=MODEL, block_size=BLOCK))
                        for i in range(self.decodes)]
-        for sim in (*self.prefill_sims, *self.decode):
-            await sim.__aenter__()
-        settings = GatewaySettings(
-            host="127.0.0.1", http_port=0, grpc_port=0, registry_address=self.registry.address,
-            lease_address=self.lease.address, hash_secret_hex=SECRET_HEX, default_block_size=BLOCK,
-            reuse_threshold_tokens=BLOCK, control_timeout_s=0.5, health_interval_s=0.3, health_timeout_s=0.3,
-            prefill_engines=[_static(p) for p in self.prefill_sims], decode_engines=[_static(d) for d in self.decode],
-            engines_from_registry=False, **self.overrides)
-        self.gateway = GatewayApp(settings)
-        await self.gateway.start()
+        self.stopped: set[int] = set()
+        started: list[SimServer] = []
+        try:
+            for sim in (*self.prefill_sims, *self.decode):
+                await sim.__aenter__()
+                started.append(sim)
+            settings = GatewaySettings(
+                host="127.0.0.1", http_port=0, grpc_port=0, hash_secret_hex=SECRET_HEX, default_block_size=BLOCK,
+                reuse_threshold_tokens=BLOCK, control_timeout_s=0.5, health_interval_s=0.3, health_timeout_s=0.3,
+                prefill_engines=[_static(p) for p in self.prefill_sims],
+                decode_engines=[_static(d) for d in self.decode], engines_from_registry=False, **self.overrides)
+            self.services = ServiceStack(
+                self.store, lease_policy=LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5,
+                                                     store_timeout_s=1.0),
+                registry=RegistrySettings(port=0), gateway=settings, server=ServerSettings(shutdown_grace_s=0.2),
+                registry_store_timeout_s=1.0, leader_timeout_s=20, stop_grace_s=0.1)
+            await self.services.start()
+        except BaseException:
+            for sim in reversed(started):
+                await sim.__aexit__(None, None, None)
+            raise
+        assert self.services.lease and self.services.registry and self.services.gateway
+        self.lease, self.registry, self.gateway = self.services.lease, self.services.registry, self.services.gateway
         self.client = httpx.AsyncClient(base_url=self.gateway.http_url, timeout=30)
         self.channels = [grpc.aio.insecure_channel(a) for a in (self.lease.address, self.registry.address)]
         self.lease_stub = lease_pb2_grpc.LeaseServiceStub(self.channels[0])
         self.registry_stub = registry_pb2_grpc.RegistryServiceStub(self.channels[1])
-        self.stopped: set[int] = set()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
         await self.client.aclose()
         for channel in self.channels:
             await channel.close()
-        await self.gateway.stop()
+        await self.services.stop()
         for i, sim in enumerate(self.decode):
             if i not in self.stopped:
                 await sim.__aexit__(None, None, None)
         for sim in self.prefill_sims:
             await sim.__aexit__(None, None, None)
-        await self.registry.stop(0.1)
-        await self.lease.stop(0.1)
 
     async def turn(self, messages: list[dict[str, str]], conv: str) -> tuple[str, str]:
         r = await self.client.post("/v1/chat/completions", json={
