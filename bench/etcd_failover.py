@@ -48,16 +48,25 @@ class Load:
     errors: Counter[str] = field(default_factory=Counter)
 
 
-async def _writer(stub: lease_pb2_grpc.LeaseServiceStub, w: int, deadline_s: float, load: Load,
-                  stop: asyncio.Event) -> None:
+async def _writer(
+    stub: lease_pb2_grpc.LeaseServiceStub, w: int, deadline_s: float, load: Load, stop: asyncio.Event
+) -> None:
     i = 0
     while not stop.is_set():
         i += 1
         started = time.monotonic()
         try:
-            await stub.GrantLease(lease_pb2.GrantLeaseRequest(
-                kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="d0", model="m",
-                conversation_key=f"w{w}-{i}", ttl=duration_pb2.Duration(seconds=120)), timeout=deadline_s)
+            await stub.GrantLease(
+                lease_pb2.GrantLeaseRequest(
+                    kind=lease_pb2.LEASE_KIND_ENTRY,
+                    tenant="acme",
+                    engine_id="d0",
+                    model="m",
+                    conversation_key=f"w{w}-{i}",
+                    ttl=duration_pb2.Duration(seconds=120),
+                ),
+                timeout=deadline_s,
+            )
             load.acks.append((started, time.monotonic()))
         except grpc.aio.AioRpcError as exc:
             load.errors[exc.code().name] += 1
@@ -80,8 +89,13 @@ async def run(args: argparse.Namespace) -> list[dict[str, object]]:
     cluster = EtcdCluster(3, base_dir=Path(tempfile.mkdtemp(prefix="etcd-failover-")), raft_flags=flags)
     cluster.start()
     store = EtcdStore(cluster.endpoints, timeout=args.store_timeout)
-    policy = LeasePolicy(port=0, leader_ttl_s=args.leader_ttl, leader_refresh_s=args.leader_refresh,
-                         store_timeout_s=args.store_timeout, store_attempt_timeout_s=args.attempt)
+    policy = LeasePolicy(
+        port=0,
+        leader_ttl_s=args.leader_ttl,
+        leader_refresh_s=args.leader_refresh,
+        store_timeout_s=args.store_timeout,
+        store_attempt_timeout_s=args.attempt,
+    )
     app = LeaseApp(store, policy, ServerSettings(shutdown_grace_s=0.2))
     await app.start()
     rows: list[dict[str, object]] = []
@@ -139,18 +153,26 @@ def main() -> int:
     parser.add_argument("--leader-ttl", type=int, default=defaults.leader_ttl_s)
     parser.add_argument("--leader-refresh", type=float, default=defaults.leader_refresh_s)
     parser.add_argument("--store-timeout", type=float, default=defaults.store_timeout_s)
-    parser.add_argument("--attempt", type=float, default=defaults.store_attempt_timeout_s,
-                        help="store_attempt_timeout_s (= --store-timeout: one attempt, the old behaviour)")
+    parser.add_argument(
+        "--attempt",
+        type=float,
+        default=defaults.store_attempt_timeout_s,
+        help="store_attempt_timeout_s (= --store-timeout: one attempt, the old behaviour)",
+    )
     args = parser.parse_args()
     rows = asyncio.run(run(args))
     unavailable = [float(r["unavailable_s"]) for r in rows if r["unavailable_s"] is not None]  # type: ignore[arg-type]
-    print(f"\nsettings: raft={args.raft} leader_ttl={args.leader_ttl}s refresh={args.leader_refresh}s "
-          f"store_timeout={args.store_timeout}s attempt={args.attempt}s writers={args.writers} "
-          f"deadline={args.deadline}s")
+    print(
+        f"\nsettings: raft={args.raft} leader_ttl={args.leader_ttl}s refresh={args.leader_refresh}s "
+        f"store_timeout={args.store_timeout}s attempt={args.attempt}s writers={args.writers} "
+        f"deadline={args.deadline}s"
+    )
     if unavailable:
-        print(f"unavailable writes after an etcd leader kill: median {statistics.median(unavailable):.2f}s, "
-              f"min {min(unavailable):.2f}s, max {max(unavailable):.2f}s over {len(unavailable)} rounds; "
-              f"lease-manager step-downs: {sum(bool(r['stepped_down']) for r in rows)}/{len(rows)}")
+        print(
+            f"unavailable writes after an etcd leader kill: median {statistics.median(unavailable):.2f}s, "
+            f"min {min(unavailable):.2f}s, max {max(unavailable):.2f}s over {len(unavailable)} rounds; "
+            f"lease-manager step-downs: {sum(bool(r['stepped_down']) for r in rows)}/{len(rows)}"
+        )
     return 0
 
 

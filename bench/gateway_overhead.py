@@ -62,15 +62,30 @@ async def _serve(args: argparse.Namespace) -> None:
 
     def engine(url: str, engine_id: str) -> StaticEngine:
         port = int(url.rsplit(":", 1)[1])
-        return StaticEngine(url=url, model=MODEL, engine_id=engine_id, kv_host="127.0.0.1", kv_port=port,
-                            block_size=BLOCK, register_in_registry=True)
+        return StaticEngine(
+            url=url,
+            model=MODEL,
+            engine_id=engine_id,
+            kv_host="127.0.0.1",
+            kv_port=port,
+            block_size=BLOCK,
+            register_in_registry=True,
+        )
 
     def gateway_settings(**update: Any) -> GatewaySettings:
         tokenizers = {MODEL: args.tokenizer_dir} if args.tokenizer_dir else {}
-        return GatewaySettings(host="127.0.0.1", http_port=0, grpc_port=0, hash_secret_hex=SECRET_HEX,
-                               default_block_size=BLOCK, engines_from_registry=False, tokenizers=tokenizers,
-                               prefill_engines=[engine(args.prefill_url, "p0")],
-                               decode_engines=[engine(args.decode_url, "d0")], **update)
+        return GatewaySettings(
+            host="127.0.0.1",
+            http_port=0,
+            grpc_port=0,
+            hash_secret_hex=SECRET_HEX,
+            default_block_size=BLOCK,
+            engines_from_registry=False,
+            tokenizers=tokenizers,
+            prefill_engines=[engine(args.prefill_url, "p0")],
+            decode_engines=[engine(args.decode_url, "d0")],
+            **update,
+        )
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -165,15 +180,37 @@ class Procs:
     def start_sims(self, args: argparse.Namespace) -> None:
         for role, eid in (("prefill", "p0"), ("decode", "d0")):
             port = free_port()
-            cmd = [sys.executable, "-m", "tests.tools.engine_sim", "--role", role, "--port", str(port),
-                   "--engine-id", eid, "--model", MODEL, "--block-size", str(BLOCK), "--total-blocks", "1000000",
-                   "--decoder-kv-blocks-ttl", "120", "--prefill-us-per-token", str(args.prefill_us_per_token),
-                   "--decode-us-per-token", str(args.decode_us_per_token), "--max-model-len", str(args.max_model_len)]
+            cmd = [
+                sys.executable,
+                "-m",
+                "tests.tools.engine_sim",
+                "--role",
+                role,
+                "--port",
+                str(port),
+                "--engine-id",
+                eid,
+                "--model",
+                MODEL,
+                "--block-size",
+                str(BLOCK),
+                "--total-blocks",
+                "1000000",
+                "--decoder-kv-blocks-ttl",
+                "120",
+                "--prefill-us-per-token",
+                str(args.prefill_us_per_token),
+                "--decode-us-per-token",
+                str(args.decode_us_per_token),
+                "--max-model-len",
+                str(args.max_model_len),
+            ]
             if self.tokenizer_dir is not None:
                 cmd += ["--hf-tokenizer", str(self.tokenizer_dir)]
             log = open(self.tmp / f"sim-{eid}.log", "wb")  # noqa: SIM115 - lives as long as the process
-            self.sims.append(subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log,
-                                              preexec_fn=_pinned(args.other_cpus)))
+            self.sims.append(
+                subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, preexec_fn=_pinned(args.other_cpus))
+            )
             url = f"http://127.0.0.1:{port}"
             if role == "prefill":
                 self.prefill_url = url
@@ -182,10 +219,23 @@ class Procs:
         for url in (self.prefill_url, self.decode_url):
             _wait_http(url + "/health")
 
-    def _start_serve(self, args: argparse.Namespace, role: str, log_name: str, extra: list[str],
-                     profile: Path | None) -> tuple[subprocess.Popen[str], list[str]]:
-        cmd = [sys.executable, str(Path(__file__).resolve()), "serve", "--role", role, "--prefill-url",
-               self.prefill_url, "--decode-url", self.decode_url, "--log-level", args.gateway_log_level, *extra]
+    def _start_serve(
+        self, args: argparse.Namespace, role: str, log_name: str, extra: list[str], profile: Path | None
+    ) -> tuple[subprocess.Popen[str], list[str]]:
+        cmd = [
+            sys.executable,
+            str(Path(__file__).resolve()),
+            "serve",
+            "--role",
+            role,
+            "--prefill-url",
+            self.prefill_url,
+            "--decode-url",
+            self.decode_url,
+            "--log-level",
+            args.gateway_log_level,
+            *extra,
+        ]
         if args.uvloop:
             cmd.append("--uvloop")
         if role != "control" and args.tokenize == "local" and self.tokenizer_dir is not None:
@@ -194,8 +244,7 @@ class Procs:
             cmd += ["--profile", str(profile)]
         log = open(self.tmp / log_name, "ab")  # noqa: SIM115 - lives as long as the process
         cpus = args.gateway_cpus if role == "gateway" else args.other_cpus
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True,
-                                preexec_fn=_pinned(cpus))
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=log, text=True, preexec_fn=_pinned(cpus))
         assert proc.stdout is not None
         line = proc.stdout.readline()
         if not line.startswith("READY "):
@@ -213,7 +262,8 @@ class Procs:
             self.control_addresses = (registry, lease)
         registry, lease = self.control_addresses
         self.gateway, (self.gateway_url,) = self._start_serve(
-            args, "gateway", "gateway.log", ["--registry", registry, "--lease", lease], profile)
+            args, "gateway", "gateway.log", ["--registry", registry, "--lease", lease], profile
+        )
 
     def stop_gateway(self) -> None:
         if self.gateway is not None:
@@ -303,46 +353,75 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> 
         return data
 
 
-async def gateway_turn(http: aiohttp.ClientSession, gw: str, msgs: list[dict[str, str]], conv: str,
-                       max_tokens: int) -> tuple[str, str, int]:
+async def gateway_turn(
+    http: aiohttp.ClientSession, gw: str, msgs: list[dict[str, str]], conv: str, max_tokens: int
+) -> tuple[str, str, int]:
     body = {"model": MODEL, "messages": msgs, "max_tokens": max_tokens, "conversation_id": conv}
     async with http.post(gw + "/v1/chat/completions", json=body) as resp:
         data = await resp.json(content_type=None)
         if resp.status != 200:
             raise TurnFailed(f"gateway {resp.status}")
         verdict = resp.headers.get("x-kvbridge-reuse", "").split(";")[0]
-    return (str(data["choices"][0]["message"]["content"]), verdict,
-            int((data.get("usage") or {}).get("prompt_tokens") or 0))
+    return (
+        str(data["choices"][0]["message"]["content"]),
+        verdict,
+        int((data.get("usage") or {}).get("prompt_tokens") or 0),
+    )
 
 
-async def direct_turn(http: aiohttp.ClientSession, p_url: str, d_url: str, msgs: list[dict[str, str]],
-                      max_tokens: int, retained: dict[str, Any] | None) -> tuple[str, dict[str, Any] | None]:
+async def direct_turn(
+    http: aiohttp.ClientSession,
+    p_url: str,
+    d_url: str,
+    msgs: list[dict[str, str]],
+    max_tokens: int,
+    retained: dict[str, Any] | None,
+) -> tuple[str, dict[str, Any] | None]:
     """Prefill on P (max_tokens=1, do_remote_decode; pulling D's retained prefix if any), then decode on D."""
     params: dict[str, Any] = {"do_remote_decode": True, "do_remote_prefill": False}
     if retained:
         k = int(retained.get("remote_num_tokens") or 0) // BLOCK * BLOCK
         if k >= REUSE_THRESHOLD:
-            params.update({key: retained[key] for key in ("remote_engine_id", "remote_request_id", "remote_host",
-                                                          "remote_port", "tp_size", "pp_size", "dcp_size")})
+            params.update(
+                {
+                    key: retained[key]
+                    for key in (
+                        "remote_engine_id",
+                        "remote_request_id",
+                        "remote_host",
+                        "remote_port",
+                        "tp_size",
+                        "pp_size",
+                        "dcp_size",
+                    )
+                }
+            )
             params["remote_block_ids"] = [g[: k // BLOCK] for g in retained["remote_block_ids"]]
             params["remote_num_tokens"] = k
-    p = await _post(http, p_url + "/v1/chat/completions", {"model": MODEL, "messages": msgs, "max_tokens": 1,
-                                                           "stream": False, "kv_transfer_params": params})
-    d = await _post(http, d_url + "/v1/chat/completions", {"model": MODEL, "messages": msgs,
-                                                           "max_tokens": max_tokens,
-                                                           "kv_transfer_params": p["kv_transfer_params"]})
+    p = await _post(
+        http,
+        p_url + "/v1/chat/completions",
+        {"model": MODEL, "messages": msgs, "max_tokens": 1, "stream": False, "kv_transfer_params": params},
+    )
+    d = await _post(
+        http,
+        d_url + "/v1/chat/completions",
+        {"model": MODEL, "messages": msgs, "max_tokens": max_tokens, "kv_transfer_params": p["kv_transfer_params"]},
+    )
     return str(d["choices"][0]["message"]["content"]), d.get("kv_transfer_params")
 
 
-async def worker(idx: int, level: Level, procs: Procs, args: argparse.Namespace, record_from: float,
-                 stop_at: float) -> None:
+async def worker(
+    idx: int, level: Level, procs: Procs, args: argparse.Namespace, record_from: float, stop_at: float
+) -> None:
     timeout = aiohttp.ClientTimeout(total=60)
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
         conv_n = 0
         while time.monotonic() < stop_at:
             conv = f"c{level.concurrency}-{idx}-{conv_n}-{os.getpid()}"
-            first = " ".join(f"w{(idx * 13 + conv_n * 7 + i) % 500 + 10}"
-                             for i in range(level.prompt_words or args.prompt_words))
+            first = " ".join(
+                f"w{(idx * 13 + conv_n * 7 + i) % 500 + 10}" for i in range(level.prompt_words or args.prompt_words)
+            )
             msgs = [{"role": "user", "content": first}]
             retained: dict[str, Any] | None = None
             conv_n += 1
@@ -351,24 +430,33 @@ async def worker(idx: int, level: Level, procs: Procs, args: argparse.Namespace,
                     return
                 try:
                     t_gw = t_direct = 0.0
-                    for leg in ((0, 1) if (turn + idx) % 2 == 0 else (1, 0)):
+                    for leg in (0, 1) if (turn + idx) % 2 == 0 else (1, 0):
                         started = time.perf_counter()
                         if leg == 0:
                             gw_answer, verdict, prompt_tokens = await gateway_turn(
-                                http, procs.gateway_url, msgs, conv, args.max_tokens)
+                                http, procs.gateway_url, msgs, conv, args.max_tokens
+                            )
                             t_gw = time.perf_counter() - started
                         else:
-                            answer, retained = await direct_turn(http, procs.prefill_url, procs.decode_url, msgs,
-                                                                 args.max_tokens,
-                                                                 retained if args.direct_mode == "pull" else None)
+                            answer, retained = await direct_turn(
+                                http,
+                                procs.prefill_url,
+                                procs.decode_url,
+                                msgs,
+                                args.max_tokens,
+                                retained if args.direct_mode == "pull" else None,
+                            )
                             t_direct = time.perf_counter() - started
                 except (TimeoutError, TurnFailed, aiohttp.ClientError, KeyError, TypeError) as exc:
                     level.errors[str(exc) if isinstance(exc, TurnFailed) else type(exc).__name__] += 1
                     break
                 if time.monotonic() >= record_from:
                     level.pairs.append(Pair(t_gw, t_direct, verdict, gw_answer == answer, prompt_tokens))
-                msgs = [*msgs, {"role": "assistant", "content": answer},
-                        {"role": "user", "content": f"w{turn + 11} w{idx % 400 + 10} and tell me more about it"}]
+                msgs = [
+                    *msgs,
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": f"w{turn + 11} w{idx % 400 + 10} and tell me more about it"},
+                ]
                 await asyncio.sleep(args.think_ms / 1000)
 
 
@@ -404,8 +492,14 @@ def _deltas(before: dict[str, float], after: dict[str, float]) -> dict[str, floa
     return {k: v - before.get(k, 0.0) for k, v in after.items() if v > before.get(k, 0.0)}
 
 
-async def run_level(procs: Procs, concurrency: int, seconds: float, args: argparse.Namespace,
-                    prompt_words: int = 0, target_tokens: int = 0) -> Level:
+async def run_level(
+    procs: Procs,
+    concurrency: int,
+    seconds: float,
+    args: argparse.Namespace,
+    prompt_words: int = 0,
+    target_tokens: int = 0,
+) -> Level:
     level = Level(concurrency, prompt_words, target_tokens)
     level.load_before = os.getloadavg()
     start = time.monotonic()
@@ -422,9 +516,12 @@ async def run_level(procs: Procs, concurrency: int, seconds: float, args: argpar
             counters0 = await _counters(procs.gateway_url)
         if metrics_at_start is not None and int(now - start) % 5 == 0:
             added = [p.gateway_s - p.direct_s for p in level.pairs]
-            print(f"  [{concurrency:>2} conv {target_tokens or ''}] t={now - start:5.1f}s pairs={len(level.pairs):5d} "
-                  f"added p50={pct(added, 0.5) * 1e3:6.2f} ms errors={sum(level.errors.values())} "
-                  f"load={os.getloadavg()[0]:.1f}", flush=True)
+            print(
+                f"  [{concurrency:>2} conv {target_tokens or ''}] t={now - start:5.1f}s pairs={len(level.pairs):5d} "
+                f"added p50={pct(added, 0.5) * 1e3:6.2f} ms errors={sum(level.errors.values())} "
+                f"load={os.getloadavg()[0]:.1f}",
+                flush=True,
+            )
     for t in tasks:
         t.result()
     level.seconds = time.monotonic() - record_from
@@ -456,9 +553,24 @@ def _ms(x: float) -> str:
     return f"{x * 1e3:.2f}"
 
 
-_PACKAGES = ("httpx", "httpcore", "anyio", "h11", "grpc", "google/protobuf", "uvicorn", "starlette",
-             "opentelemetry", "prometheus_client", "logging", "asyncio", "selectors", "json", "kvbridge_services",
-             "kvbridge")
+_PACKAGES = (
+    "httpx",
+    "httpcore",
+    "anyio",
+    "h11",
+    "grpc",
+    "google/protobuf",
+    "uvicorn",
+    "starlette",
+    "opentelemetry",
+    "prometheus_client",
+    "logging",
+    "asyncio",
+    "selectors",
+    "json",
+    "kvbridge_services",
+    "kvbridge",
+)
 
 
 def by_package(path: Path) -> list[tuple[str, float]]:
@@ -468,8 +580,11 @@ def by_package(path: Path) -> list[tuple[str, float]]:
     for (filename, _line, func), (_cc, _nc, tottime, _ct, _callers) in stats.stats.items():  # type: ignore[attr-defined]
         where = "builtins/C (socket send, epoll, ...)" if filename == "~" else "other"
         for pkg in _PACKAGES:
-            if f"/{pkg}/" in filename or filename.endswith(f"/{pkg}.py") or (pkg == "kvbridge" and "/api/kvbridge/"
-                                                                             in filename):
+            if (
+                f"/{pkg}/" in filename
+                or filename.endswith(f"/{pkg}.py")
+                or (pkg == "kvbridge" and "/api/kvbridge/" in filename)
+            ):
                 where = pkg
                 break
         if filename == "~" and ("epoll" in func or "select" in func):
@@ -517,10 +632,10 @@ def _verdict(added: list[float], lv: Level) -> str:
     return ", ".join(parts) or "-"
 
 
-def write_report(levels: list[Level], args: argparse.Namespace, out: Path, command: str,
-                 profile_text: str | None) -> None:
-    rows = ["| figure | " + " | ".join(_level_name(lv) for lv in levels) + " |",
-            "| --- |" + " --- |" * len(levels)]
+def write_report(
+    levels: list[Level], args: argparse.Namespace, out: Path, command: str, profile_text: str | None
+) -> None:
+    rows = ["| figure | " + " | ".join(_level_name(lv) for lv in levels) + " |", "| --- |" + " --- |" * len(levels)]
 
     def row(name: str, fn: Any) -> None:
         rows.append(f"| {name} | " + " | ".join(fn(lv) for lv in levels) + " |")
@@ -530,46 +645,68 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
 
     row("turn pairs measured (after warm-up)", lambda lv: f"{len(lv.pairs)} in {lv.seconds:.0f} s")
     if any(lv.target_tokens for lv in levels):
-        row("prompt tokens per turn, min / median / max (usage)", lambda lv: " / ".join(
-            f"{pct([p.prompt_tokens for p in lv.pairs], q):.0f}" for q in (0.0, 0.5, 1.0)))
+        row(
+            "prompt tokens per turn, min / median / max (usage)",
+            lambda lv: " / ".join(f"{pct([p.prompt_tokens for p in lv.pairs], q):.0f}" for q in (0.0, 0.5, 1.0)),
+        )
     row("errors", lambda lv: str(sum(lv.errors.values())) + (f" {dict(lv.errors)}" if lv.errors else ""))
-    row("gateway p50 / p99 (ms)", lambda lv: " / ".join(_ms(pct([p.gateway_s for p in lv.pairs], q))
-                                                         for q in (0.5, 0.99)))
-    row("direct p50 / p99 (ms)", lambda lv: " / ".join(_ms(pct([p.direct_s for p in lv.pairs], q))
-                                                        for q in (0.5, 0.99)))
-    row("**added per turn (paired) p50 / p99 (ms)**",
-        lambda lv: "**" + " / ".join(_ms(pct(added(lv), q)) for q in (0.5, 0.99)) + "**")
-    row("p50(gateway) - p50(direct) (ms)",
-        lambda lv: _ms(pct([p.gateway_s for p in lv.pairs], 0.5) - pct([p.direct_s for p in lv.pairs], 0.5)))
-    row("added p50, reuse hits only (ms)",
-        lambda lv: _ms(pct([p.gateway_s - p.direct_s for p in lv.pairs if p.verdict == "hit"], 0.5)))
+    row(
+        "gateway p50 / p99 (ms)",
+        lambda lv: " / ".join(_ms(pct([p.gateway_s for p in lv.pairs], q)) for q in (0.5, 0.99)),
+    )
+    row(
+        "direct p50 / p99 (ms)", lambda lv: " / ".join(_ms(pct([p.direct_s for p in lv.pairs], q)) for q in (0.5, 0.99))
+    )
+    row(
+        "**added per turn (paired) p50 / p99 (ms)**",
+        lambda lv: "**" + " / ".join(_ms(pct(added(lv), q)) for q in (0.5, 0.99)) + "**",
+    )
+    row(
+        "p50(gateway) - p50(direct) (ms)",
+        lambda lv: _ms(pct([p.gateway_s for p in lv.pairs], 0.5) - pct([p.direct_s for p in lv.pairs], 0.5)),
+    )
+    row(
+        "added p50, reuse hits only (ms)",
+        lambda lv: _ms(pct([p.gateway_s - p.direct_s for p in lv.pairs if p.verdict == "hit"], 0.5)),
+    )
     row("gateway's own router-overhead metric, mean (ms)", lambda lv: _ms(lv.router_overhead_mean_s))
-    row("turns by tokenize path (gateway metric)", lambda lv: ", ".join(
-        f"{k}: {v:.0f}" for k, v in sorted(lv.tokenize_paths.items())) or "-")
-    row("lookups by source (gateway metric)", lambda lv: ", ".join(
-        f"{k}: {v:.0f}" for k, v in sorted(lv.lookup_sources.items())) or "-")
+    row(
+        "turns by tokenize path (gateway metric)",
+        lambda lv: ", ".join(f"{k}: {v:.0f}" for k, v in sorted(lv.tokenize_paths.items())) or "-",
+    )
+    row(
+        "lookups by source (gateway metric)",
+        lambda lv: ", ".join(f"{k}: {v:.0f}" for k, v in sorted(lv.lookup_sources.items())) or "-",
+    )
     row("target (p50 added ≤ 2 ms to 24K tokens, ≤ 5 ms at 128K; p99 ≤ 3x p50)", lambda lv: _verdict(added(lv), lv))
-    row("reuse verdicts (gateway)", lambda lv: ", ".join(f"{k}: {v}" for k, v in
-                                                         sorted(Counter(p.verdict for p in lv.pairs).items())))
+    row(
+        "reuse verdicts (gateway)",
+        lambda lv: ", ".join(f"{k}: {v}" for k, v in sorted(Counter(p.verdict for p in lv.pairs).items())),
+    )
     row("same answer gateway vs direct", lambda lv: f"{sum(p.same_answer for p in lv.pairs)}/{len(lv.pairs)}")
     for name in ("gateway+control plane", "gateway", "control plane", "prefill sim", "decode sim", "client"):
         if not any(name in lv.cpu_s for lv in levels):
             continue
-        row(f"CPU ms per turn pair: {name}",
-            lambda lv, n=name: f"{lv.cpu_s.get(n, float('nan')) * 1e3 / max(1, len(lv.pairs)):.2f}")
+        row(
+            f"CPU ms per turn pair: {name}",
+            lambda lv, n=name: f"{lv.cpu_s.get(n, float('nan')) * 1e3 / max(1, len(lv.pairs)):.2f}",
+        )
     row("load average (1 min) before → after", lambda lv: f"{lv.load_before[0]:.2f} → {lv.load_after[0]:.2f}")
 
-    layout = ("gateway + registry + lease manager in one process (kvbridge_services.stack.Stack, embedded "
-              "in-memory store)" if args.layout == "all-in-one" else
-              "the gateway in its own process, registry + lease manager (Stack without gateway, embedded "
-              "in-memory store) in another, talking gRPC over loopback as in production")
+    layout = (
+        "gateway + registry + lease manager in one process (kvbridge_services.stack.Stack, embedded in-memory store)"
+        if args.layout == "all-in-one"
+        else "the gateway in its own process, registry + lease manager (Stack without gateway, embedded "
+        "in-memory store) in another, talking gRPC over loopback as in production"
+    )
     pull_note = ", pulling the previous turn from D like a gateway hit" if args.direct_mode == "pull" else ""
     tokenize_note = {
         "local": "the simulators tokenize with the dev HF tokenizer + chat template "
-                 "(kvbridge_services.devengines.model) and the gateway tokenizes in-process with the same files",
+        "(kvbridge_services.devengines.model) and the gateway tokenizes in-process with the same files",
         "engine": "the simulators tokenize with the dev HF tokenizer + chat template and the gateway asks P's "
-                  "/tokenize",
-        "sim": "the simulators' whitespace tokenizer; the gateway asks P's /tokenize"}[args.tokenize]
+        "/tokenize",
+        "sim": "the simulators' whitespace tokenizer; the gateway asks P's /tokenize",
+    }[args.tokenize]
     lines = [
         "# Gateway router overhead vs calling the engines directly",
         "",
@@ -580,19 +717,25 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
         f"{args.max_tokens} output tokens; {layout}, gateway log level {args.gateway_log_level}"
         f"{', on uvloop' if args.uvloop else ''}; this load client (aiohttp) in its own process. "
         f"Tokenization (`--tokenize {args.tokenize}`): {tokenize_note}. "
-        + (f"Conversations of {args.turns} turns starting from a prompt of about the level's size (words "
-           f"calibrated with P's /tokenize), one conversation at a time, simulators started with --max-model-len "
-           f"{args.max_model_len}, "
-           if args.prompt_tokens else f"Conversations of {args.turns} turns starting from {args.prompt_words} words, ")
-        +
-        f"{args.think_ms} ms think time; each turn is sent through the gateway (`conversation_id` set: lookup, "
+        + (
+            f"Conversations of {args.turns} turns starting from a prompt of about the level's size (words "
+            f"calibrated with P's /tokenize), one conversation at a time, simulators started with --max-model-len "
+            f"{args.max_model_len}, "
+            if args.prompt_tokens
+            else f"Conversations of {args.turns} turns starting from {args.prompt_words} words, "
+        )
+        + f"{args.think_ms} ms think time; each turn is sent through the gateway (`conversation_id` set: lookup, "
         f"pull, compatibility-mode registration) and directly ({args.direct_mode} mode: prefill max_tokens=1 + "
         f"do_remote_decode{pull_note}, then decode with P's params), alternating which goes first, "
         f"with identical prompts. "
         f"Warm-up {args.warmup_s} s per level not counted. Machine: 2 cores shared with other engineers' work "
         f"(load averages below)"
-        + (f"; the gateway pinned to CPU(s) {sorted(args.gateway_cpus)}, every other process (simulators, control "
-           f"plane, load client) to CPU(s) {sorted(args.other_cpus)}." if args.gateway_cpus is not None else "."),
+        + (
+            f"; the gateway pinned to CPU(s) {sorted(args.gateway_cpus)}, every other process (simulators, control "
+            f"plane, load client) to CPU(s) {sorted(args.other_cpus)}."
+            if args.gateway_cpus is not None
+            else "."
+        ),
         "",
         *rows,
         "",
@@ -605,11 +748,21 @@ def write_report(levels: list[Level], args: argparse.Namespace, out: Path, comma
         "![latency CDFs and added latency](gateway_overhead.png)",
     ]
     if profile_text is not None:
-        where = (f"{max(args.prompt_tokens) // 1024}K-token prompts" if args.prompt_tokens
-                 else f"{max(args.levels)} conversations")
-        lines += ["", f"Profile: cProfile of the gateway process during a {args.profile_seconds:.0f} s "
-                  f"run at {where} (not part of the figures above); full listing in "
-                  f"`{out.name}_profile.txt`.", "", "```", profile_text.split("\n\n", 1)[0], "```"]
+        where = (
+            f"{max(args.prompt_tokens) // 1024}K-token prompts"
+            if args.prompt_tokens
+            else f"{max(args.levels)} conversations"
+        )
+        lines += [
+            "",
+            f"Profile: cProfile of the gateway process during a {args.profile_seconds:.0f} s "
+            f"run at {where} (not part of the figures above); full listing in "
+            f"`{out.name}_profile.txt`.",
+            "",
+            "```",
+            profile_text.split("\n\n", 1)[0],
+            "```",
+        ]
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 
@@ -635,8 +788,7 @@ def plot(levels: list[Level], path: Path) -> None:
         ax.legend()
         ax.grid(alpha=0.3)
     ax = axes[-1]
-    ax.boxplot([[(p.gateway_s - p.direct_s) * 1e3 for p in lv.pairs] for lv in levels], showfliers=False,
-               whis=(1, 99))
+    ax.boxplot([[(p.gateway_s - p.direct_s) * 1e3 for p in lv.pairs] for lv in levels], showfliers=False, whis=(1, 99))
     ax.set_xticks(range(1, len(levels) + 1), [f"{lv.concurrency} conv" for lv in levels])
     ax.axhline(2.0, color="red", linestyle="--", label="target p50 ≤ 2 ms")
     ax.set_title("added latency per turn (gateway - direct), whiskers p1/p99")
@@ -651,8 +803,12 @@ def plot_by_size(levels: list[Level], path: Path, plt: Any) -> None:
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.2))
     xs = [lv.target_tokens for lv in levels]
     for q, style in ((0.5, "o-"), (0.99, "s--")):
-        ax.plot(xs, [pct([p.gateway_s - p.direct_s for p in lv.pairs], q) * 1e3 for lv in levels], style,
-                label=f"added p{int(q * 100)}")
+        ax.plot(
+            xs,
+            [pct([p.gateway_s - p.direct_s for p in lv.pairs], q) * 1e3 for lv in levels],
+            style,
+            label=f"added p{int(q * 100)}",
+        )
     ax.plot([2048, 24 * 1024], [2, 2], "r:", label="goal p50 ≤ 2 ms (to 24K)")
     ax.plot([128 * 1024], [5], "rv", label="goal p50 ≤ 5 ms (128K)")
     ax.set_xscale("log", base=2)
@@ -680,8 +836,12 @@ async def calibrate_words(prefill_url: str, tokens: int) -> int:
     """Words of the bench's first prompt that P's /tokenize (the engines' own tokenizer) counts as ~tokens."""
     sample = 2000
     text = " ".join(f"w{i % 500 + 10}" for i in range(sample))
-    async with aiohttp.ClientSession() as http, http.post(prefill_url + "/tokenize", json={
-            "model": MODEL, "messages": [{"role": "user", "content": text}]}) as resp:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.post(
+            prefill_url + "/tokenize", json={"model": MODEL, "messages": [{"role": "user", "content": text}]}
+        ) as resp,
+    ):
         count = int((await resp.json(content_type=None))["count"])
     return max(1, int(tokens * sample / count))
 
@@ -693,20 +853,29 @@ async def bench(args: argparse.Namespace, procs: Procs) -> tuple[list[Level], Pa
     levels = []
     for tokens in args.prompt_tokens:
         words = await calibrate_words(procs.prefill_url, tokens)
-        print(f"level: {tokens}-token prompts ({words} words), 1 conversation, {args.seconds:.0f} s "
-              f"(+{args.warmup_s:.0f} s warm-up)", flush=True)
+        print(
+            f"level: {tokens}-token prompts ({words} words), 1 conversation, {args.seconds:.0f} s "
+            f"(+{args.warmup_s:.0f} s warm-up)",
+            flush=True,
+        )
         lv = await run_level(procs, 1, args.seconds, args, words, tokens)
         added = [p.gateway_s - p.direct_s for p in lv.pairs]
-        print(f"  done: {len(lv.pairs)} pairs, added p50 {_ms(pct(added, 0.5))} ms p99 {_ms(pct(added, 0.99))} ms",
-              flush=True)
+        print(
+            f"  done: {len(lv.pairs)} pairs, added p50 {_ms(pct(added, 0.5))} ms p99 {_ms(pct(added, 0.99))} ms",
+            flush=True,
+        )
         levels.append(lv)
     for conc in [] if args.prompt_tokens else args.levels:
-        print(f"level: {conc} concurrent conversation(s), {args.seconds:.0f} s (+{args.warmup_s:.0f} s warm-up)",
-              flush=True)
+        print(
+            f"level: {conc} concurrent conversation(s), {args.seconds:.0f} s (+{args.warmup_s:.0f} s warm-up)",
+            flush=True,
+        )
         lv = await run_level(procs, conc, args.seconds, args)
         added = [p.gateway_s - p.direct_s for p in lv.pairs]
-        print(f"  done: {len(lv.pairs)} pairs, added p50 {_ms(pct(added, 0.5))} ms p99 {_ms(pct(added, 0.99))} ms",
-              flush=True)
+        print(
+            f"  done: {len(lv.pairs)} pairs, added p50 {_ms(pct(added, 0.5))} ms p99 {_ms(pct(added, 0.99))} ms",
+            flush=True,
+        )
         levels.append(lv)
     prof_path = None
     if args.profile_seconds > 0:
@@ -716,8 +885,9 @@ async def bench(args: argparse.Namespace, procs: Procs) -> tuple[list[Level], Pa
         procs.start_gateway(args, profile=prof_path)
         if args.prompt_tokens:
             tokens = max(args.prompt_tokens)
-            await run_level(procs, 1, args.profile_seconds, args, await calibrate_words(procs.prefill_url, tokens),
-                            tokens)
+            await run_level(
+                procs, 1, args.profile_seconds, args, await calibrate_words(procs.prefill_url, tokens), tokens
+            )
         else:
             await run_level(procs, max(args.levels), args.profile_seconds, args)
         procs.stop_gateway()
@@ -733,13 +903,25 @@ def main() -> None:
         serve_main(sys.argv[2:])
         return
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--levels", type=lambda s: [int(x) for x in s.split(",")], default=[1, 32],
-                   help="concurrent conversations per level (default 1,32)")
-    p.add_argument("--prompt-tokens", type=lambda s: [int(x) for x in s.split(",")], default=[],
-                   help="levels by prompt size instead of --levels: one conversation per level whose first prompt "
-                   "is about this many tokens (e.g. 2048,8192,24576,65536,131072)")
-    p.add_argument("--max-model-len", type=int, default=0, help="the simulators' context length (default: 8192, "
-                   "or the largest --prompt-tokens + 8192)")
+    p.add_argument(
+        "--levels",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 32],
+        help="concurrent conversations per level (default 1,32)",
+    )
+    p.add_argument(
+        "--prompt-tokens",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[],
+        help="levels by prompt size instead of --levels: one conversation per level whose first prompt "
+        "is about this many tokens (e.g. 2048,8192,24576,65536,131072)",
+    )
+    p.add_argument(
+        "--max-model-len",
+        type=int,
+        default=0,
+        help="the simulators' context length (default: 8192, or the largest --prompt-tokens + 8192)",
+    )
     p.add_argument("--seconds", type=float, default=45.0, help="measured seconds per level")
     p.add_argument("--warmup-s", type=float, default=5.0)
     p.add_argument("--profile-seconds", type=float, default=20.0, help="0: no profiled run")
@@ -750,21 +932,39 @@ def main() -> None:
     p.add_argument("--prefill-us-per-token", type=float, default=2.0)
     p.add_argument("--decode-us-per-token", type=float, default=100.0)
     p.add_argument("--direct-mode", choices=["pull", "plain"], default="pull")
-    p.add_argument("--uvloop", action="store_true", help="run the kvbridge processes on uvloop (the services "
-                   "themselves use the default asyncio loop)")
-    p.add_argument("--layout", choices=["split", "all-in-one"], default="split",
-                   help="split: gateway and control plane in separate processes (production shape)")
+    p.add_argument(
+        "--uvloop",
+        action="store_true",
+        help="run the kvbridge processes on uvloop (the services themselves use the default asyncio loop)",
+    )
+    p.add_argument(
+        "--layout",
+        choices=["split", "all-in-one"],
+        default="split",
+        help="split: gateway and control plane in separate processes (production shape)",
+    )
     p.add_argument("--gateway-log-level", default="INFO", help="the gateway's default is INFO (a line per turn)")
-    p.add_argument("--tokenize", choices=["local", "engine", "sim"], default="local",
-                   help="local: the simulators use the dev HF tokenizer + chat template (built into a temporary "
-                   "directory) and the gateway tokenizes with the same files in-process; engine: same simulators, "
-                   "the gateway asks P's /tokenize; sim: the simulators' whitespace tokenizer, P's /tokenize")
+    p.add_argument(
+        "--tokenize",
+        choices=["local", "engine", "sim"],
+        default="local",
+        help="local: the simulators use the dev HF tokenizer + chat template (built into a temporary "
+        "directory) and the gateway tokenizes with the same files in-process; engine: same simulators, "
+        "the gateway asks P's /tokenize; sim: the simulators' whitespace tokenizer, P's /tokenize",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/gateway"))
     p.add_argument("--logs-dir", type=Path, help="keep process logs here (default: a temporary directory)")
-    p.add_argument("--gateway-cpus", type=_cpu_set, help="pin the gateway process to these CPUs (e.g. 0), as a "
-                   "deployment gives it cores of its own; needs --other-cpus")
-    p.add_argument("--other-cpus", type=_cpu_set, help="pin the simulators, the control plane and this load client "
-                   "to these CPUs (e.g. 1)")
+    p.add_argument(
+        "--gateway-cpus",
+        type=_cpu_set,
+        help="pin the gateway process to these CPUs (e.g. 0), as a "
+        "deployment gives it cores of its own; needs --other-cpus",
+    )
+    p.add_argument(
+        "--other-cpus",
+        type=_cpu_set,
+        help="pin the simulators, the control plane and this load client to these CPUs (e.g. 1)",
+    )
     args = p.parse_args()
     if not args.max_model_len:
         args.max_model_len = max([8192, *(t + 8192 for t in args.prompt_tokens)])

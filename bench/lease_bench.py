@@ -34,8 +34,10 @@ from google.protobuf import duration_pb2
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 
 ENTRY = lease_pb2.LEASE_KIND_ENTRY
-STATS = re.compile(r"stats leases=(\d+) renewals=(\d+) watchers=\d+ store_txns=(\d+) store_puts=(\d+) "
-                   r"store_deletes=(\d+) store_gets=(\d+)")
+STATS = re.compile(
+    r"stats leases=(\d+) renewals=(\d+) watchers=\d+ store_txns=(\d+) store_puts=(\d+) "
+    r"store_deletes=(\d+) store_gets=(\d+)"
+)
 
 
 def free_port() -> int:
@@ -54,23 +56,45 @@ def rss_kib(pid: int) -> int:
 def start_etcd(workdir: Path) -> tuple[subprocess.Popen[bytes], str]:
     client, peer = free_port(), free_port()
     proc = subprocess.Popen(
-        [shutil.which("etcd") or "etcd", "--data-dir", str(workdir / "etcd"),
-         "--listen-client-urls", f"http://127.0.0.1:{client}", "--advertise-client-urls", f"http://127.0.0.1:{client}",
-         "--listen-peer-urls", f"http://127.0.0.1:{peer}", "--initial-advertise-peer-urls", f"http://127.0.0.1:{peer}",
-         "--initial-cluster", f"default=http://127.0.0.1:{peer}", "--quota-backend-bytes", str(4 * 2**30)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            shutil.which("etcd") or "etcd",
+            "--data-dir",
+            str(workdir / "etcd"),
+            "--listen-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--advertise-client-urls",
+            f"http://127.0.0.1:{client}",
+            "--listen-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-advertise-peer-urls",
+            f"http://127.0.0.1:{peer}",
+            "--initial-cluster",
+            f"default=http://127.0.0.1:{peer}",
+            "--quota-backend-bytes",
+            str(4 * 2**30),
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     return proc, f"127.0.0.1:{client}"
 
 
 def start_lease_manager(port: int, etcd: str | None, log_path: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "KVBRIDGE_LEASE_PORT": str(port), "KVBRIDGE_LEASE_STATS_LOG_INTERVAL_S": "1",
-           "KVBRIDGE_LEASE_MAX_IDS_PER_KEEPALIVE": "10000"}
+    env = {
+        **os.environ,
+        "KVBRIDGE_LEASE_PORT": str(port),
+        "KVBRIDGE_LEASE_STATS_LOG_INTERVAL_S": "1",
+        "KVBRIDGE_LEASE_MAX_IDS_PER_KEEPALIVE": "10000",
+    }
     env.pop("KVBRIDGE_ETCD_ENDPOINTS", None)
     if etcd:
         env["KVBRIDGE_ETCD_ENDPOINTS"] = etcd
-    return subprocess.Popen([sys.executable, "-m", "kvbridge_services.lease"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=log_path.open("wb"))
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvbridge_services.lease"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=log_path.open("wb"),
+    )
 
 
 def last_stats(log_path: Path) -> tuple[int, ...]:
@@ -78,8 +102,9 @@ def last_stats(log_path: Path) -> tuple[int, ...]:
     return tuple(int(x) for x in found[-1]) if found else (0,) * 6
 
 
-async def grant_all(stub: lease_pb2_grpc.LeaseServiceStub, specs: list[tuple[str, str, float]],
-                    concurrency: int) -> list[int]:
+async def grant_all(
+    stub: lease_pb2_grpc.LeaseServiceStub, specs: list[tuple[str, str, float]], concurrency: int
+) -> list[int]:
     ids: list[int] = [0] * len(specs)
     queue = iter(range(len(specs)))
 
@@ -88,16 +113,23 @@ async def grant_all(stub: lease_pb2_grpc.LeaseServiceStub, specs: list[tuple[str
             engine, conv, ttl_s = specs[i]
             ttl = duration_pb2.Duration()
             ttl.FromNanoseconds(int(ttl_s * 1e9))
-            request = lease_pb2.GrantLeaseRequest(kind=ENTRY, tenant=f"t{i % 16}", engine_id=engine, model="m",
-                                                  conversation_key=conv, ttl=ttl)
+            request = lease_pb2.GrantLeaseRequest(
+                kind=ENTRY, tenant=f"t{i % 16}", engine_id=engine, model="m", conversation_key=conv, ttl=ttl
+            )
             ids[i] = (await stub.GrantLease(request, timeout=30)).lease.lease_id
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return ids
 
 
-async def renew_loop(stub: lease_pb2_grpc.LeaseServiceStub, ids: list[int], batch: int, stop: asyncio.Event,
-                     counts: list[int], pace: list[float]) -> None:
+async def renew_loop(
+    stub: lease_pb2_grpc.LeaseServiceStub,
+    ids: list[int],
+    batch: int,
+    stop: asyncio.Event,
+    counts: list[int],
+    pace: list[float],
+) -> None:
     """Renew ``ids`` round-robin, ``batch`` per message; ``pace[0]`` > 0 caps this stream's renewals/s."""
     call = stub.KeepAlive()
     position = 0
@@ -115,8 +147,9 @@ async def renew_loop(stub: lease_pb2_grpc.LeaseServiceStub, ids: list[int], batc
     await call.done_writing()
 
 
-async def watch_lateness(stub: lease_pb2_grpc.LeaseServiceStub, engine: str, expected: int,
-                         lateness: list[float], ready: asyncio.Event) -> None:
+async def watch_lateness(
+    stub: lease_pb2_grpc.LeaseServiceStub, engine: str, expected: int, lateness: list[float], ready: asyncio.Event
+) -> None:
     call = stub.WatchLeases(lease_pb2.WatchLeasesRequest(engine_id=engine))
     async for message in call:
         now = time.time()
@@ -131,8 +164,9 @@ async def watch_lateness(stub: lease_pb2_grpc.LeaseServiceStub, engine: str, exp
             return
 
 
-async def failover_phase(args: argparse.Namespace, etcd: str | None, leader: subprocess.Popen[bytes],
-                         ids: list[int], workdir: Path) -> None:
+async def failover_phase(
+    args: argparse.Namespace, etcd: str | None, leader: subprocess.Popen[bytes], ids: list[int], workdir: Path
+) -> None:
     """Phase 3 (etcd): start a standby, kill -9 the leader, time until the standby serves, check every lease."""
     port = free_port()
     log_path = workdir / "standby.log"
@@ -164,8 +198,10 @@ async def failover_phase(args: argparse.Namespace, etcd: str | None, leader: sub
         for line in log_path.read_text(errors="replace").splitlines():
             if "election" in line or "recovered" in line:
                 print("  standby:", line[:160])
-        print(f"phase 3 failover: kill -9 leader -> standby served in {took:.2f}s with {len(ids)} leases to load; "
-              f"{alive}/{len(ids)} leases alive after takeover")
+        print(
+            f"phase 3 failover: kill -9 leader -> standby served in {took:.2f}s with {len(ids)} leases to load; "
+            f"{alive}/{len(ids)} leases alive after takeover"
+        )
     finally:
         await channel.close()
         standby.send_signal(signal.SIGTERM)
@@ -177,8 +213,10 @@ def traffic(label: str, before: tuple[int, ...], after: tuple[int, ...]) -> str:
     txns, puts, deletes, gets = (after[k] - before[k] for k in (2, 3, 4, 5))
     if not renewals:
         return f"{label} store traffic: no renewals seen"
-    return (f"{label} store traffic: {txns} txns, {puts} puts, {deletes} deletes, {gets} gets for {renewals} "
-            f"renewals = {txns / renewals:.5f} txns and {puts / renewals:.4f} puts per renewal")
+    return (
+        f"{label} store traffic: {txns} txns, {puts} puts, {deletes} deletes, {gets} gets for {renewals} "
+        f"renewals = {txns / renewals:.5f} txns and {puts / renewals:.4f} puts per renewal"
+    )
 
 
 def pct(values: list[float], q: float) -> float:
@@ -188,7 +226,7 @@ def pct(values: list[float], q: float) -> float:
 
 async def run(args: argparse.Namespace) -> None:
     workdir = Path(tempfile.mkdtemp(prefix="lease-bench-"))
-    etcd_proc, etcd = (start_etcd(workdir) if args.store == "etcd" else (None, None))
+    etcd_proc, etcd = start_etcd(workdir) if args.store == "etcd" else (None, None)
     port = free_port()
     log_path = workdir / "lease.log"
     if etcd_proc is not None:
@@ -217,7 +255,7 @@ async def run(args: argparse.Namespace) -> None:
         stop = asyncio.Event()
         counts = [0, 0]
         pace = [0.0]
-        chunks = [renewed_ids[i::args.streams] for i in range(args.streams)]
+        chunks = [renewed_ids[i :: args.streams] for i in range(args.streams)]
         renewers = [asyncio.create_task(renew_loop(stub, c, args.batch, stop, counts, pace)) for c in chunks]
         # Phase 1: renewal throughput, unpaced.
         await asyncio.sleep(2)  # warm up
@@ -241,17 +279,25 @@ async def run(args: argparse.Namespace) -> None:
         stop.set()
         await asyncio.gather(*renewers)
         print(f"store={args.store} leases={args.leases} (renewed {renewed_n}, expiring {args.expiring})")
-        print(f"grant: {renewed_n} leases in {grant_s:.1f}s = {renewed_n / grant_s:.0f}/s "
-              f"(concurrency {args.concurrency})")
-        print(f"memory: server RSS {rss_before / 1024:.0f} -> {rss_after / 1024:.0f} MiB = "
-              f"{(rss_after - rss_before) * 1024 / renewed_n:.0f} bytes/lease (table + embedded store if any)")
-        print(f"phase 1 renewals: {rate:.0f}/s over {t2 - t1:.1f}s ({args.streams} KeepAlive streams x "
-              f"{args.batch} ids/msg), not-alive answers {counts[1]}")
+        print(
+            f"grant: {renewed_n} leases in {grant_s:.1f}s = {renewed_n / grant_s:.0f}/s "
+            f"(concurrency {args.concurrency})"
+        )
+        print(
+            f"memory: server RSS {rss_before / 1024:.0f} -> {rss_after / 1024:.0f} MiB = "
+            f"{(rss_after - rss_before) * 1024 / renewed_n:.0f} bytes/lease (table + embedded store if any)"
+        )
+        print(
+            f"phase 1 renewals: {rate:.0f}/s over {t2 - t1:.1f}s ({args.streams} KeepAlive streams x "
+            f"{args.batch} ids/msg), not-alive answers {counts[1]}"
+        )
         print(traffic("phase 1", stats0, stats1))
         print(f"phase 2 paced renewals: {(c3 - c2) / (t4 - t3):.0f}/s over {t4 - t3:.1f}s")
-        print(f"phase 2 expiry lateness (ENDED received - deadline) over {len(lateness)} leases: "
-              f"p50 {pct(lateness, 0.5) * 1000:.0f} ms, p99 {pct(lateness, 0.99) * 1000:.0f} ms, "
-              f"max {max(lateness) * 1000:.0f} ms")
+        print(
+            f"phase 2 expiry lateness (ENDED received - deadline) over {len(lateness)} leases: "
+            f"p50 {pct(lateness, 0.5) * 1000:.0f} ms, p99 {pct(lateness, 0.99) * 1000:.0f} ms, "
+            f"max {max(lateness) * 1000:.0f} ms"
+        )
         print(traffic("phase 2", stats2, stats3))
         if args.failover:
             await failover_phase(args, etcd, server, renewed_ids, workdir)

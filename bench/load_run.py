@@ -111,8 +111,10 @@ async def client(gw: str, idx: int, args: argparse.Namespace, run: Run, t0: floa
                     return
                 started = time.perf_counter()
                 try:
-                    r = await http.post("/v1/chat/completions", json={
-                        "model": MODEL, "messages": msgs, "max_tokens": args.max_tokens, "conversation_id": conv})
+                    r = await http.post(
+                        "/v1/chat/completions",
+                        json={"model": MODEL, "messages": msgs, "max_tokens": args.max_tokens, "conversation_id": conv},
+                    )
                     ok = r.status_code == 200
                     verdict = r.headers.get("x-kvbridge-reuse", "").split(";")[0]
                     if ok:
@@ -125,13 +127,21 @@ async def client(gw: str, idx: int, args: argparse.Namespace, run: Run, t0: floa
                 run.samples.append(Sample(started - t0, time.perf_counter() - started, ok, verdict, turn))
                 if not ok:
                     break
-                msgs = [*msgs, {"role": "assistant", "content": answer},
-                        {"role": "user", "content": f"w{turn + 11} w{idx % 300 + 10} tell me more"}]
+                msgs = [
+                    *msgs,
+                    {"role": "assistant", "content": answer},
+                    {"role": "user", "content": f"w{turn + 11} w{idx % 300 + 10} tell me more"},
+                ]
                 await asyncio.sleep(args.think_s)
 
 
-def _worker(gw: str, indices: list[int], args: argparse.Namespace, start_wall: float,
-            out: multiprocessing.queues.Queue[tuple[list[Sample], dict[str, int]]]) -> None:
+def _worker(
+    gw: str,
+    indices: list[int],
+    args: argparse.Namespace,
+    start_wall: float,
+    out: multiprocessing.queues.Queue[tuple[list[Sample], dict[str, int]]],
+) -> None:
     """A client process: runs its share of the conversations for the run's duration, then reports."""
 
     async def body() -> Run:
@@ -170,11 +180,32 @@ REPO = Path(__file__).resolve().parents[1]
 
 def spawn_sim(cfg: SimConfig) -> subprocess.Popen[bytes]:
     return subprocess.Popen(
-        [sys.executable, "-m", "tests.tools.engine_sim", "--role", cfg.role, "--port", str(cfg.port),
-         "--engine-id", cfg.engine_id, "--model", cfg.model, "--block-size", str(cfg.block_size),
-         "--total-blocks", str(cfg.total_blocks), "--decoder-kv-blocks-ttl", str(cfg.decoder_kv_blocks_ttl),
-         "--prefill-us-per-token", str(cfg.prefill_us_per_token), "--decode-us-per-token",
-         str(cfg.decode_us_per_token)], cwd=REPO, stdin=subprocess.DEVNULL)
+        [
+            sys.executable,
+            "-m",
+            "tests.tools.engine_sim",
+            "--role",
+            cfg.role,
+            "--port",
+            str(cfg.port),
+            "--engine-id",
+            cfg.engine_id,
+            "--model",
+            cfg.model,
+            "--block-size",
+            str(cfg.block_size),
+            "--total-blocks",
+            str(cfg.total_blocks),
+            "--decoder-kv-blocks-ttl",
+            str(cfg.decoder_kv_blocks_ttl),
+            "--prefill-us-per-token",
+            str(cfg.prefill_us_per_token),
+            "--decode-us-per-token",
+            str(cfg.decode_us_per_token),
+        ],
+        cwd=REPO,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 async def wait_healthy(cfg: SimConfig) -> None:
@@ -192,8 +223,9 @@ async def count_state(registry: str, lease: str) -> tuple[int, int]:
         reg, ls = registry_pb2_grpc.RegistryServiceStub(rch), lease_pb2_grpc.LeaseServiceStub(lch)
         entries, token = 0, ""
         while True:
-            resp = await reg.ListEntries(registry_pb2.ListEntriesRequest(tenant="default", page_size=1000,
-                                                                         page_token=token), timeout=10)
+            resp = await reg.ListEntries(
+                registry_pb2.ListEntriesRequest(tenant="default", page_size=1000, page_token=token), timeout=10
+            )
             entries += len(resp.entries)
             token = resp.next_page_token
             if not token:
@@ -210,12 +242,35 @@ async def count_state(registry: str, lease: str) -> tuple[int, int]:
 
 async def main_async(args: argparse.Namespace, registry: str, lease: str) -> Run:
     run = Run()
-    sims = [SimServer(SimConfig(role="prefill", engine_id=f"p{i}", model=MODEL, block_size=BLOCK,
-                                total_blocks=200_000, prefill_us_per_token=args.prefill_us,
-                                decode_us_per_token=args.decode_us)) for i in range(args.prefills)]
-    sims += [SimServer(SimConfig(role="decode", engine_id=f"d{i}", model=MODEL, block_size=BLOCK,
-                                 total_blocks=200_000, decoder_kv_blocks_ttl=120, prefill_us_per_token=args.prefill_us,
-                                 decode_us_per_token=args.decode_us)) for i in range(args.decodes)]
+    sims = [
+        SimServer(
+            SimConfig(
+                role="prefill",
+                engine_id=f"p{i}",
+                model=MODEL,
+                block_size=BLOCK,
+                total_blocks=200_000,
+                prefill_us_per_token=args.prefill_us,
+                decode_us_per_token=args.decode_us,
+            )
+        )
+        for i in range(args.prefills)
+    ]
+    sims += [
+        SimServer(
+            SimConfig(
+                role="decode",
+                engine_id=f"d{i}",
+                model=MODEL,
+                block_size=BLOCK,
+                total_blocks=200_000,
+                decoder_kv_blocks_ttl=120,
+                prefill_us_per_token=args.prefill_us,
+                decode_us_per_token=args.decode_us,
+            )
+        )
+        for i in range(args.decodes)
+    ]
     if args.sim_procs:  # same configurations, each simulator in its own process (off the gateway's loop)
         sim_procs = [spawn_sim(sim.cfg) for sim in sims]
         try:
@@ -237,16 +292,33 @@ async def main_async(args: argparse.Namespace, registry: str, lease: str) -> Run
 
 async def drive(args: argparse.Namespace, registry: str, lease: str, sims: list[SimServer], run: Run) -> Run:
     """Gateway over the simulators, then the clients for the run's duration."""
+
     def spec(sim: SimServer) -> StaticEngine:
-        return StaticEngine(url=sim.url, model=MODEL, engine_id=sim.cfg.engine_id, kv_host="127.0.0.1",
-                            kv_port=sim.cfg.port, block_size=BLOCK, register_in_registry=True)
+        return StaticEngine(
+            url=sim.url,
+            model=MODEL,
+            engine_id=sim.cfg.engine_id,
+            kv_host="127.0.0.1",
+            kv_port=sim.cfg.port,
+            block_size=BLOCK,
+            register_in_registry=True,
+        )
 
     settings = GatewaySettings(
-        host="127.0.0.1", http_port=0, grpc_port=0, registry_address=registry, lease_address=lease,
-        hash_secret_hex=SECRET_HEX, default_block_size=BLOCK, reuse_threshold_tokens=64,
-        entry_lease_ttl_s=args.entry_ttl, max_concurrency=10_000,
-        prefill_engines=[spec(s) for s in sims[:args.prefills]], decode_engines=[spec(s) for s in sims[args.prefills:]],
-        engines_from_registry=False)
+        host="127.0.0.1",
+        http_port=0,
+        grpc_port=0,
+        registry_address=registry,
+        lease_address=lease,
+        hash_secret_hex=SECRET_HEX,
+        default_block_size=BLOCK,
+        reuse_threshold_tokens=64,
+        entry_lease_ttl_s=args.entry_ttl,
+        max_concurrency=10_000,
+        prefill_engines=[spec(s) for s in sims[: args.prefills]],
+        decode_engines=[spec(s) for s in sims[args.prefills :]],
+        engines_from_registry=False,
+    )
     gw = GatewayApp(settings)
     gw.core.metrics.router_overhead = _Recorder(gw.core.metrics.router_overhead, run.overhead_s)  # type: ignore[assignment]
     await gw.start()
@@ -291,21 +363,26 @@ def report(args: argparse.Namespace, run: Run, command: str) -> str:
     hits_by_turn: dict[int, int] = {}
     for s in ok:
         hits_by_turn[s.turn] = hits_by_turn.get(s.turn, 0) + (s.verdict == "hit")
-    reuse_rate = (f"{sum(s.verdict == 'hit' for s in later) / len(later):.1%} of {len(later)}" if later else "n/a")
+    reuse_rate = f"{sum(s.verdict == 'hit' for s in later) / len(later):.1%} of {len(later)}" if later else "n/a"
     peak_entries = max((e for _, e, _ in run.state), default=0)
     peak_leases = max((n for _, _, n in run.state), default=0)
     lines = [
-        "# Load run: concurrent multi-turn conversations through the control plane", "",
-        f"Command: `{command}`", "",
+        "# Load run: concurrent multi-turn conversations through the control plane",
+        "",
+        f"Command: `{command}`",
+        "",
         "Setup: registry + lease manager as separate processes on a single-member etcd 3.4; gateway in the load "
         "process; engine simulators (test tool, not real vLLM: latency modelled from token counts) "
-        + ("in their own processes" if args.sim_procs else "in the load process") + "; clients "
-        + (f"in {args.client_procs} separate processes. " if args.client_procs else "in the load process. ") +
-        f"Machine: 2 cores shared with other work. {args.prefills} prefill + {args.decodes} decode simulators, "
+        + ("in their own processes" if args.sim_procs else "in the load process")
+        + "; clients "
+        + (f"in {args.client_procs} separate processes. " if args.client_procs else "in the load process. ")
+        + f"Machine: 2 cores shared with other work. {args.prefills} prefill + {args.decodes} decode simulators, "
         f"{args.prefill_us:.0f} us/prompt token prefill, {args.decode_us:.0f} us/output token, "
         f"{args.max_tokens} output tokens, {args.turns} turns per conversation then a new conversation id, "
-        f"{args.think_s:.2f} s think time, first turns spread over {args.ramp_s:.0f} s.", "",
-        "| figure | value |", "| --- | --- |",
+        f"{args.think_s:.2f} s think time, first turns spread over {args.ramp_s:.0f} s.",
+        "",
+        "| figure | value |",
+        "| --- | --- |",
         f"| concurrent conversations | {args.conversations} |",
         f"| duration | {args.duration:.0f} s |",
         f"| turns completed | {len(ok)} |",
@@ -319,17 +396,23 @@ def report(args: argparse.Namespace, run: Run, command: str) -> str:
         f"| reuse rate (turns 2+ answered with a hit) | {reuse_rate} |",
         f"| load average (1/5/15 min) during the run | {'; '.join(f't={t:.0f}s {la}' for t, la in run.loadavg)} |",
         f"| registry entries / leases (peak of samples) | {peak_entries} / {peak_leases} |",
-        f"| registry entries / leases over time | "
-        f"{'; '.join(f't={t:.0f}s {e}/{n}' for t, e, n in run.state)} |",
-        "", "Router overhead: the gateway's own time per turn (kvbridge_gateway_router_overhead_seconds: tokenize, "
+        f"| registry entries / leases over time | {'; '.join(f't={t:.0f}s {e}/{n}' for t, e, n in run.state)} |",
+        "",
+        "Router overhead: the gateway's own time per turn (kvbridge_gateway_router_overhead_seconds: tokenize, "
         "registry lookup, routing, registration), excluding engine time.",
         f"State bound: entries are capped per tenant (registry max_entries_per_tenant) and each lives on a lease "
         f"of {args.entry_ttl:.0f} s, single-use in compatibility mode; the samples above stay below the number "
-        f"of conversation ids ever started.", "",
-        "Latency per turn of a conversation (turn 1 has nothing to reuse):", "",
-        "| turn | turns completed | p50 ms | p99 ms | hits |", "| --- | --- | --- | --- | --- |",
-        *(f"| {t + 1} | {len(v)} | {pct(v, 0.5):.1f} | {pct(v, 0.99):.1f} | {hits_by_turn.get(t, 0)} |"
-          for t, v in per_turn(run).items()), "",
+        f"of conversation ids ever started.",
+        "",
+        "Latency per turn of a conversation (turn 1 has nothing to reuse):",
+        "",
+        "| turn | turns completed | p50 ms | p99 ms | hits |",
+        "| --- | --- | --- | --- | --- |",
+        *(
+            f"| {t + 1} | {len(v)} | {pct(v, 0.5):.1f} | {pct(v, 0.99):.1f} | {hits_by_turn.get(t, 0)} |"
+            for t, v in per_turn(run).items()
+        ),
+        "",
         f"![latency over time and per turn]({Path(args.out).name}.png)",
     ]
     return "\n".join(lines) + "\n"
@@ -384,8 +467,12 @@ def main() -> None:
     p.add_argument("--decode-us", type=float, default=2000.0)
     p.add_argument("--entry-ttl", type=float, default=60.0)
     p.add_argument("--ramp-s", type=float, default=0.0, help="spread the clients' first turns over this long")
-    p.add_argument("--client-procs", type=int, default=0,
-                   help="run the clients in this many processes (0: in the gateway's process)")
+    p.add_argument(
+        "--client-procs",
+        type=int,
+        default=0,
+        help="run the clients in this many processes (0: in the gateway's process)",
+    )
     p.add_argument("--sim-procs", action="store_true", help="run each engine simulator in its own process")
     p.add_argument("--out", default="bench/results/load")
     args = p.parse_args()

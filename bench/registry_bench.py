@@ -70,11 +70,19 @@ def spawn_etcd(binary: str) -> tuple[subprocess.Popen[bytes], str, str]:
     data = tempfile.mkdtemp(prefix="bench-etcd-")
     cport, pport = free_port(), free_port()
     proc = subprocess.Popen(
-        [binary, f"--data-dir={data}/d", f"--listen-client-urls=http://127.0.0.1:{cport}",
-         f"--advertise-client-urls=http://127.0.0.1:{cport}", f"--listen-peer-urls=http://127.0.0.1:{pport}",
-         f"--initial-advertise-peer-urls=http://127.0.0.1:{pport}",
-         f"--initial-cluster=default=http://127.0.0.1:{pport}", "--log-level=error", "--logger=zap"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+        [
+            binary,
+            f"--data-dir={data}/d",
+            f"--listen-client-urls=http://127.0.0.1:{cport}",
+            f"--advertise-client-urls=http://127.0.0.1:{cport}",
+            f"--listen-peer-urls=http://127.0.0.1:{pport}",
+            f"--initial-advertise-peer-urls=http://127.0.0.1:{pport}",
+            f"--initial-cluster=default=http://127.0.0.1:{pport}",
+            "--log-level=error",
+            "--logger=zap",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
     )
     return proc, f"127.0.0.1:{cport}", data
 
@@ -162,8 +170,7 @@ def loadavg() -> str:
         return " ".join(f.read().split()[:3])
 
 
-async def in_processes(target: Callable[..., None], args_per_proc: list[tuple[Any, ...]]
-                       ) -> tuple[float, list[float]]:
+async def in_processes(target: Callable[..., None], args_per_proc: list[tuple[Any, ...]]) -> tuple[float, list[float]]:
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")
@@ -177,48 +184,79 @@ async def in_processes(target: Callable[..., None], args_per_proc: list[tuple[An
     return sum(r for r, _ in results), [x for _, lat in results for x in lat]
 
 
-async def grpc_lookups_from_processes(address: str, req: registry_pb2.LookupEntryRequest, n: int,
-                                      procs: int, concurrency: int = 32) -> tuple[float, list[float]]:
+async def grpc_lookups_from_processes(
+    address: str, req: registry_pb2.LookupEntryRequest, n: int, procs: int, concurrency: int = 32
+) -> tuple[float, list[float]]:
     raw = req.SerializeToString()
     return await in_processes(_client_proc, [(address, raw, n // procs, concurrency)] * procs)
 
 
 async def put_lease(store: Store, keys: KeyLayout, kind: int, conv: str = "", engine: str = "d0") -> int:
     lease_id = int.from_bytes(os.urandom(7), "big") + 1
-    rec = lease_pb2.Lease(lease_id=lease_id, kind=kind, tenant="" if kind == lease_pb2.LEASE_KIND_NODE else "acme",  # type: ignore[arg-type]
-                          engine_id=engine, model=MODEL if kind == lease_pb2.LEASE_KIND_ENTRY else "",
-                          conversation_key=conv)
+    rec = lease_pb2.Lease(
+        lease_id=lease_id,
+        kind=kind,
+        tenant="" if kind == lease_pb2.LEASE_KIND_NODE else "acme",  # type: ignore[arg-type]
+        engine_id=engine,
+        model=MODEL if kind == lease_pb2.LEASE_KIND_ENTRY else "",
+        conversation_key=conv,
+    )
     await store.put(keys.lease(lease_id), rec.SerializeToString())
     return lease_id
 
 
 def entry_request(tokens: list[int], conv: str, lease_id: int, epoch: int = 1) -> registry_pb2.RegisterEntryRequest:
     n = -(-len(tokens) // BLOCK)
-    return registry_pb2.RegisterEntryRequest(request_id=uuid.uuid4().hex, entry=registry_pb2.Entry(
-        key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key=conv), engine_id="d0",
-        engine_request_id=f"r-{conv}", block_ids=[types_pb2.BlockIds(ids=list(range(n)))], block_size=BLOCK,
-        token_count=len(tokens), block_hashes=chain(tokens), lease_id=lease_id, epoch=epoch))
+    return registry_pb2.RegisterEntryRequest(
+        request_id=uuid.uuid4().hex,
+        entry=registry_pb2.Entry(
+            key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key=conv),
+            engine_id="d0",
+            engine_request_id=f"r-{conv}",
+            block_ids=[types_pb2.BlockIds(ids=list(range(n)))],
+            block_size=BLOCK,
+            token_count=len(tokens),
+            block_hashes=chain(tokens),
+            lease_id=lease_id,
+            epoch=epoch,
+        ),
+    )
 
 
 def make_app(store: Store, keys: KeyLayout, batching: str) -> RegistryApp:
-    settings = RegistrySettings(port=0, max_entries_per_tenant=1_000_000,
-                                register_batching=batching)  # type: ignore[arg-type]
-    return RegistryApp(store, settings=settings,
-                       server_settings=ServerSettings(shutdown_grace_s=0, max_concurrent_rpcs=4096),
-                       keys=keys, releaser=NoRelease())
+    settings = RegistrySettings(port=0, max_entries_per_tenant=1_000_000, register_batching=batching)  # type: ignore[arg-type]
+    return RegistryApp(
+        store,
+        settings=settings,
+        server_settings=ServerSettings(shutdown_grace_s=0, max_concurrent_rpcs=4096),
+        keys=keys,
+        releaser=NoRelease(),
+    )
 
 
 async def register_engine(app: RegistryApp, store: Store, keys: KeyLayout) -> None:
     async with grpc.aio.insecure_channel(app.address) as channel:
         stub = registry_pb2_grpc.RegistryServiceStub(channel)
         node = await put_lease(store, keys, lease_pb2.LEASE_KIND_NODE)
-        await stub.RegisterEngine(registry_pb2.RegisterEngineRequest(engine=types_pb2.Engine(
-            engine_id="d0", role=types_pb2.ENGINE_ROLE_DECODE, model=MODEL, kv_host="10.0.0.1", kv_port=5600,
-            block_size=BLOCK, kv_group_count=1, node_lease_id=node)))
+        await stub.RegisterEngine(
+            registry_pb2.RegisterEngineRequest(
+                engine=types_pb2.Engine(
+                    engine_id="d0",
+                    role=types_pb2.ENGINE_ROLE_DECODE,
+                    model=MODEL,
+                    kv_host="10.0.0.1",
+                    kv_port=5600,
+                    block_size=BLOCK,
+                    kv_group_count=1,
+                    node_lease_id=node,
+                )
+            )
+        )
 
 
-async def registrations(app: RegistryApp, store: Store, keys: KeyLayout, args: argparse.Namespace, tag: str,
-                        store_pid: int | None) -> dict[str, Any]:
+async def registrations(
+    app: RegistryApp, store: Store, keys: KeyLayout, args: argparse.Namespace, tag: str, store_pid: int | None
+) -> dict[str, Any]:
     """args.registrations new 8K-token conversations from a client process, args.reg_concurrency in flight."""
     history = tokens_for(8192)
     n = args.registrations
@@ -239,24 +277,37 @@ async def registrations(app: RegistryApp, store: Store, keys: KeyLayout, args: a
     stored, _ = await store.range_prefix(keys.entries_prefix("acme", MODEL), keys_only=True)
     # Every acknowledged registration is in the store.
     assert sum(keys.parse_entry(kv.key)[2].startswith(f"{tag}-c") for kv in stored) == n
-    return {"rate": rate, "p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "server_us": cpu / n * 1e6,
-            "store_us": store_cpu / n * 1e6, "combined_txns": (batcher.combined_commits - commits_before)
-            if batcher else 0, "load": load}
+    return {
+        "rate": rate,
+        "p50": pct(lat, 0.5),
+        "p99": pct(lat, 0.99),
+        "server_us": cpu / n * 1e6,
+        "store_us": store_cpu / n * 1e6,
+        "combined_txns": (batcher.combined_commits - commits_before) if batcher else 0,
+        "load": load,
+    }
 
 
-async def grpc_lookups(app: RegistryApp, req: registry_pb2.LookupEntryRequest, args: argparse.Namespace,
-                       procs: int) -> dict[str, Any]:
+async def grpc_lookups(
+    app: RegistryApp, req: registry_pb2.LookupEntryRequest, args: argparse.Namespace, procs: int
+) -> dict[str, Any]:
     await grpc_lookups_from_processes(app.address, req, 200 * procs, procs)  # warm up
     load = loadavg()
     cpu0 = proc_cpu_s(os.getpid())
     rate, lat = await grpc_lookups_from_processes(app.address, req, args.lookups, procs, args.lookup_concurrency)
     cpu = proc_cpu_s(os.getpid()) - cpu0
-    return {"rate": rate, "p50": pct(lat, 0.5), "p99": pct(lat, 0.99), "server_us": cpu / args.lookups * 1e6,
-            "load": load}
+    return {
+        "rate": rate,
+        "p50": pct(lat, 0.5),
+        "p99": pct(lat, 0.99),
+        "server_us": cpu / args.lookups * 1e6,
+        "load": load,
+    }
 
 
-async def run_backend(name: str, store: Store, args: argparse.Namespace, store_pid: int | None = None
-                      ) -> dict[str, Any]:
+async def run_backend(
+    name: str, store: Store, args: argparse.Namespace, store_pid: int | None = None
+) -> dict[str, Any]:
     keys = KeyLayout()
     out: dict[str, Any] = {"backend": name, "reg": {}, "grpc": {}}
     app: RegistryApp | None = None
@@ -271,10 +322,12 @@ async def run_backend(name: str, store: Store, args: argparse.Namespace, store_p
         assert app is not None
         history = tokens_for(8192)
         prompt = chain([*history, *tokens_for(200, 3)])
-        keyed = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key="on-c1",
-                                                block_hashes=prompt, block_size=BLOCK)
-        packed = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key="on-c1",
-                                                 block_hashes_packed=b"".join(prompt), block_size=BLOCK)
+        keyed = registry_pb2.LookupEntryRequest(
+            tenant="acme", model=MODEL, conversation_key="on-c1", block_hashes=prompt, block_size=BLOCK
+        )
+        packed = registry_pb2.LookupEntryRequest(
+            tenant="acme", model=MODEL, conversation_key="on-c1", block_hashes_packed=b"".join(prompt), block_size=BLOCK
+        )
         for form, req in (("repeated", keyed), ("packed", packed)):
             for procs in args.client_procs:
                 out["grpc"][(form, procs)] = await grpc_lookups(app, req, args, procs)
@@ -289,8 +342,9 @@ async def run_backend(name: str, store: Store, args: argparse.Namespace, store_p
                 lat.append(time.perf_counter() - t)
             assert resp.verdict == registry_pb2.LOOKUP_VERDICT_HIT
             out[f"core_{form}"] = (args.lookups / (time.perf_counter() - t0), pct(lat, 0.5), pct(lat, 0.99))
-        content = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, block_hashes_packed=b"".join(prompt),
-                                                  block_size=BLOCK)
+        content = registry_pb2.LookupEntryRequest(
+            tenant="acme", model=MODEL, block_hashes_packed=b"".join(prompt), block_size=BLOCK
+        )
         t0 = time.perf_counter()
         for _ in range(args.lookups // 4):
             resp = app.registry.lookup(DEV_PRINCIPAL, content)
@@ -338,8 +392,10 @@ def entry_sizes(stride: int = 4, tail_blocks: int = 0) -> list[tuple[int, int, i
 def report_sizes() -> None:
     """Bytes per entry, checkpoints only (stride 4, the earlier default) and with the registry's defaults."""
     defaults = RegistrySettings()
-    print("| tokens (block 16) | stored as | full chain bytes | stored Entry bytes (etcd value) "
-          "| in-memory index bytes/entry |")
+    print(
+        "| tokens (block 16) | stored as | full chain bytes | stored Entry bytes (etcd value) "
+        "| in-memory index bytes/entry |"
+    )
     print("|---|---|---|---|---|")
     for stride, tail in ((4, 0), (defaults.chain_stride, defaults.chain_exact_tail_blocks)):
         label = f"stride {stride}, tail {tail} blocks"
@@ -349,30 +405,44 @@ def report_sizes() -> None:
 
 def report(results: list[dict[str, Any]], args: argparse.Namespace) -> None:
     print("Registrations (new 8K-token conversations, client in its own process):\n")
-    print("| backend | group commit | registrations/s | p50 ms | p99 ms | server CPU µs/reg | etcd CPU µs/reg "
-          "| combined write txns | loadavg (1/5/15 min) |")
+    print(
+        "| backend | group commit | registrations/s | p50 ms | p99 ms | server CPU µs/reg | etcd CPU µs/reg "
+        "| combined write txns | loadavg (1/5/15 min) |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for mode, x in r["reg"].items():
-            print(f"| {r['backend']} | {mode} | {x['rate']:.0f} | {x['p50']:.1f} | {x['p99']:.1f} "
-                  f"| {x['server_us']:.0f} | {x['store_us']:.0f} | {x['combined_txns']} | {x['load']} |")
-    print("\nLookups over gRPC (keyed, 8,392-token prompt, 524 hashes; clients in their own processes, "
-          f"{args.lookup_concurrency} in flight each):\n")
-    print("| backend | hash form | client procs | lookups/s | p50 ms | p99 ms | server CPU µs/lookup "
-          "| = lookups/s per server core | loadavg |")
+            print(
+                f"| {r['backend']} | {mode} | {x['rate']:.0f} | {x['p50']:.1f} | {x['p99']:.1f} "
+                f"| {x['server_us']:.0f} | {x['store_us']:.0f} | {x['combined_txns']} | {x['load']} |"
+            )
+    print(
+        "\nLookups over gRPC (keyed, 8,392-token prompt, 524 hashes; clients in their own processes, "
+        f"{args.lookup_concurrency} in flight each):\n"
+    )
+    print(
+        "| backend | hash form | client procs | lookups/s | p50 ms | p99 ms | server CPU µs/lookup "
+        "| = lookups/s per server core | loadavg |"
+    )
     print("|---|---|---|---|---|---|---|---|---|")
     for r in results:
         for (form, procs), x in r["grpc"].items():
-            print(f"| {r['backend']} | {form} | {procs} | {x['rate']:.0f} | {x['p50']:.1f} | {x['p99']:.1f} "
-                  f"| {x['server_us']:.0f} | {1e6 / x['server_us']:.0f} | {x['load']} |")
+            print(
+                f"| {r['backend']} | {form} | {procs} | {x['rate']:.0f} | {x['p50']:.1f} | {x['p99']:.1f} "
+                f"| {x['server_us']:.0f} | {1e6 / x['server_us']:.0f} | {x['load']} |"
+            )
     print("\nLookups in-process on the registry core (no gRPC):\n")
-    print("| backend | keyed lookups/s (repeated) | p50 ms | p99 ms | keyed lookups/s (packed) | p50 ms | p99 ms "
-          "| content lookups/s (packed) |")
+    print(
+        "| backend | keyed lookups/s (repeated) | p50 ms | p99 ms | keyed lookups/s (packed) | p50 ms | p99 ms "
+        "| content lookups/s (packed) |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for r in results:
         (rr, r50, r99), (pr, p50, p99) = r["core_repeated"], r["core_packed"]
-        print(f"| {r['backend']} | {rr:.0f} | {r50:.3f} | {r99:.3f} | {pr:.0f} | {p50:.3f} | {p99:.3f} "
-              f"| {r['content_lookup_rate']:.0f} |")
+        print(
+            f"| {r['backend']} | {rr:.0f} | {r50:.3f} | {r99:.3f} | {pr:.0f} | {p50:.3f} | {p99:.3f} "
+            f"| {r['content_lookup_rate']:.0f} |"
+        )
     print()
     report_sizes()
 
@@ -395,11 +465,21 @@ def plot(results: list[dict[str, Any]], path: str, serve_rows: list[dict[str, An
     ax_reg.legend(fontsize=8)
     procs = max(p for r in results for (_, p) in r["grpc"])
     for offset, form in ((-0.2, "repeated"), (0.2, "packed")):
-        ax_look.bar([x + offset for x in xs], [1e6 / r["grpc"][(form, procs)]["server_us"] for r in results], 0.4,
-                    label=f"{form} hashes: per server core")
+        ax_look.bar(
+            [x + offset for x in xs],
+            [1e6 / r["grpc"][(form, procs)]["server_us"] for r in results],
+            0.4,
+            label=f"{form} hashes: per server core",
+        )
     for offset, form in ((-0.2, "repeated"), (0.2, "packed")):
-        ax_look.scatter([x + offset for x in xs], [r["grpc"][(form, procs)]["rate"] for r in results], color="k",
-                        marker="x", zorder=3, label="measured, shared 2-core VM" if form == "packed" else None)
+        ax_look.scatter(
+            [x + offset for x in xs],
+            [r["grpc"][(form, procs)]["rate"] for r in results],
+            color="k",
+            marker="x",
+            zorder=3,
+            label="measured, shared 2-core VM" if form == "packed" else None,
+        )
     ax_look.axhline(5000, color="k", linestyle="--", linewidth=1, label="target per replica")
     ax_look.set_xticks(list(xs), names)
     ax_look.set_title(f"gRPC lookups/s ({procs} Python client procs)")
@@ -409,10 +489,20 @@ def plot(results: list[dict[str, Any]], path: str, serve_rows: list[dict[str, An
         counts = sorted({x["processes"] for x in serve_rows})
         for i, n in enumerate(counts):
             rows = [x for x in serve_rows if x["processes"] == n]
-            ax_serve.bar([i - 0.2], [max(x["rate"] for x in rows)], 0.4, color="C0",
-                         label="measured (h2load, best round)" if i == 0 else None)
-            ax_serve.bar([i + 0.2], [min(1e6 / x["server_us"] for x in rows) * n], 0.4, color="C2",
-                         label="n x per-core capacity (worst round)" if i == 0 else None)
+            ax_serve.bar(
+                [i - 0.2],
+                [max(x["rate"] for x in rows)],
+                0.4,
+                color="C0",
+                label="measured (h2load, best round)" if i == 0 else None,
+            )
+            ax_serve.bar(
+                [i + 0.2],
+                [min(1e6 / x["server_us"] for x in rows) * n],
+                0.4,
+                color="C2",
+                label="n x per-core capacity (worst round)" if i == 0 else None,
+            )
         ax_serve.axhline(5000, color="k", linestyle="--", linewidth=1, label="target per replica")
         ax_serve.set_xticks(range(len(counts)), [f"{n} server process{'es' if n > 1 else ''}" for n in counts])
         ax_serve.set_title("one replica on etcd, lookups/s (2-core VM)")
@@ -450,8 +540,12 @@ def lookup_hits(metrics_port: int) -> float:
 
     with urllib.request.urlopen(f"http://127.0.0.1:{metrics_port}/metrics", timeout=5) as resp:
         text = resp.read().decode()
-    return sum(sample.value for family in text_string_to_metric_families(text) for sample in family.samples
-               if sample.name == "kvbridge_registry_lookups_total" and sample.labels.get("verdict") == "hit")
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "kvbridge_registry_lookups_total" and sample.labels.get("verdict") == "hit"
+    )
 
 
 def grpc_frame(message: bytes) -> bytes:
@@ -462,20 +556,49 @@ def grpc_frame(message: bytes) -> bytes:
 def run_h2load(binary: str, url: str, body: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.NamedTemporaryFile(prefix="bench-h2load-", suffix=".tsv") as log:
         done = subprocess.run(
-            [binary, "-n", str(n), "-c", str(args.h2_connections), "-m", str(args.h2_streams), "-t", "1", "-d", body,
-             "-H", "content-type: application/grpc", "-H", "te: trailers", f"--log-file={log.name}", url],
-            capture_output=True, text=True, check=True)
+            [
+                binary,
+                "-n",
+                str(n),
+                "-c",
+                str(args.h2_connections),
+                "-m",
+                str(args.h2_streams),
+                "-t",
+                "1",
+                "-d",
+                body,
+                "-H",
+                "content-type: application/grpc",
+                "-H",
+                "te: trailers",
+                f"--log-file={log.name}",
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
         micros = sorted(int(line.split("\t")[2]) for line in Path(log.name).read_text().splitlines() if line)
     out = done.stdout
     finished = next(line for line in out.splitlines() if line.startswith("finished in"))
     succeeded = int(next(line for line in out.splitlines() if line.startswith("requests:")).split(",")[3].split()[0])
-    return {"rate": float(finished.split(",")[1].split()[0]), "succeeded": succeeded,
-            "p50": micros[len(micros) // 2] / 1000, "p99": micros[min(len(micros) - 1, int(0.99 * len(micros)))] / 1000}
+    return {
+        "rate": float(finished.split(",")[1].split()[0]),
+        "succeeded": succeeded,
+        "p50": micros[len(micros) // 2] / 1000,
+        "p99": micros[min(len(micros) - 1, int(0.99 * len(micros)))] / 1000,
+    }
 
 
 def start_registry(env: dict[str, str], processes: int) -> subprocess.Popen[str]:
-    proc = subprocess.Popen([sys.executable, "-m", "kvbridge_services.registry"], env=env, stdout=subprocess.PIPE,
-                            text=True, start_new_session=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge_services.registry"],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
     assert proc.stdout is not None
     for _ in range(processes):  # each server process prints its line once it serves
         while "registry listening" not in (line := proc.stdout.readline()):
@@ -490,9 +613,15 @@ async def serve_run(endpoint: str, processes: int, args: argparse.Namespace, h2l
     store = EtcdStore([endpoint])
     keys = KeyLayout()
     port, metrics = free_port(), free_port_run(processes)
-    env = {**os.environ, "KVBRIDGE_ETCD_ENDPOINTS": endpoint, "KVBRIDGE_HOST": "127.0.0.1",
-           "KVBRIDGE_REGISTRY_PORT": str(port), "KVBRIDGE_REGISTRY_METRICS_PORT": str(metrics),
-           "KVBRIDGE_LOG_LEVEL": "WARNING", "KVBRIDGE_MAX_CONCURRENT_RPCS": "4096"}
+    env = {
+        **os.environ,
+        "KVBRIDGE_ETCD_ENDPOINTS": endpoint,
+        "KVBRIDGE_HOST": "127.0.0.1",
+        "KVBRIDGE_REGISTRY_PORT": str(port),
+        "KVBRIDGE_REGISTRY_METRICS_PORT": str(metrics),
+        "KVBRIDGE_LOG_LEVEL": "WARNING",
+        "KVBRIDGE_MAX_CONCURRENT_RPCS": "4096",
+    }
     env.pop("KVBRIDGE_API_KEYS_FILE", None)
     if processes > 1:
         env["KVBRIDGE_REGISTRY_SERVE_PROCESSES"] = str(processes)
@@ -504,13 +633,29 @@ async def serve_run(endpoint: str, processes: int, args: argparse.Namespace, h2l
         async with grpc.aio.insecure_channel(address) as channel:
             stub = registry_pb2_grpc.RegistryServiceStub(channel)
             node = await put_lease(store, keys, lease_pb2.LEASE_KIND_NODE)
-            await stub.RegisterEngine(registry_pb2.RegisterEngineRequest(engine=types_pb2.Engine(
-                engine_id="d0", role=types_pb2.ENGINE_ROLE_DECODE, model=MODEL, kv_host="10.0.0.1", kv_port=5600,
-                block_size=BLOCK, kv_group_count=1, node_lease_id=node)))
+            await stub.RegisterEngine(
+                registry_pb2.RegisterEngineRequest(
+                    engine=types_pb2.Engine(
+                        engine_id="d0",
+                        role=types_pb2.ENGINE_ROLE_DECODE,
+                        model=MODEL,
+                        kv_host="10.0.0.1",
+                        kv_port=5600,
+                        block_size=BLOCK,
+                        kv_group_count=1,
+                        node_lease_id=node,
+                    )
+                )
+            )
             lease = await put_lease(store, keys, lease_pb2.LEASE_KIND_ENTRY, conv)
             await stub.RegisterEntry(entry_request(history, conv, lease))
-        req = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key=conv, block_size=BLOCK,
-                                              block_hashes_packed=b"".join(chain([*history, *tokens_for(200, 3)])))
+        req = registry_pb2.LookupEntryRequest(
+            tenant="acme",
+            model=MODEL,
+            conversation_key=conv,
+            block_size=BLOCK,
+            block_hashes_packed=b"".join(chain([*history, *tokens_for(200, 3)])),
+        )
         await asyncio.sleep(1.0)  # every process's index has the entry (watch lag is milliseconds)
         url = f"http://{address}/kvbridge.registry.v1.RegistryService/LookupEntry"
         with tempfile.NamedTemporaryFile(prefix="bench-body-", suffix=".bin") as body:
@@ -557,14 +702,20 @@ async def serve_capacity(args: argparse.Namespace) -> list[dict[str, Any]]:
 
 
 def report_serve(rows: list[dict[str, Any]], args: argparse.Namespace) -> None:
-    print("\nServing capacity: `python -m kvbridge_services.registry` on etcd, keyed lookups (8,392-token prompt, "
-          f"packed), h2load with {args.h2_connections} connections x {args.h2_streams} streams:\n")
-    print("| server processes | lookups/s | p50 ms | p99 ms | server CPU µs/lookup (all processes) "
-          "| = lookups/s per server core | loadavg |")
+    print(
+        "\nServing capacity: `python -m kvbridge_services.registry` on etcd, keyed lookups (8,392-token prompt, "
+        f"packed), h2load with {args.h2_connections} connections x {args.h2_streams} streams:\n"
+    )
+    print(
+        "| server processes | lookups/s | p50 ms | p99 ms | server CPU µs/lookup (all processes) "
+        "| = lookups/s per server core | loadavg |"
+    )
     print("|---|---|---|---|---|---|---|")
     for x in rows:
-        print(f"| {x['processes']} | {x['rate']:.0f} | {x['p50']:.1f} | {x['p99']:.1f} | {x['server_us']:.0f} "
-              f"| {1e6 / x['server_us']:.0f} | {x['load']} |")
+        print(
+            f"| {x['processes']} | {x['rate']:.0f} | {x['p50']:.1f} | {x['p99']:.1f} | {x['server_us']:.0f} "
+            f"| {1e6 / x['server_us']:.0f} | {x['load']} |"
+        )
 
 
 async def main() -> None:
@@ -573,12 +724,20 @@ async def main() -> None:
     parser.add_argument("--registrations", type=int, default=2000)
     parser.add_argument("--reg-concurrency", type=int, default=64, help="registrations in flight")
     parser.add_argument("--lookups", type=int, default=20000)
-    parser.add_argument("--client-procs", type=lambda s: [int(x) for x in s.split(",")], default=[1, 2],
-                        help="comma-separated numbers of load-generating client processes to try")
+    parser.add_argument(
+        "--client-procs",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[1, 2],
+        help="comma-separated numbers of load-generating client processes to try",
+    )
     parser.add_argument("--lookup-concurrency", type=int, default=32, help="lookups in flight per client process")
     parser.add_argument("--plot", default="", help="write a PNG of registrations/s and lookups/s here")
-    parser.add_argument("--serve-processes", type=lambda s: [int(x) for x in s.split(",")], default=[],
-                        help="also measure the real server process with these numbers of server processes (h2load)")
+    parser.add_argument(
+        "--serve-processes",
+        type=lambda s: [int(x) for x in s.split(",")],
+        default=[],
+        help="also measure the real server process with these numbers of server processes (h2load)",
+    )
     parser.add_argument("--serve-only", action="store_true", help="only the serving-capacity runs")
     parser.add_argument("--serve-rounds", type=int, default=1, help="repeat the serving-capacity runs")
     parser.add_argument("--h2-connections", type=int, default=32, help="h2load connections (spread over the processes)")

@@ -37,8 +37,9 @@ def dev_text(rng: random.Random, words: int) -> str:
     return " ".join(f"w{rng.randrange(400) + 10}" for _ in range(words))
 
 
-async def measure(tokenizer_dir: Path, text: Callable[[random.Random, int], str], contexts: list[int], turns: int,
-                  label: str) -> list[tuple[int, float, float, int]]:
+async def measure(
+    tokenizer_dir: Path, text: Callable[[random.Random, int], str], contexts: list[int], turns: int, label: str
+) -> list[tuple[int, float, float, int]]:
     """(context tokens, median ms incremental, median ms whole, turns) per context length."""
     cached = LocalTokenizers({"m": tokenizer_dir})
     whole = LocalTokenizers({"m": tokenizer_dir}, prefix_cache_bytes=0)
@@ -57,8 +58,11 @@ async def measure(tokenizer_dir: Path, text: Callable[[random.Random, int], str]
             await cached.ids("m", "chat", {"messages": msgs}, key)  # the previous turn's encoding
             inc, full = [], []
             for _ in range(turns):
-                msgs = [*msgs, {"role": "assistant", "content": text(rng, 40)},
-                        {"role": "user", "content": text(rng, 30)}]
+                msgs = [
+                    *msgs,
+                    {"role": "assistant", "content": text(rng, 40)},
+                    {"role": "user", "content": text(rng, 30)},
+                ]
                 body = {"messages": msgs}
                 t0 = time.perf_counter()
                 a = await cached.ids("m", "chat", body, key)
@@ -69,8 +73,10 @@ async def measure(tokenizer_dir: Path, text: Callable[[random.Random, int], str]
                 inc.append(t1 - t0)
                 full.append(t2 - t1)
             rows.append((len(b or []), statistics.median(inc) * 1e3, statistics.median(full) * 1e3, turns))
-            print(f"  [{label}] {len(b or []):>6} tokens: incremental {rows[-1][1]:.3f} ms, whole {rows[-1][2]:.3f} ms",
-                  flush=True)
+            print(
+                f"  [{label}] {len(b or []):>6} tokens: incremental {rows[-1][1]:.3f} ms, whole {rows[-1][2]:.3f} ms",
+                flush=True,
+            )
     finally:
         cached.close()
         whole.close()
@@ -100,8 +106,11 @@ def plot(results: dict[str, list[tuple[int, float, float, int]]], path: Path) ->
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--contexts", default="1000,4000,8000,16000,24000",
-                   help="minimum prompt tokens, comma-separated (the history grows by whole messages)")
+    p.add_argument(
+        "--contexts",
+        default="1000,4000,8000,16000,24000",
+        help="minimum prompt tokens, comma-separated (the history grows by whole messages)",
+    )
     p.add_argument("--turns", type=int, default=20, help="measured turns per context length")
     p.add_argument("--out", type=Path, default=Path("bench/results/tokenize"))
     args = p.parse_args()
@@ -119,13 +128,23 @@ def main() -> None:
     args.out.parent.mkdir(parents=True, exist_ok=True)
     plot(results, args.out.with_suffix(".png"))
     cmd = "python bench/tokenize_bench.py " + " ".join(sys.argv[1:])
-    lines = ["# Gateway tokenization per turn: incremental vs whole prompt", "", f"Command: `{cmd}`", "",
-             f"Each row: median of {args.turns} turns (each appends a reply of 40 words and a user message of 30 "
-             "words), in-process on one core of the 2-core dev host; load average (1 min) "
-             f"{load_before[0]:.2f} → {load_after[0]:.2f}. Incremental and whole gave identical ids on every turn.", ""]
+    lines = [
+        "# Gateway tokenization per turn: incremental vs whole prompt",
+        "",
+        f"Command: `{cmd}`",
+        "",
+        f"Each row: median of {args.turns} turns (each appends a reply of 40 words and a user message of 30 "
+        "words), in-process on one core of the 2-core dev host; load average (1 min) "
+        f"{load_before[0]:.2f} → {load_after[0]:.2f}. Incremental and whole gave identical ids on every turn.",
+        "",
+    ]
     for label, rows in results.items():
-        lines += [f"## {label}", "", "| prompt tokens | incremental (ms) | whole prompt (ms) | speed-up |",
-                  "| --- | --- | --- | --- |"]
+        lines += [
+            f"## {label}",
+            "",
+            "| prompt tokens | incremental (ms) | whole prompt (ms) | speed-up |",
+            "| --- | --- | --- | --- |",
+        ]
         lines += [f"| {n:,} | {a:.3f} | {b:.3f} | {b / a:.1f}x |" for n, a, b, _ in rows]
         lines.append("")
     lines += [f"![tokenization per turn]({args.out.with_suffix('.png').name})", ""]

@@ -99,8 +99,14 @@ class DenseShape:
 
 def bench_dense_shape(shape: ModelShape, kv_dtype_bytes: int) -> DenseShape:
     return DenseShape(
-        "bench (this run)", shape.num_layers, shape.hidden_size, shape.num_attention_heads, shape.num_kv_heads,
-        shape.head_dim, shape.intermediate_size, kv_dtype_bytes,
+        "bench (this run)",
+        shape.num_layers,
+        shape.hidden_size,
+        shape.num_attention_heads,
+        shape.num_kv_heads,
+        shape.head_dim,
+        shape.intermediate_size,
+        kv_dtype_bytes,
     )
 
 
@@ -119,7 +125,8 @@ class NixlCounters:
 
     def minus(self, other: NixlCounters) -> NixlCounters:
         return NixlCounters(
-            self.xfer_s - other.xfer_s, self.xfers - other.xfers, self.bytes - other.bytes, self.descs - other.descs)
+            self.xfer_s - other.xfer_s, self.xfers - other.xfers, self.bytes - other.bytes, self.descs - other.descs
+        )
 
 
 def read_nixl_counters(engine: Engine) -> NixlCounters:
@@ -169,16 +176,22 @@ class TurnRow:
         return self.pull_bytes / self.raw_read_s / 1e9 if self.raw_read_s > 0 else 0.0
 
 
-def timed_completion(engine: Engine, prompt: list[int], max_tokens: int,
-                     params: dict[str, Any] | None) -> tuple[float, dict[str, Any]]:
+def timed_completion(
+    engine: Engine, prompt: list[int], max_tokens: int, params: dict[str, Any] | None
+) -> tuple[float, dict[str, Any]]:
     started = time.perf_counter()
     response = completion(engine, prompt, max_tokens, params)
     return time.perf_counter() - started, response
 
 
-def pd_turn_timed(prefill: Engine, decode: Engine, prompt: list[int], output_tokens: int,
-                  reuse: dict[str, Any] | None, decode_extra: dict[str, Any] | None = None,
-                  ) -> tuple[float, dict[str, Any], list[int], dict[str, Any]]:
+def pd_turn_timed(
+    prefill: Engine,
+    decode: Engine,
+    prompt: list[int],
+    output_tokens: int,
+    reuse: dict[str, Any] | None,
+    decode_extra: dict[str, Any] | None = None,
+) -> tuple[float, dict[str, Any], list[int], dict[str, Any]]:
     """P (pulling D's blocks when ``reuse``), then D. Returns P's time, P's params, D's output and params.
 
     ``decode_extra``: fields added to D's kv_transfer_params (the kvbridge conversation, as a gateway sends).
@@ -205,8 +218,9 @@ def context_schedule(turn_tokens: int, output_tokens: int, max_model_len: int) -
     return contexts
 
 
-def run_conversation(prefill: Engine, decode: Engine, contexts: list[int], output_tokens: int,
-                     seed: int, measure: bool, kvbridge: bool) -> list[TurnRow]:
+def run_conversation(
+    prefill: Engine, decode: Engine, contexts: list[int], output_tokens: int, seed: int, measure: bool, kvbridge: bool
+) -> list[TurnRow]:
     rng = random.Random(seed)
     rows: list[TurnRow] = []
     prompt = random_tokens(rng, contexts[0])
@@ -215,20 +229,36 @@ def run_conversation(prefill: Engine, decode: Engine, contexts: list[int], outpu
         if turn > 1:
             prompt = prompt + random_tokens(rng, context - len(prompt))
         before = read_nixl_counters(prefill)
-        conversation = {"kvbridge_conversation_key": f"bench-{seed}", "kvbridge_tenant": "bench",
-                        "kvbridge_epoch": turn} if kvbridge else None
-        ttft_on, p_params, output, next_d_params = pd_turn_timed(prefill, decode, prompt, output_tokens, d_params,
-                                                                 conversation)
+        conversation = (
+            {"kvbridge_conversation_key": f"bench-{seed}", "kvbridge_tenant": "bench", "kvbridge_epoch": turn}
+            if kvbridge
+            else None
+        )
+        ttft_on, p_params, output, next_d_params = pd_turn_timed(
+            prefill, decode, prompt, output_tokens, d_params, conversation
+        )
         pulled = int(p_params.get("remote_prefill_cached_tokens") or 0)
         delta = counters_after_pull(prefill, before) if pulled else NixlCounters()
         ttft_off = timed_completion(prefill, prompt, 1, None)[0] if measure else 0.0
-        row = TurnRow(turn, len(prompt), ttft_on, ttft_off, pulled, delta.xfer_s, int(delta.bytes),
-                      int(delta.descs), int(delta.xfers))
+        row = TurnRow(
+            turn,
+            len(prompt),
+            ttft_on,
+            ttft_off,
+            pulled,
+            delta.xfer_s,
+            int(delta.bytes),
+            int(delta.descs),
+            int(delta.xfers),
+        )
         rows.append(row)
         tag = "turn" if measure else "warm-up turn"
-        print(f"[ttft] {tag} {turn}: context {row.context} ON {ttft_on * 1e3:.0f} ms (pulled {pulled} tok, "
-              f"{row.pull_bytes / 2**20:.1f} MiB in {row.pull_s * 1e3:.1f} ms) OFF {ttft_off * 1e3:.0f} ms",
-              file=sys.stderr, flush=True)
+        print(
+            f"[ttft] {tag} {turn}: context {row.context} ON {ttft_on * 1e3:.0f} ms (pulled {pulled} tok, "
+            f"{row.pull_bytes / 2**20:.1f} MiB in {row.pull_s * 1e3:.1f} ms) OFF {ttft_off * 1e3:.0f} ms",
+            file=sys.stderr,
+            flush=True,
+        )
         prompt = prompt + output
         d_params = next_d_params
     return rows
@@ -250,19 +280,31 @@ def run_engines(args: argparse.Namespace, contexts: list[int]) -> list[TurnRow]:
 
             print("[ttft] starting the control plane (etcd, registry, lease manager)", file=sys.stderr, flush=True)
             procs = stack.enter_context(run_control_plane(args.log_dir / "control-plane"))
-            common = {"kvbridge_registry": procs.registry_target, "kvbridge_lease": procs.lease_target,
-                      "kvbridge_hash_secret": BENCH_SECRET.hex(), "kvbridge_model": "tiny"}
+            common = {
+                "kvbridge_registry": procs.registry_target,
+                "kvbridge_lease": procs.lease_target,
+                "kvbridge_hash_secret": BENCH_SECRET.hex(),
+                "kvbridge_model": "tiny",
+            }
             prefill.update(kvbridge_connector_overrides(common))
-            decode.update(kvbridge_connector_overrides(
-                dict(common, kvbridge_entry_lease_ttl_s=3600, kvbridge_fallback_ttl_s=3600)))
+            decode.update(
+                kvbridge_connector_overrides(
+                    dict(common, kvbridge_entry_lease_ttl_s=3600, kvbridge_fallback_ttl_s=3600)
+                )
+            )
         print(f"[ttft] starting engines (logs in {args.log_dir})", file=sys.stderr, flush=True)
-        engines = stack.enter_context(run_pd_engines(model_dir, args.log_dir, prefill_overrides=prefill,
-                                                     decode_overrides=decode, mode=ENGINE_MODE))
+        engines = stack.enter_context(
+            run_pd_engines(
+                model_dir, args.log_dir, prefill_overrides=prefill, decode_overrides=decode, mode=ENGINE_MODE
+            )
+        )
         # Warm-up: NIXL handshakes both ways, first-call kernel set-up; not measured.
-        run_conversation(engines.prefill, engines.decode, [256, 512], args.output_tokens, args.seed + 1, False,
-                         kvbridge)
-        rows = run_conversation(engines.prefill, engines.decode, contexts, args.output_tokens, args.seed, True,
-                                kvbridge)
+        run_conversation(
+            engines.prefill, engines.decode, [256, 512], args.output_tokens, args.seed + 1, False, kvbridge
+        )
+        rows = run_conversation(
+            engines.prefill, engines.decode, contexts, args.output_tokens, args.seed, True, kvbridge
+        )
         pulls = [row for row in rows if row.pull_bytes]
         if pulls and args.raw_with_engines and not ENGINE_MODE.gpu:
             # The same READs on the same cores while the engines are up: what the machine gives a transfer
@@ -357,8 +399,11 @@ def raw_read_times(sizes: list[tuple[int, int]], repeats: int) -> list[float]:
             if not np.array_equal(local[:size], expected):
                 raise RuntimeError("raw NIXL READ returned wrong bytes")
             medians.append(statistics.median(times))
-            print(f"[ttft] raw READ {size / 2**20:.1f} MiB / {descs} descs: {medians[-1] * 1e3:.1f} ms",
-                  file=sys.stderr, flush=True)
+            print(
+                f"[ttft] raw READ {size / 2**20:.1f} MiB / {descs} descs: {medians[-1] * 1e3:.1f} ms",
+                file=sys.stderr,
+                flush=True,
+            )
         agent.remove_remote_agent(remote_name)
         agent.deregister_memory(registered)
         return medians
@@ -385,8 +430,11 @@ def write_plot(rows: list[TurnRow], path: Path) -> None:
     left.plot(contexts, [row.ttft_on_s * 1e3 for row in rows], "s-", label="reuse ON (pull D's KV + new tokens)")
     left.set_xlabel("context (prompt tokens)")
     left.set_ylabel("TTFT of the prefill step (ms)")
-    left.set_title(f"Prefill TTFT per turn ({ENGINE_MODE.model.name}, GPU)" if ENGINE_MODE.gpu and ENGINE_MODE.model
-                   else "Prefill TTFT per turn (BENCH shape, fp32, 1 CPU core)")
+    left.set_title(
+        f"Prefill TTFT per turn ({ENGINE_MODE.model.name}, GPU)"
+        if ENGINE_MODE.gpu and ENGINE_MODE.model
+        else "Prefill TTFT per turn (BENCH shape, fp32, 1 CPU core)"
+    )
     left.grid(True, alpha=0.3)
     left.legend()
     pulls = [row for row in rows if row.pull_bytes]
@@ -417,20 +465,27 @@ def _vllm_version() -> str:
 
 def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, path: Path, elapsed_s: float) -> None:
     bench = bench_dense_shape(BENCH, 4)
-    connector = ("kvbridge connector (D holds each turn's KV by block reference under a lease; etcd + registry + "
-                 "lease manager processes)" if args.connector == "kvbridge" else
-                 "stock NixlConnector (D holds KV by vLLM's delayed free)")
+    connector = (
+        "kvbridge connector (D holds each turn's KV by block reference under a lease; etcd + registry + "
+        "lease manager processes)"
+        if args.connector == "kvbridge"
+        else "stock NixlConnector (D holds KV by vLLM's delayed free)"
+    )
     run = f"Run: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, {elapsed_s / 60:.1f} min. "
     if ENGINE_MODE.gpu:
-        settings = ", ".join(f"`{key}={value}`" for key, value in sorted(os.environ.items())
-                             if key.startswith(("KVBRIDGE_ENGINE_", "KVBRIDGE_PREFILL_", "KVBRIDGE_DECODE_", "UCX_")))
+        settings = ", ".join(
+            f"`{key}={value}`"
+            for key, value in sorted(os.environ.items())
+            if key.startswith(("KVBRIDGE_ENGINE_", "KVBRIDGE_PREFILL_", "KVBRIDGE_DECODE_", "UCX_"))
+        )
         setup = (
             f"{run}GPU mode (services/devengines/launcher.py), vllm {_vllm_version()}: P on GPU "
             f"{ENGINE_MODE.prefill_gpus}, D on GPU {ENGINE_MODE.decode_gpus} (`CUDA_VISIBLE_DEVICES`), "
             f"`--gpu-memory-utilization {ENGINE_MODE.gpu_memory_utilization:g}` each, `--dtype {ENGINE_MODE.dtype}`, "
             f"block size {BLOCK_SIZE}, `kv_buffer_device: cuda`, {connector}, `bidirectional_kv_xfer`, "
             f"`--enforce-eager`, `--max-model-len {args.max_model_len}`, prefix caching off on P. Model: "
-            f"`{ENGINE_MODE.model}`. Settings of the run: {settings}.")
+            f"`{ENGINE_MODE.model}`. Settings of the run: {settings}."
+        )
     else:
         setup = (
             f"{run}Machine: 2 CPU cores, "
@@ -440,7 +495,8 @@ def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, 
             f"`--enforce-eager`, `--dtype float32`, `--max-model-len {args.max_model_len}`, "
             f"`VLLM_CPU_KVCACHE_SPACE` P={args.prefill_kv_gib} GiB / D={args.decode_kv_gib} GiB, prefix caching off "
             "on P. Model: random-weight Llama, BENCH shape (16 layers, hidden 1024, 16 q / 4 kv heads, head_dim 64, "
-            "MLP 3072).")
+            "MLP 3072)."
+        )
     lines = [
         "# Multi-turn TTFT with KV reuse (P pulls D's retained KV) vs plain prefill",
         "",
@@ -453,11 +509,14 @@ def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, 
         "previous turn and READs D's retained blocks, then prefills only the new tokens (then D pulls P's KV "
         "and decodes, as a router would). OFF: the same prompt as a plain full prefill on P. Pull time/bytes: "
         "P's NIXL telemetry (`vllm:nixl_xfer_time_seconds`, `vllm:nixl_bytes_transferred`, "
-        "`vllm:nixl_num_descriptors`, the figures of P's \"KV Transfer metrics\" log line). Raw READ: "
-        + ("not run on GPUs. " if ENGINE_MODE.gpu else
-           "standalone `nixl._api` DRAM->DRAM READ between two processes (cores 0 and 1, same UCX env and "
-           f"`num_threads={NIXL_NUM_THREADS}` as vLLM's agent), same bytes and descriptor count, median of "
-           f"{args.raw_repeats}. ")
+        '`vllm:nixl_num_descriptors`, the figures of P\'s "KV Transfer metrics" log line). Raw READ: '
+        + (
+            "not run on GPUs. "
+            if ENGINE_MODE.gpu
+            else "standalone `nixl._api` DRAM->DRAM READ between two processes (cores 0 and 1, same UCX env and "
+            f"`num_threads={NIXL_NUM_THREADS}` as vLLM's agent), same bytes and descriptor count, median of "
+            f"{args.raw_repeats}. "
+        )
         + "One measurement per point (no repeats): expect some noise.",
         "",
         "| turn | context (tok) | TTFT OFF (ms) | TTFT ON (ms) | OFF/ON | pulled (tok) | pulled (MiB) | descs "
@@ -474,7 +533,8 @@ def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, 
             f"| {row.turn} | {row.context} | {row.ttft_off_s * 1e3:.0f} | {row.ttft_on_s * 1e3:.0f} "
             f"| {row.speedup:.2f} | {row.pulled_tokens} | {row.pull_bytes / 2**20:.1f} | {row.pull_descs} "
             f"| {row.pull_s * 1e3:.1f} | {row.pull_gbps:.2f} | {row.raw_read_s * 1e3:.1f} | {row.raw_gbps:.2f} "
-            f"| {ratio} {busy}| {(row.ttft_on_s - row.pull_s) * 1e3:.0f} |")
+            f"| {ratio} {busy}| {(row.ttft_on_s - row.pull_s) * 1e3:.0f} |"
+        )
     if ENGINE_MODE.gpu:  # the operator's model: its shape is not the BENCH one
         _write_targets(lines, rows, path)
         return
@@ -489,8 +549,10 @@ def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, 
     ]
     for shape in (bench, bench_dense_shape(BENCH, 2), QWEN3_32B):
         label = shape.name if shape.kv_dtype_bytes == 4 or shape is QWEN3_32B else "bench shape, if KV were bf16"
-        lines.append(f"| {label} | {shape.flops_per_token() / 1e6:.1f} M | {shape.kv_bytes_per_token()} "
-                     f"| {shape.flops_per_kv_byte():,.0f} |")
+        lines.append(
+            f"| {label} | {shape.flops_per_token() / 1e6:.1f} M | {shape.kv_bytes_per_token()} "
+            f"| {shape.flops_per_kv_byte():,.0f} |"
+        )
     ratio_to_qwen = QWEN3_32B.flops_per_kv_byte() / bench.flops_per_kv_byte()
     lines += [
         "",
@@ -506,12 +568,16 @@ def _write_targets(lines: list[str], rows: list[TurnRow], path: Path) -> None:
     pulls = [row for row in rows if row.pull_bytes]
     lines += ["", "## Targets", ""]
     speedup_ok = last.speedup >= 3.0
-    lines.append(f"- TTFT with reuse >= 3x lower at the longest context ({last.context} tokens): "
-                 f"OFF {last.ttft_off_s * 1e3:.0f} ms / ON {last.ttft_on_s * 1e3:.0f} ms = {last.speedup:.2f}x "
-                 f"-> **{'met' if speedup_ok else 'NOT met'}**.")
+    lines.append(
+        f"- TTFT with reuse >= 3x lower at the longest context ({last.context} tokens): "
+        f"OFF {last.ttft_off_s * 1e3:.0f} ms / ON {last.ttft_on_s * 1e3:.0f} ms = {last.speedup:.2f}x "
+        f"-> **{'met' if speedup_ok else 'NOT met'}**."
+    )
     if pulls and ENGINE_MODE.gpu:
-        lines.append("- Pull vs raw READ: not measured on GPUs (the standalone READ here is DRAM->DRAM over TCP, not "
-                     "the GPU path); pull times and bytes are in the table.")
+        lines.append(
+            "- Pull vs raw READ: not measured on GPUs (the standalone READ here is DRAM->DRAM over TCP, not "
+            "the GPU path); pull times and bytes are in the table."
+        )
     elif pulls:
         worst = max(pulls, key=lambda row: row.pull_s / row.raw_read_s if row.raw_read_s else 0.0)
         at_last = pulls[-1]
@@ -520,13 +586,15 @@ def _write_targets(lines: list[str], rows: list[TurnRow], path: Path) -> None:
             f"- Pull within 1.5x of raw NIXL READ for the same bytes: longest pull {at_last.pull_bytes / 2**20:.1f} "
             f"MiB took {at_last.pull_s * 1e3:.1f} ms vs raw {at_last.raw_read_s * 1e3:.1f} ms = "
             f"{at_last.pull_s / at_last.raw_read_s:.2f}x -> **{'met' if ok_last else 'NOT met'}**; worst turn "
-            f"{worst.turn}: {worst.pull_s / worst.raw_read_s:.2f}x.")
+            f"{worst.turn}: {worst.pull_s / worst.raw_read_s:.2f}x."
+        )
         if at_last.raw_read_busy_s:
             lines.append(
                 f"- For reference, the same raw READ with both engines up took {at_last.raw_read_busy_s * 1e3:.1f} "
                 f"ms (pull = {at_last.pull_s / at_last.raw_read_busy_s:.2f}x of that): the share of the gap that "
                 "is the 2 shared cores rather than the connector or vLLM. The target is judged against the "
-                "engines-stopped READ above.")
+                "engines-stopped READ above."
+            )
     else:
         lines.append("- Pull vs raw READ: no pull was recorded (see engine logs) -> **not measured**.")
     path.write_text("\n".join(lines) + "\n")
@@ -535,8 +603,12 @@ def _write_targets(lines: list[str], rows: list[TurnRow], path: Path) -> None:
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, default=ROOT / "bench/results/ttft", help="writes <out>.md, <out>.png")
-    parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvb/bench-model"),
-                        help="BENCH-shape model (built there if missing)")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=Path("/tmp/kvb/bench-model"),
+        help="BENCH-shape model (built there if missing)",
+    )
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/kvb/ttft-logs"), help="engine logs")
     parser.add_argument("--max-model-len", type=int, default=4096)
     parser.add_argument("--turn-tokens", type=int, default=512, help="context added per turn (answer included)")
@@ -544,12 +616,19 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill-kv-gib", type=int, default=2)
     parser.add_argument("--decode-kv-gib", type=int, default=3)
     parser.add_argument("--raw-repeats", type=int, default=5)
-    parser.add_argument("--raw-with-engines", action="store_true",
-                        help="also time the raw READs while both engines are still up (slow: the READ processes "
-                             "start on cores the engines' NIXL threads keep busy)")
+    parser.add_argument(
+        "--raw-with-engines",
+        action="store_true",
+        help="also time the raw READs while both engines are still up (slow: the READ processes "
+        "start on cores the engines' NIXL threads keep busy)",
+    )
     parser.add_argument("--seed", type=int, default=7)
-    parser.add_argument("--connector", choices=["kvbridge", "stock"], default="kvbridge",
-                        help="kvbridge: the kvbridge connector with a real control plane; stock: vLLM's NixlConnector")
+    parser.add_argument(
+        "--connector",
+        choices=["kvbridge", "stock"],
+        default="kvbridge",
+        help="kvbridge: the kvbridge connector with a real control plane; stock: vLLM's NixlConnector",
+    )
     return parser.parse_args()
 
 

@@ -33,12 +33,12 @@ class KvbridgeConnector(NixlPullConnector):
         self.settings = ConnectorSettings.from_extra_config(extra)
         if role == KVConnectorRole.SCHEDULER:
             self.connector_scheduler = KvbridgeConnectorScheduler(
-                vllm_config, self.engine_id, kv_cache_config, self.settings)
+                vllm_config, self.engine_id, kv_cache_config, self.settings
+            )
             self.connector_worker = None
         elif role == KVConnectorRole.WORKER:
             self.connector_scheduler = None
-            self.connector_worker = KvbridgeConnectorWorker(
-                vllm_config, self.engine_id, kv_cache_config, self.settings)
+            self.connector_worker = KvbridgeConnectorWorker(vllm_config, self.engine_id, kv_cache_config, self.settings)
 
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config: KVTransferConfig) -> bool:

@@ -109,8 +109,9 @@ def _duration(seconds: float) -> duration_pb2.Duration:
 class ControlPlane:
     """Owns the gRPC channels and an asyncio loop on one daemon thread."""
 
-    def __init__(self, settings: ConnectorSettings, engine: types_pb2.Engine,
-                 tracer: ConnectorTracer | None = None) -> None:
+    def __init__(
+        self, settings: ConnectorSettings, engine: types_pb2.Engine, tracer: ConnectorTracer | None = None
+    ) -> None:
         self._settings = settings
         self._engine = engine
         # The node lease this process is registered under: its incarnation, asserted on every entry it registers
@@ -174,16 +175,23 @@ class ControlPlane:
     async def _main(self) -> None:
         options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
         settings = self._settings
+
         def channel(target: str) -> grpc.aio.Channel:
-            return tls_channel(target, root_certificates=settings.tls_ca, private_key=settings.tls_key,
-                               certificate_chain=settings.tls_cert, options=options)
+            return tls_channel(
+                target,
+                root_certificates=settings.tls_ca,
+                private_key=settings.tls_key,
+                certificate_chain=settings.tls_cert,
+                options=options,
+            )
 
         registry_channel = channel(settings.registry_target)
         self._registry = registry_pb2_grpc.RegistryServiceStub(registry_channel)
         # The SDK's lease client owns the lease channel and follows NOT_LEADER to the leader: every lease call
         # here uses its current stub (self._lease) and reports a failure to it (_lease_failed).
-        self._leases = LeaseClient(settings.lease_target, ClientOptions(timeout_s=settings.rpc_deadline_s),
-                                   channel_factory=channel)
+        self._leases = LeaseClient(
+            settings.lease_target, ClientOptions(timeout_s=settings.rpc_deadline_s), channel_factory=channel
+        )
         tasks = [
             asyncio.create_task(self._node_loop()),
             asyncio.create_task(self._watch_loop()),
@@ -223,10 +231,14 @@ class ControlPlane:
         backoff = _BACKOFF_INITIAL_S
         while not self._stop.is_set():
             try:
-                grant = await self._unary(self._lease.GrantLease, lease_pb2.GrantLeaseRequest(
-                    kind=lease_pb2.LEASE_KIND_NODE, engine_id=self._engine.engine_id,
-                    ttl=_duration(self._settings.node_lease_ttl_s),
-                ))
+                grant = await self._unary(
+                    self._lease.GrantLease,
+                    lease_pb2.GrantLeaseRequest(
+                        kind=lease_pb2.LEASE_KIND_NODE,
+                        engine_id=self._engine.engine_id,
+                        ttl=_duration(self._settings.node_lease_ttl_s),
+                    ),
+                )
                 engine = types_pb2.Engine()
                 engine.CopyFrom(self._engine)
                 engine.node_lease_id = grant.lease.lease_id
@@ -254,8 +266,11 @@ class ControlPlane:
         """One KeepAlive round trip; the ids still alive."""
         # The request as an iterable, not call.write(): a write racing the stream's end raises
         # InvalidStateError, which would end the node loop; this way every failure is the AioRpcError.
-        call = self._lease.KeepAlive(iter([lease_pb2.KeepAliveRequest(lease_ids=list(lease_ids))]),
-                                     metadata=self._metadata, timeout=self._settings.rpc_deadline_s)
+        call = self._lease.KeepAlive(
+            iter([lease_pb2.KeepAliveRequest(lease_ids=list(lease_ids))]),
+            metadata=self._metadata,
+            timeout=self._settings.rpc_deadline_s,
+        )
         alive: set[int] = set()
         async for response in call:
             alive.update(s.lease_id for s in response.statuses if s.alive)
@@ -316,8 +331,12 @@ class ControlPlane:
 
     async def _register_entry(self, command: RegisterEntry) -> None:
         with self._tracer.registration(
-            command.request_id, command.conversation, blocks=sum(len(g) for g in command.block_ids),
-            tokens=len(command.token_ids), parent=command.parent, submitted_ns=command.submitted_ns,
+            command.request_id,
+            command.conversation,
+            blocks=sum(len(g) for g in command.block_ids),
+            tokens=len(command.token_ids),
+            parent=command.parent,
+            submitted_ns=command.submitted_ns,
         ) as span:
             try:
                 lease_id = await self._grant_and_register(command)
@@ -333,31 +352,52 @@ class ControlPlane:
         conv = command.conversation
         block_size = self._engine.block_size
         hashes = hashchain.chain(
-            self._settings.hash_secret or b"", conv.tenant, conv.model, command.cache_salt, block_size,
+            self._settings.hash_secret or b"",
+            conv.tenant,
+            conv.model,
+            command.cache_salt,
+            block_size,
             command.token_ids,
         )
         idempotency = f"{self._engine.engine_id}:{command.request_id}"[:128]
         try:
-            grant = await self._traced_unary(_GRANT_LEASE, self._lease.GrantLease, lease_pb2.GrantLeaseRequest(
-                kind=lease_pb2.LEASE_KIND_ENTRY, tenant=conv.tenant, engine_id=self._engine.engine_id,
-                model=conv.model, conversation_key=conv.conversation_key, retained_tokens=len(command.token_ids),
-                ttl=_duration(self._settings.entry_lease_ttl_s), request_id=_idempotency_key(idempotency),
-            ))
+            grant = await self._traced_unary(
+                _GRANT_LEASE,
+                self._lease.GrantLease,
+                lease_pb2.GrantLeaseRequest(
+                    kind=lease_pb2.LEASE_KIND_ENTRY,
+                    tenant=conv.tenant,
+                    engine_id=self._engine.engine_id,
+                    model=conv.model,
+                    conversation_key=conv.conversation_key,
+                    retained_tokens=len(command.token_ids),
+                    ttl=_duration(self._settings.entry_lease_ttl_s),
+                    request_id=_idempotency_key(idempotency),
+                ),
+            )
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             # A grant that timed out may have committed, but without RegisterEntry no entry names the blocks.
             raise _RegistrationError(exc, 0, withdrawn=True) from exc
         lease_id = grant.lease.lease_id
         entry = registry_pb2.Entry(
             key=registry_pb2.EntryKey(tenant=conv.tenant, model=conv.model, conversation_key=conv.conversation_key),
-            engine_id=self._engine.engine_id, engine_request_id=command.request_id,
+            engine_id=self._engine.engine_id,
+            engine_request_id=command.request_id,
             block_ids=[types_pb2.BlockIds(ids=list(group)) for group in command.block_ids],
-            block_size=block_size, token_count=len(command.token_ids), block_hashes=hashes, chain_stride=1,
-            lease_id=lease_id, epoch=conv.epoch, engine_incarnation=self._node_lease_id,
+            block_size=block_size,
+            token_count=len(command.token_ids),
+            block_hashes=hashes,
+            chain_stride=1,
+            lease_id=lease_id,
+            epoch=conv.epoch,
+            engine_incarnation=self._node_lease_id,
         )
         try:
-            await self._traced_unary(_REGISTER_ENTRY, self._registry.RegisterEntry,
-                                     registry_pb2.RegisterEntryRequest(request_id=_idempotency_key(idempotency),
-                                                                       entry=entry))
+            await self._traced_unary(
+                _REGISTER_ENTRY,
+                self._registry.RegisterEntry,
+                registry_pb2.RegisterEntryRequest(request_id=_idempotency_key(idempotency), entry=entry),
+            )
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             # A refused registration wrote nothing; a timed-out one may have, attached to the lease. End the
             # lease either way (the entry goes with it) so nothing holds blocks for nobody.
@@ -373,8 +413,12 @@ class ControlPlane:
     async def _revoke(self, command: RevokeLease) -> None:
         """Ends the lease; once the lease manager acknowledges (or no longer knows it) the end is confirmed."""
         try:
-            await self._unary(self._lease.RevokeLease, lease_pb2.RevokeLeaseRequest(
-                lease_id=command.lease_id, reason=types_pb2.RevokeReason.Value(command.reason)))
+            await self._unary(
+                self._lease.RevokeLease,
+                lease_pb2.RevokeLeaseRequest(
+                    lease_id=command.lease_id, reason=types_pb2.RevokeReason.Value(command.reason)
+                ),
+            )
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
@@ -382,8 +426,13 @@ class ControlPlane:
 
 
 # Outcomes after which a registration may or may not have been applied.
-_AMBIGUOUS = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED,
-              grpc.StatusCode.UNKNOWN, grpc.StatusCode.INTERNAL)
+_AMBIGUOUS = (
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.CANCELLED,
+    grpc.StatusCode.UNKNOWN,
+    grpc.StatusCode.INTERNAL,
+)
 
 
 class _RegistrationError(Exception):

@@ -34,9 +34,11 @@ EPOCH = kvsecret.EPOCH
 MODEL = kvsecret.MODEL
 _IDENTITY = (CONVERSATION_KEY, TENANT, EPOCH, MODEL)
 # kvbridge fields ignored for want of a valid gateway signature, by reason (kvbridge.secret.verify_kv_params).
-IGNORED = Counter("kvbridge_connector_kv_params_ignored_total",
-                  "Decode requests whose kvbridge_* kv_transfer_params were ignored (unsigned, forged, expired)",
-                  ["reason"])
+IGNORED = Counter(
+    "kvbridge_connector_kv_params_ignored_total",
+    "Decode requests whose kvbridge_* kv_transfer_params were ignored (unsigned, forged, expired)",
+    ["reason"],
+)
 _LOG_EVERY_S = 10.0
 _last_logged: dict[str, float] = {}
 
@@ -54,8 +56,9 @@ class ConversationRef:
     epoch: int
 
 
-def parse_conversation(params: Mapping[str, Any] | None, default_model: str, secret: bytes | None, *,
-                       accepted_at: float | None = None) -> ConversationRef | None:
+def parse_conversation(
+    params: Mapping[str, Any] | None, default_model: str, secret: bytes | None, *, accepted_at: float | None = None
+) -> ConversationRef | None:
     """The conversation a decode request belongs to, or None when not (validly, with the gateway's signature
     under ``secret``) given. ``accepted_at``: when the engine received the request (Unix s; default now)."""
     if not params or not any(name in params for name in _IDENTITY):
@@ -79,8 +82,11 @@ def _ignored(reason: str) -> None:
     now = time.monotonic()
     if now - _last_logged.get(reason, -_LOG_EVERY_S) >= _LOG_EVERY_S:  # at most one line per reason per 10 s
         _last_logged[reason] = now
-        log.warning("kvbridge: ignoring the kvbridge_* fields of a decode request (%s): only a gateway holding "
-                    "this engine's deployment secret may set them; the request is served, not registered", reason)
+        log.warning(
+            "kvbridge: ignoring the kvbridge_* fields of a decode request (%s): only a gateway holding "
+            "this engine's deployment secret may set them; the request is served, not registered",
+            reason,
+        )
 
 
 def prompt_prefix_problem(params: Mapping[str, Any], prompt_token_ids: Sequence[int], *, required: bool) -> str:

@@ -66,8 +66,15 @@ class PullReporter:
         self.tokens_pulled = 0
         self.bytes_pulled = 0
 
-    def start(self, request_id: str, tokens: int, source_engine: str, *, blocks: int = 0,
-              parent: tuple[tuple[str, str], ...] = ()) -> None:
+    def start(
+        self,
+        request_id: str,
+        tokens: int,
+        source_engine: str,
+        *,
+        blocks: int = 0,
+        parent: tuple[tuple[str, str], ...] = (),
+    ) -> None:
         if request_id in self._in_flight:
             return
         self._in_flight[request_id] = _Pull(tokens, source_engine, time.perf_counter(), time.time_ns(), blocks, parent)
@@ -80,18 +87,39 @@ class PullReporter:
         elapsed_s = time.perf_counter() - pull.started
         elapsed_ms = elapsed_s * 1e3
         size = pull.tokens * self._bytes_per_token
-        finished = FinishedPull(request_id, pull.source_engine, pull.tokens, pull.blocks, size, elapsed_s,
-                                pull.started_ns, pull.started_ns + int(elapsed_s * 1e9), failed, pull.parent)
+        finished = FinishedPull(
+            request_id,
+            pull.source_engine,
+            pull.tokens,
+            pull.blocks,
+            size,
+            elapsed_s,
+            pull.started_ns,
+            pull.started_ns + int(elapsed_s * 1e9),
+            failed,
+            pull.parent,
+        )
         if failed:
             self.failed += 1
-            log.warning("kvbridge pull failed: request %s, %d tokens from %s after %.1f ms; recomputing",
-                        request_id, pull.tokens, pull.source_engine, elapsed_ms)
+            log.warning(
+                "kvbridge pull failed: request %s, %d tokens from %s after %.1f ms; recomputing",
+                request_id,
+                pull.tokens,
+                pull.source_engine,
+                elapsed_ms,
+            )
             return finished
         self.succeeded += 1
         self.tokens_pulled += pull.tokens
         self.bytes_pulled += size
         # Time from scheduling to completion (includes a first NIXL handshake with that engine).
-        log.info("kvbridge pull: request %s pulled %d tokens (%d bytes) from %s in %.1f ms (%.1f MB/s)",
-                 request_id, pull.tokens, size, pull.source_engine, elapsed_ms,
-                 size / max(elapsed_ms, 1e-3) / 1e3)
+        log.info(
+            "kvbridge pull: request %s pulled %d tokens (%d bytes) from %s in %.1f ms (%.1f MB/s)",
+            request_id,
+            pull.tokens,
+            size,
+            pull.source_engine,
+            elapsed_ms,
+            size / max(elapsed_ms, 1e-3) / 1e3,
+        )
         return finished

@@ -70,8 +70,9 @@ class Decisions:
 
 
 class RetentionTable:
-    def __init__(self, clock: Clock, fallback_ttl_s: float, max_entries: int, free_kv_watermark: float,
-                 free_grace_s: float = 0.0) -> None:
+    def __init__(
+        self, clock: Clock, fallback_ttl_s: float, max_entries: int, free_kv_watermark: float, free_grace_s: float = 0.0
+    ) -> None:
         self._clock = clock
         self._free_grace_s = free_grace_s
         self._fallback_ttl_s = fallback_ttl_s
@@ -102,14 +103,18 @@ class RetentionTable:
         return sum(e.num_blocks for e in self._entries.values() if e.released)
 
     # ---- events --------------------------------------------------------
-    def retain(
-        self, request_id: str, num_blocks: int, token_count: int, conversation: ConversationRef | None
-    ) -> float:
+    def retain(self, request_id: str, num_blocks: int, token_count: int, conversation: ConversationRef | None) -> float:
         """Start holding a finished request's blocks; returns the first hold deadline."""
         now = self._clock()
         deadline = now + self._fallback_ttl_s
         self._entries[request_id] = RetainedEntry(
-            request_id, num_blocks, token_count, conversation, deadline, now, sent_deadline=deadline,
+            request_id,
+            num_blocks,
+            token_count,
+            conversation,
+            deadline,
+            now,
+            sent_deadline=deadline,
         )
         return deadline
 

@@ -49,21 +49,37 @@ META_READ_BY = "kvbridge_read_by"
 _MAX_DECIDED = 4096
 
 
-def engine_record(vllm_config: VllmConfig, engine_id: str, settings: ConnectorSettings, host: str, port: int,
-                  kv_groups: int, total_blocks: int) -> types_pb2.Engine:
+def engine_record(
+    vllm_config: VllmConfig,
+    engine_id: str,
+    settings: ConnectorSettings,
+    host: str,
+    port: int,
+    kv_groups: int,
+    total_blocks: int,
+) -> types_pb2.Engine:
     parallel = vllm_config.parallel_config
     kv_role = vllm_config.kv_transfer_config.kv_role if vllm_config.kv_transfer_config else "kv_both"
     role = {"kv_consumer": types_pb2.ENGINE_ROLE_DECODE, "kv_producer": types_pb2.ENGINE_ROLE_PREFILL}.get(
-        str(kv_role), types_pb2.ENGINE_ROLE_BOTH)
+        str(kv_role), types_pb2.ENGINE_ROLE_BOTH
+    )
     offer_window = duration_pb2.Duration()
     offer_window.FromNanoseconds(int(settings.offer_window_s * 1e9))
     return types_pb2.Engine(
-        engine_id=engine_id, role=role, model=served_model(vllm_config, settings),
-        http_url=settings.http_url, kv_host=host, kv_port=port,
-        dp_rank=parallel.data_parallel_index, dp_size=parallel.data_parallel_size,
-        tp_size=parallel.tensor_parallel_size, pp_size=parallel.pipeline_parallel_size,
-        dcp_size=parallel.decode_context_parallel_size, block_size=vllm_config.cache_config.block_size,
-        kv_group_count=kv_groups, total_kv_blocks=total_blocks,
+        engine_id=engine_id,
+        role=role,
+        model=served_model(vllm_config, settings),
+        http_url=settings.http_url,
+        kv_host=host,
+        kv_port=port,
+        dp_rank=parallel.data_parallel_index,
+        dp_size=parallel.data_parallel_size,
+        tp_size=parallel.tensor_parallel_size,
+        pp_size=parallel.pipeline_parallel_size,
+        dcp_size=parallel.decode_context_parallel_size,
+        block_size=vllm_config.cache_config.block_size,
+        kv_group_count=kv_groups,
+        total_kv_blocks=total_blocks,
         capabilities=["bidirectional_kv_xfer", "kvbridge_connector", *settings.secret_capabilities()],
         offer_window=offer_window,
     )
@@ -77,15 +93,24 @@ def served_model(vllm_config: VllmConfig, settings: ConnectorSettings) -> str:
 
 
 class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig,
-                 settings: ConnectorSettings, control_plane: cp.ControlPlane | None = None) -> None:
+    def __init__(
+        self,
+        vllm_config: VllmConfig,
+        engine_id: str,
+        kv_cache_config: KVCacheConfig,
+        settings: ConnectorSettings,
+        control_plane: cp.ControlPlane | None = None,
+    ) -> None:
         super().__init__(vllm_config, engine_id, kv_cache_config)
         self.settings = settings
         kv_transfer = vllm_config.kv_transfer_config
         self.is_decode = kv_transfer is not None and kv_transfer.kv_role == "kv_consumer"
         self.model_name = served_model(vllm_config, settings)
         self.retention = RetentionTable(
-            time.perf_counter, settings.fallback_ttl_s, settings.max_retained_entries, settings.free_kv_watermark,
+            time.perf_counter,
+            settings.fallback_ttl_s,
+            settings.max_retained_entries,
+            settings.free_kv_watermark,
             free_grace_s=settings.free_grace_s,
         )
         self._block_pool: BlockPool | None = None
@@ -103,10 +128,19 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         self.control_plane = control_plane
         # Both roles register (the gateway routes by the registry); only decode engines retain entries.
         if self.control_plane is None and settings.control_plane_enabled:
-            self.control_plane = cp.ControlPlane(settings, engine_record(
-                vllm_config, engine_id, settings, self.side_channel_host, self.side_channel_port,
-                len(kv_cache_config.kv_cache_groups), kv_cache_config.num_blocks,
-            ), self.tracer)
+            self.control_plane = cp.ControlPlane(
+                settings,
+                engine_record(
+                    vllm_config,
+                    engine_id,
+                    settings,
+                    self.side_channel_host,
+                    self.side_channel_port,
+                    len(kv_cache_config.kv_cache_groups),
+                    kv_cache_config.num_blocks,
+                ),
+                self.tracer,
+            )
             self.control_plane.start()
         self.pulls = PullReporter(bytes_per_token(kv_cache_config, vllm_config.cache_config.block_size))
 
@@ -116,8 +150,9 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         params = request.kv_transfer_params
-        offered = bool(params and params.get("do_remote_decode") and params.get("remote_block_ids")
-                       and not self.is_decode)
+        offered = bool(
+            params and params.get("do_remote_decode") and params.get("remote_block_ids") and not self.is_decode
+        )
         if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
             # One read-back attempt per request. vLLM 0.32.0 re-arms a *failed* read-back (e.g. D died)
             # here, but never starts the transfer again, so the request waits forever; recompute instead.
@@ -125,8 +160,9 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
                 self._trace_decline(request, num_computed_tokens, "read_back_already_attempted")
             return 0, False
         if offered and params and not params.get(_PREFIX_CHECKED):
-            problem = prompt_prefix_problem(params, request.prompt_token_ids or (),
-                                            required=self.settings.require_prefix_digest)
+            problem = prompt_prefix_problem(
+                params, request.prompt_token_ids or (), required=self.settings.require_prefix_digest
+            )
             params[_PREFIX_CHECKED] = True  # vLLM may ask again while the request waits: hash once
             problem = problem or self._offer_problem(request, params)
             if problem:
@@ -140,8 +176,9 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         if params and deadline is not None and offers.too_late(deadline, time.time()):
             # Waited in P's queue past the offer's deadline: D may free the blocks before the READ.
             params.pop("remote_block_ids", None)
-            log.warning("kvbridge: declining the pull for request %s: the offer expired in the queue",
-                        request.request_id)
+            log.warning(
+                "kvbridge: declining the pull for request %s: the offer expired in the queue", request.request_id
+            )
             self._trace_decline(request, num_computed_tokens, "offer_expired")
             return 0, False
         count, is_async = super().get_num_new_matched_tokens(request, num_computed_tokens)
@@ -149,8 +186,13 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             # Prefill pulling back from a decode engine (the gateway verified and truncated the
             # params); vLLM may ask twice for one request, the first ask starts the clock.
             blocks = -(-count // max(self.block_size, 1)) * self._kv_groups
-            self.pulls.start(request.request_id, count, str(params.get("remote_engine_id")), blocks=blocks,
-                             parent=self.tracer.parent_of(request))
+            self.pulls.start(
+                request.request_id,
+                count,
+                str(params.get("remote_engine_id")),
+                blocks=blocks,
+                parent=self.tracer.parent_of(request),
+            )
             if deadline is not None:
                 self._read_by[request.request_id] = deadline  # the worker checks it again at the READ
         elif offered:
@@ -161,8 +203,12 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         delay_free, params = super().request_finished(request, block_ids)
         if not (self.is_decode and delay_free and params and self.control_plane is not None):
             return delay_free, params
-        conversation = parse_conversation(request.kv_transfer_params, self.model_name, self.settings.hash_secret,
-                                          accepted_at=getattr(request, "arrival_time", None))
+        conversation = parse_conversation(
+            request.kv_transfer_params,
+            self.model_name,
+            self.settings.hash_secret,
+            accepted_at=getattr(request, "arrival_time", None),
+        )
         if conversation is None:
             return delay_free, params  # stock single-use behaviour
         request_id = request.request_id
@@ -182,11 +228,17 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         self._hold_ids.add(request_id)  # the worker keeps P's read notifications from freeing it
         params["remote_blocks_expiry_time"] = None  # the lease, not a fixed time, bounds reuse
         params[RETAINED] = True
-        self.control_plane.submit(cp.RegisterEntry(
-            request_id=request_id, conversation=conversation, block_ids=blocks,
-            token_ids=tuple(request.all_token_ids[:token_count]), cache_salt=request.cache_salt or "",
-            parent=self.tracer.parent_of(request), submitted_ns=time.time_ns() if self.tracer.enabled else 0,
-        ))
+        self.control_plane.submit(
+            cp.RegisterEntry(
+                request_id=request_id,
+                conversation=conversation,
+                block_ids=blocks,
+                token_ids=tuple(request.all_token_ids[:token_count]),
+                cache_salt=request.cache_salt or "",
+                parent=self.tracer.parent_of(request),
+                submitted_ns=time.time_ns() if self.tracer.enabled else 0,
+            )
+        )
         return delay_free, params
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
@@ -201,9 +253,14 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             for lease_id, reason in decisions.revoke:
                 self.control_plane.submit(cp.RevokeLease(lease_id, reason))
         if decisions.revoke:
-            log.info("kvbridge: withdrawing %d retained entr%s (%s); their blocks stay until the end is confirmed "
-                     "and %.0f s more", len(decisions.revoke), "y" if len(decisions.revoke) == 1 else "ies",
-                     ", ".join(sorted({reason for _, reason in decisions.revoke})), self.settings.free_grace_s)
+            log.info(
+                "kvbridge: withdrawing %d retained entr%s (%s); their blocks stay until the end is confirmed "
+                "and %.0f s more",
+                len(decisions.revoke),
+                "y" if len(decisions.revoke) == 1 else "ies",
+                ", ".join(sorted({reason for _, reason in decisions.revoke})),
+                self.settings.free_grace_s,
+            )
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, META_HOLD, self._hold_ids)
         setattr(meta, META_RELEASE, decisions.release)
@@ -248,8 +305,9 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         if not self._held_blocks or self._block_pool is None:
             return
         now = time.perf_counter()
-        expired = {r for r in self._held_blocks
-                   if (entry := self.retention.get(r)) is None or entry.hold_deadline < now}
+        expired = {
+            r for r in self._held_blocks if (entry := self.retention.get(r)) is None or entry.hold_deadline < now
+        }
         for request_id in (released | expired) & self._held_blocks.keys():
             self._block_pool.free_blocks(reversed(self._held_blocks.pop(request_id)))
             self.retention.freed(request_id)
@@ -279,7 +337,7 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         return self._held_blocks.keys() | self._refcount_released
 
     def _offer_problem(self, request: Request, params: dict[str, Any]) -> str:
-        """"no_offer_deadline" when the offer carries no read deadline and one is required ("" otherwise);
+        """ "no_offer_deadline" when the offer carries no read deadline and one is required ("" otherwise);
         an expired deadline is checked each time vLLM asks, and again by the worker at the READ."""
         if offers.read_deadline(params, request.arrival_time) is None and self.settings.require_offer_deadline:
             return "no_offer_deadline"

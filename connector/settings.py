@@ -47,8 +47,10 @@ def _float(extra: Mapping[str, Any], name: str, default: float, low: float, high
 
 def _peer_tls(extra: Mapping[str, Any], env: Mapping[str, str]) -> dict[str, bytes | None]:
     """PEM files from ``kvbridge_tls_{ca,cert,key}_file`` or the services' ``KVBRIDGE_PEER_*_FILE`` variables."""
-    paths = {part: str(extra.get(f"kvbridge_tls_{part}_file") or env.get(f"KVBRIDGE_PEER_{part.upper()}_FILE") or "")
-             for part in ("ca", "cert", "key")}
+    paths = {
+        part: str(extra.get(f"kvbridge_tls_{part}_file") or env.get(f"KVBRIDGE_PEER_{part.upper()}_FILE") or "")
+        for part in ("ca", "cert", "key")
+    }
     if bool(paths["cert"]) != bool(paths["key"]):
         raise ValueError("kvbridge_tls_cert_file and kvbridge_tls_key_file must be given together")
     if paths["cert"] and not paths["ca"]:
@@ -126,13 +128,15 @@ class ConnectorSettings:
             raise ValueError(
                 f"kv_connector_extra_config.kvbridge_free_grace_s={self.free_grace_s} must be at least "
                 f"kvbridge_offer_window_s + kvbridge_index_max_lag_s + 1 = {least_grace}: a prefill offered "
-                "an entry just before it was withdrawn may start its READ that late")
+                "an entry just before it was withdrawn may start its READ that late"
+            )
         least_fallback = self.node_lease_ttl_s + self.free_grace_s
         if self.fallback_ttl_s < least_fallback:
             raise ValueError(
                 f"kv_connector_extra_config.kvbridge_fallback_ttl_s={self.fallback_ttl_s} must be at least "
                 f"kvbridge_node_lease_ttl_s + kvbridge_free_grace_s = {least_fallback}: blocks held without a "
-                "confirmed lease may be freed only once the engine's node lease (and so every offer) has ended")
+                "confirmed lease may be freed only once the engine's node lease (and so every offer) has ended"
+            )
 
     @property
     def tracing_enabled(self) -> bool:
@@ -153,14 +157,17 @@ class ConnectorSettings:
         registry = str(extra.get("kvbridge_registry", ""))
         if registry and not secret_text:
             # Without it the engine's chains match no gateway's and it cannot verify the gateway's fields.
-            raise ValueError(f"kvbridge_registry is set: the deployment secret (kvbridge_hash_secret or "
-                             f"{ENV_HASH_SECRET}, hex, the gateway's) is required too")
+            raise ValueError(
+                f"kvbridge_registry is set: the deployment secret (kvbridge_hash_secret or "
+                f"{ENV_HASH_SECRET}, hex, the gateway's) is required too"
+            )
         return cls(
             registry_target=registry,
             lease_target=str(extra.get("kvbridge_lease", "") or registry),
             api_key=str(extra.get("kvbridge_api_key") or env.get(ENV_API_KEY) or "") or None,
             hash_secret=kvsecret.parse(str(secret_text), setting=f"kvbridge_hash_secret / {ENV_HASH_SECRET}")
-            if secret_text else None,
+            if secret_text
+            else None,
             model=str(extra.get("kvbridge_model", "")),
             http_url=str(extra.get("kvbridge_http_url", "")),
             fallback_ttl_s=_float(extra, "kvbridge_fallback_ttl_s", 120.0, 1.0, 3600.0),
@@ -181,5 +188,6 @@ class ConnectorSettings:
             otlp_endpoint=_otlp_endpoint(extra, env),
             service_name=env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME,
             telemetry_hash_key=_hash_key(
-                str(extra.get("kvbridge_telemetry_hash_key_hex") or env.get(ENV_TELEMETRY_HASH_KEY) or "")),
+                str(extra.get("kvbridge_telemetry_hash_key_hex") or env.get(ENV_TELEMETRY_HASH_KEY) or "")
+            ),
         )

@@ -77,8 +77,9 @@ class SpanHandle:
 
 
 class ConnectorTracer:
-    def __init__(self, tracer: Any = None, *, hash_key: bytes | None = None, engine_id: str = "",
-                 provider: Any = None) -> None:
+    def __init__(
+        self, tracer: Any = None, *, hash_key: bytes | None = None, engine_id: str = "", provider: Any = None
+    ) -> None:
         # None: tracing off.
         self._tracer = tracer
         self._provider = provider
@@ -96,17 +97,23 @@ class ConnectorTracer:
             from opentelemetry.sdk.trace import TracerProvider
             from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-            provider = TracerProvider(resource=Resource.create(
-                {"service.name": settings.service_name, tel.ATTR_ENGINE: engine_id}))
-            exporter = OTLPSpanExporter(endpoint=settings.otlp_endpoint) if settings.otlp_endpoint \
-                else OTLPSpanExporter()
+            provider = TracerProvider(
+                resource=Resource.create({"service.name": settings.service_name, tel.ATTR_ENGINE: engine_id})
+            )
+            exporter = (
+                OTLPSpanExporter(endpoint=settings.otlp_endpoint) if settings.otlp_endpoint else OTLPSpanExporter()
+            )
             provider.add_span_processor(BatchSpanProcessor(exporter))
         except Exception:
             log.warning("kvbridge: connector tracing requested but unavailable; tracing off", exc_info=True)
             return cls(engine_id=engine_id)
         log.info("kvbridge: connector tracing on (service.name=%s)", settings.service_name)
-        return cls(provider.get_tracer("kvbridge.connector"), hash_key=settings.telemetry_hash_key,
-                   engine_id=engine_id, provider=provider)
+        return cls(
+            provider.get_tracer("kvbridge.connector"),
+            hash_key=settings.telemetry_hash_key,
+            engine_id=engine_id,
+            provider=provider,
+        )
 
     @property
     def enabled(self) -> bool:
@@ -133,14 +140,25 @@ class ConnectorTracer:
             return
         try:
             attributes = self._pull_attributes(pull.request_id, pull.source_engine, pull.tokens)
-            attributes.update({
-                ATTR_PULL_BLOCKS: pull.blocks, tel.ATTR_PULL_BYTES: pull.bytes if not pull.failed else 0,
-                tel.ATTR_PULL_SECONDS: pull.seconds, ATTR_OUTCOME: "failed" if pull.failed else "ok",
-                tel.ATTR_VERDICT: "recompute" if pull.failed else "pulled",
-            })
-            tel.record_span(SPAN_PULL, tracer=self._tracer, parent=dict(pull.parent), kind="client",
-                            start_time_ns=pull.started_ns, end_time_ns=pull.ended_ns, attributes=attributes,
-                            error="NIXL read failed; recomputing" if pull.failed else "")
+            attributes.update(
+                {
+                    ATTR_PULL_BLOCKS: pull.blocks,
+                    tel.ATTR_PULL_BYTES: pull.bytes if not pull.failed else 0,
+                    tel.ATTR_PULL_SECONDS: pull.seconds,
+                    ATTR_OUTCOME: "failed" if pull.failed else "ok",
+                    tel.ATTR_VERDICT: "recompute" if pull.failed else "pulled",
+                }
+            )
+            tel.record_span(
+                SPAN_PULL,
+                tracer=self._tracer,
+                parent=dict(pull.parent),
+                kind="client",
+                start_time_ns=pull.started_ns,
+                end_time_ns=pull.ended_ns,
+                attributes=attributes,
+                error="NIXL read failed; recomputing" if pull.failed else "",
+            )
         except Exception:  # noqa: BLE001 - tracing must never break the connector
             self.failed("pull_finished")
 
@@ -150,20 +168,41 @@ class ConnectorTracer:
             return
         try:
             params = request.kv_transfer_params or {}
-            attributes = self._pull_attributes(request.request_id, str(params.get("remote_engine_id", "")),
-                                               offered_tokens)
-            attributes.update({ATTR_OUTCOME: "declined", tel.ATTR_VERDICT: "declined", tel.ATTR_REASON: reason,
-                               tel.ATTR_PULLED_TOKENS: 0})
+            attributes = self._pull_attributes(
+                request.request_id, str(params.get("remote_engine_id", "")), offered_tokens
+            )
+            attributes.update(
+                {
+                    ATTR_OUTCOME: "declined",
+                    tel.ATTR_VERDICT: "declined",
+                    tel.ATTR_REASON: reason,
+                    tel.ATTR_PULLED_TOKENS: 0,
+                }
+            )
             now = time.time_ns()
-            tel.record_span(SPAN_PULL, tracer=self._tracer, parent=dict(request_parent(request)),
-                            start_time_ns=now, end_time_ns=now, attributes=attributes)
+            tel.record_span(
+                SPAN_PULL,
+                tracer=self._tracer,
+                parent=dict(request_parent(request)),
+                start_time_ns=now,
+                end_time_ns=now,
+                attributes=attributes,
+            )
         except Exception:  # noqa: BLE001 - tracing must never break the connector
             self.failed("pull_declined")
 
     # ---- control-plane thread --------------------------------------------
     @contextlib.contextmanager
-    def registration(self, request_id: str, conversation: ConversationRef, *, blocks: int, tokens: int,
-                     parent: Carrier, submitted_ns: int) -> Iterator[SpanHandle]:
+    def registration(
+        self,
+        request_id: str,
+        conversation: ConversationRef,
+        *,
+        blocks: int,
+        tokens: int,
+        parent: Carrier,
+        submitted_ns: int,
+    ) -> Iterator[SpanHandle]:
         """D registering a retained entry (hash chain, GrantLease, RegisterEntry), from the moment it was queued.
 
         An exception from the body marks the span failed and propagates unchanged.
@@ -172,14 +211,24 @@ class ConnectorTracer:
             yield SpanHandle(None, self)
             return
         attributes: dict[str, Any] = {
-            tel.ATTR_ENGINE: self._engine_id, ATTR_REQUEST: request_id, tel.ATTR_MODEL: conversation.model,
-            ATTR_EPOCH: conversation.epoch, ATTR_RETAINED_BLOCKS: blocks, ATTR_RETAINED_TOKENS: tokens,
+            tel.ATTR_ENGINE: self._engine_id,
+            ATTR_REQUEST: request_id,
+            tel.ATTR_MODEL: conversation.model,
+            ATTR_EPOCH: conversation.epoch,
+            ATTR_RETAINED_BLOCKS: blocks,
+            ATTR_RETAINED_TOKENS: tokens,
             ATTR_QUEUED_SECONDS: max(0, time.time_ns() - submitted_ns) / 1e9 if submitted_ns else 0.0,
-            **tel.identity_attributes(self._hash_key, tenant=conversation.tenant,
-                                      conversation_key=conversation.conversation_key),
+            **tel.identity_attributes(
+                self._hash_key, tenant=conversation.tenant, conversation_key=conversation.conversation_key
+            ),
         }
-        with self._span(SPAN_REGISTER, parent=dict(parent), attributes=attributes, kind="internal",
-                        start_time_ns=submitted_ns or None) as handle:
+        with self._span(
+            SPAN_REGISTER,
+            parent=dict(parent),
+            attributes=attributes,
+            kind="internal",
+            start_time_ns=submitted_ns or None,
+        ) as handle:
             yield handle
 
     @contextlib.contextmanager
@@ -223,19 +272,31 @@ class ConnectorTracer:
 
     # ---- internals -------------------------------------------------------
     def _pull_attributes(self, request_id: str, source_engine: str, tokens: int) -> dict[str, Any]:
-        return {tel.ATTR_ENGINE: self._engine_id, ATTR_REQUEST: request_id, ATTR_SOURCE_ENGINE: source_engine,
-                tel.ATTR_PULLED_TOKENS: tokens}
+        return {
+            tel.ATTR_ENGINE: self._engine_id,
+            ATTR_REQUEST: request_id,
+            ATTR_SOURCE_ENGINE: source_engine,
+            tel.ATTR_PULLED_TOKENS: tokens,
+        }
 
     @contextlib.contextmanager
-    def _span(self, name: str, *, parent: Mapping[str, str] | None, attributes: Mapping[str, Any], kind: str,
-              start_time_ns: int | None) -> Iterator[SpanHandle]:
+    def _span(
+        self,
+        name: str,
+        *,
+        parent: Mapping[str, str] | None,
+        attributes: Mapping[str, Any],
+        kind: str,
+        start_time_ns: int | None,
+    ) -> Iterator[SpanHandle]:
         """``tel.start_span`` whose own failures are swallowed; the body's exceptions pass through."""
         if self._tracer is None:
             yield SpanHandle(None, self)
             return
         try:
-            manager = tel.start_span(name, tracer=self._tracer, parent=parent, attributes=attributes, kind=kind,
-                                     start_time_ns=start_time_ns)
+            manager = tel.start_span(
+                name, tracer=self._tracer, parent=parent, attributes=attributes, kind=kind, start_time_ns=start_time_ns
+            )
             span = manager.__enter__()
         except Exception:  # noqa: BLE001 - tracing must never break the connector
             self.failed(name)

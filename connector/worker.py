@@ -61,8 +61,9 @@ def _notif_request(notif: bytes) -> str:
 
 
 class KvbridgeConnectorWorker(NixlPullConnectorWorker):
-    def __init__(self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig,
-                 settings: ConnectorSettings) -> None:
+    def __init__(
+        self, vllm_config: VllmConfig, engine_id: str, kv_cache_config: KVCacheConfig, settings: ConnectorSettings
+    ) -> None:
         with _nixl_progress_thread(settings.nixl_progress_thread):
             super().__init__(vllm_config, engine_id, kv_cache_config)
         if not settings.nixl_progress_thread:

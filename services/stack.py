@@ -52,12 +52,17 @@ def _gateway_for_engines(gw: GatewaySettings, engines: LocalEngines) -> GatewayS
     """Connector mode: the connector registers retained KV (not the gateway) and entries serve many reads.
     Engines spin both cores of a small machine, hence the generous health and control-plane timeouts.
     The gateway tokenizes with the generated model's own tokenizer (no /tokenize round trip per turn)."""
-    return gw.model_copy(update={
-        "hash_secret_hex": engines.config.hash_secret_hex, "default_block_size": BLOCK_SIZE,
-        "tokenizers": {**gw.tokenizers, SERVED_MODEL_NAME: engines.model_dir},
-        "compat_registration": False, "single_use_entries": False,
-        "health_timeout_s": max(gw.health_timeout_s, 10.0), "control_timeout_s": max(gw.control_timeout_s, 5.0),
-    })
+    return gw.model_copy(
+        update={
+            "hash_secret_hex": engines.config.hash_secret_hex,
+            "default_block_size": BLOCK_SIZE,
+            "tokenizers": {**gw.tokenizers, SERVED_MODEL_NAME: engines.model_dir},
+            "compat_registration": False,
+            "single_use_entries": False,
+            "health_timeout_s": max(gw.health_timeout_s, 10.0),
+            "control_timeout_s": max(gw.control_timeout_s, 5.0),
+        }
+    )
 
 
 def _load_tokenizer(model_dir: Path) -> None:
@@ -77,14 +82,25 @@ class ServiceStack:
     ``telemetry``: per service name (kvbridge-lease, -registry, -gateway; None: disabled);
     ``stop_grace_s``: the lease manager's and registry's shutdown grace (None: ``server.shutdown_grace_s``)."""
 
-    def __init__(self, store: Store, *, lease_policy: LeasePolicy, registry: RegistrySettings,
-                 gateway: GatewaySettings | None = None, server: ServerSettings | None = None,
-                 gateway_server: ServerSettings | None = None, auth: Authenticator | None = None,
-                 gateway_auth: Authenticator | None = None, keys: KeyLayout | None = None,
-                 registry_store_timeout_s: float = 5.0, registry_peer_tls: PeerTlsSettings | None = None,
-                 gateway_peer_tls: PeerTlsSettings | None = None,
-                 telemetry: Callable[[str], Telemetry | None] | None = None, leader_timeout_s: float = 10.0,
-                 stop_grace_s: float | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        *,
+        lease_policy: LeasePolicy,
+        registry: RegistrySettings,
+        gateway: GatewaySettings | None = None,
+        server: ServerSettings | None = None,
+        gateway_server: ServerSettings | None = None,
+        auth: Authenticator | None = None,
+        gateway_auth: Authenticator | None = None,
+        keys: KeyLayout | None = None,
+        registry_store_timeout_s: float = 5.0,
+        registry_peer_tls: PeerTlsSettings | None = None,
+        gateway_peer_tls: PeerTlsSettings | None = None,
+        telemetry: Callable[[str], Telemetry | None] | None = None,
+        leader_timeout_s: float = 10.0,
+        stop_grace_s: float | None = None,
+    ) -> None:
         self.store = store
         self._lease_policy, self._registry_settings, self._gateway_settings = lease_policy, registry, gateway
         self._server, self._gateway_server = server or ServerSettings(), gateway_server
@@ -127,8 +143,14 @@ class ServiceStack:
 
     async def _start(self) -> None:
         grace = self._stop_grace_s
-        self.lease = lease = LeaseApp(self.store, self._lease_policy, self._server, auth=self._auth,
-                                      keys=self._keys, telemetry=self._telemetry("kvbridge-lease"))
+        self.lease = lease = LeaseApp(
+            self.store,
+            self._lease_policy,
+            self._server,
+            auth=self._auth,
+            keys=self._keys,
+            telemetry=self._telemetry("kvbridge-lease"),
+        )
         self._started.append(("lease manager", lambda: lease.stop(grace)))
         await lease.start()
         try:
@@ -136,13 +158,20 @@ class ServiceStack:
                 while not lease.is_leader:  # noqa: ASYNC110 - polling the election task
                     await asyncio.sleep(0.02)
         except TimeoutError:
-            raise TimeoutError("the lease manager did not become leader in time (another leader on this store?)"
-                               ) from None
+            raise TimeoutError(
+                "the lease manager did not become leader in time (another leader on this store?)"
+            ) from None
         reg = self._registry_settings.model_copy(update={"lease_service_target": lease.address})
         self.registry = registry = RegistryApp(
-            self.store, settings=reg, server_settings=self._server, keys=self._keys, auth=self._auth,
-            store_timeout_s=self._registry_store_timeout_s, telemetry=self._telemetry("kvbridge-registry"),
-            peer_tls=self._registry_peer_tls)
+            self.store,
+            settings=reg,
+            server_settings=self._server,
+            keys=self._keys,
+            auth=self._auth,
+            store_timeout_s=self._registry_store_timeout_s,
+            telemetry=self._telemetry("kvbridge-registry"),
+            peer_tls=self._registry_peer_tls,
+        )
         self._started.append(("registry", lambda: registry.stop(grace)))
         await registry.start()
         if self._gateway_settings is not None:
@@ -151,11 +180,16 @@ class ServiceStack:
     async def _start_gateway(self, settings: GatewaySettings) -> None:
         if self.lease is None or self.registry is None or self.gateway is not None:
             raise RuntimeError("start_gateway() needs a started lease manager and registry and no gateway yet")
-        gw = settings.model_copy(update={"registry_address": self.registry.address,
-                                         "lease_address": self.lease.address})
+        gw = settings.model_copy(
+            update={"registry_address": self.registry.address, "lease_address": self.lease.address}
+        )
         self.gateway = gateway = GatewayApp(
-            gw, auth=self._gateway_auth, server_settings=self._gateway_server,
-            telemetry=self._telemetry("kvbridge-gateway"), peer_tls=self._gateway_peer_tls)
+            gw,
+            auth=self._gateway_auth,
+            server_settings=self._gateway_server,
+            telemetry=self._telemetry("kvbridge-gateway"),
+            peer_tls=self._gateway_peer_tls,
+        )
         self._started.append(("gateway", gateway.stop))
         await gateway.start()
 
@@ -192,19 +226,33 @@ class Stack:
         cfg = self.config
         keys = KeyLayout(cfg.store.etcd_prefix)
         auth = Authenticator.from_file(cfg.server.api_keys_file)
-        where = ",".join(cfg.store.etcd_endpoints) if cfg.store.etcd_endpoints else (
-            f"embedded (WAL in {cfg.data_dir})" if cfg.data_dir else "embedded (in memory)")
+        where = (
+            ",".join(cfg.store.etcd_endpoints)
+            if cfg.store.etcd_endpoints
+            else (f"embedded (WAL in {cfg.data_dir})" if cfg.data_dir else "embedded (in memory)")
+        )
         self._progress(f"store: {where}")
         self.store = open_store(cfg.store, data_dir=cfg.data_dir)
         # Engines busy-spin the cores: a generous leader TTL keeps the only lease manager leader while they run.
-        policy = (LeasePolicy(port=cfg.lease_port, leader_ttl_s=15, leader_refresh_s=1) if cfg.engines
-                  else LeasePolicy(port=cfg.lease_port))
+        policy = (
+            LeasePolicy(port=cfg.lease_port, leader_ttl_s=15, leader_refresh_s=1)
+            if cfg.engines
+            else LeasePolicy(port=cfg.lease_port)
+        )
         # Each service keeps its own tracer (service.name) and metrics registry, as when run separately.
         self.services = ServiceStack(
-            self.store, lease_policy=policy, registry=RegistrySettings(port=cfg.registry_port), server=cfg.server,
-            gateway_server=cfg.server, auth=auth, gateway_auth=auth, keys=keys,
-            registry_store_timeout_s=cfg.store.etcd_timeout_s, telemetry=Telemetry.from_env,
-            leader_timeout_s=leader_timeout_s)
+            self.store,
+            lease_policy=policy,
+            registry=RegistrySettings(port=cfg.registry_port),
+            server=cfg.server,
+            gateway_server=cfg.server,
+            auth=auth,
+            gateway_auth=auth,
+            keys=keys,
+            registry_store_timeout_s=cfg.store.etcd_timeout_s,
+            telemetry=Telemetry.from_env,
+            leader_timeout_s=leader_timeout_s,
+        )
         try:
             await self.services.start()
         finally:
@@ -239,8 +287,10 @@ class Stack:
         deadline = time.monotonic() + self.config.gateway_ready_timeout_s
         while not self.gateway.core.ready():
             if time.monotonic() > deadline:
-                raise TimeoutError(f"the gateway found no healthy prefill+decode pair in the registry within "
-                                   f"{self.config.gateway_ready_timeout_s:.0f}s (see the engine logs)")
+                raise TimeoutError(
+                    f"the gateway found no healthy prefill+decode pair in the registry within "
+                    f"{self.config.gateway_ready_timeout_s:.0f}s (see the engine logs)"
+                )
             await asyncio.sleep(0.5)
         self._progress("gateway: routing to the prefill and decode engines")
 

@@ -54,5 +54,9 @@ def _engine_group(item: pytest.Item) -> int:
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Run the e2e tests last: their vLLM engines are shared for the rest of the session and
     spin both cores of this machine, which would starve every timing-bounded test after them."""
-    items.sort(key=lambda item: (item.get_closest_marker("e2e") is not None,
-                                 _engine_group(item) if item.get_closest_marker("e2e") else 0))
+    items.sort(
+        key=lambda item: (
+            item.get_closest_marker("e2e") is not None,
+            _engine_group(item) if item.get_closest_marker("e2e") else 0,
+        )
+    )

@@ -23,6 +23,7 @@ from kvbridge.types.v1 import types_pb2
 DOMAIN = "kvbridge.dev"
 PROTO_PREFIX = "ERROR_REASON_"
 
+
 class Reason(enum.StrEnum):
     """Machine reasons (ErrorInfo.reason): mirrors kvbridge.types.v1.ErrorReason.
 
@@ -79,9 +80,7 @@ class KvbridgeError(Exception):
         info = error_details_pb2.ErrorInfo(reason=self.reason, domain=DOMAIN, metadata=self.metadata)
         detail = any_pb2.Any()
         detail.Pack(info)
-        status = status_pb2.Status(
-            code=self.code.value[0], message=self.message, details=[detail]
-        )
+        status = status_pb2.Status(code=self.code.value[0], message=self.message, details=[detail])
         result: grpc.Status = rpc_status.to_status(status)
         return result
 

@@ -53,12 +53,15 @@ def parse(text: str, *, setting: str = ENV) -> bytes:
     try:
         raw = bytes.fromhex(value)
     except ValueError:
-        raise ValueError(f"{setting} must be hex (e.g. `openssl rand -hex 32`); got {len(value)} characters "
-                         f"that are not hex digits") from None
+        raise ValueError(
+            f"{setting} must be hex (e.g. `openssl rand -hex 32`); got {len(value)} characters that are not hex digits"
+        ) from None
     if not hashchain.MIN_SECRET_BYTES <= len(raw) <= hashchain.MAX_SECRET_BYTES:
-        raise ValueError(f"{setting} must be {2 * hashchain.MIN_SECRET_BYTES}..{2 * hashchain.MAX_SECRET_BYTES} "
-                         f"hex digits ({hashchain.MIN_SECRET_BYTES}..{hashchain.MAX_SECRET_BYTES} bytes); "
-                         f"got {len(raw)} bytes")
+        raise ValueError(
+            f"{setting} must be {2 * hashchain.MIN_SECRET_BYTES}..{2 * hashchain.MAX_SECRET_BYTES} "
+            f"hex digits ({hashchain.MIN_SECRET_BYTES}..{hashchain.MAX_SECRET_BYTES} bytes); "
+            f"got {len(raw)} bytes"
+        )
     return raw
 
 
@@ -81,14 +84,18 @@ def canary_of(capabilities: Iterable[str]) -> str | None:
     """The canary an engine announced, or None (an engine without a kvbridge connector, or an older one)."""
     for cap in capabilities:
         if cap.startswith(CANARY_CAPABILITY_PREFIX):
-            return cap[len(CANARY_CAPABILITY_PREFIX):]
+            return cap[len(CANARY_CAPABILITY_PREFIX) :]
     return None
 
 
 def _message(params: Mapping[str, Any]) -> bytes:
     # JSON of a fixed-order list: no field can run into the next; absent fields are null.
-    return _SIGN_LABEL + json.dumps([params.get(name) for name in SIGNED_FIELDS], separators=(",", ":"),
-                                    ensure_ascii=True, allow_nan=False).encode()
+    return (
+        _SIGN_LABEL
+        + json.dumps(
+            [params.get(name) for name in SIGNED_FIELDS], separators=(",", ":"), ensure_ascii=True, allow_nan=False
+        ).encode()
+    )
 
 
 def _mac(secret: bytes, params: Mapping[str, Any]) -> str:
@@ -102,8 +109,14 @@ def sign_kv_params(secret: bytes, params: MutableMapping[str, Any], *, now: floa
     params[SIGNATURE] = _mac(secret, params)
 
 
-def verify_kv_params(secret: bytes | None, params: Mapping[str, Any], *, accepted_at: float,
-                     validity_s: float = DEFAULT_VALIDITY_S, clock_skew_s: float = DEFAULT_CLOCK_SKEW_S) -> str:
+def verify_kv_params(
+    secret: bytes | None,
+    params: Mapping[str, Any],
+    *,
+    accepted_at: float,
+    validity_s: float = DEFAULT_VALIDITY_S,
+    clock_skew_s: float = DEFAULT_CLOCK_SKEW_S,
+) -> str:
     """Why the kvbridge fields of ``params`` must be ignored ("" when they come from a gateway sharing
     ``secret``): ``no_secret``, ``unsigned``, ``bad_signature`` or ``expired``. ``accepted_at``: when the
     engine received the request (Unix seconds), not when it looks at the params."""

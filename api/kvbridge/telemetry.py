@@ -102,9 +102,15 @@ def metadata_carrier(metadata: Any) -> dict[str, str]:
 
 
 @contextlib.contextmanager
-def start_span(name: str, *, tracer: Any = None, parent: Mapping[str, str] | None = None,
-               attributes: Mapping[str, Any] | None = None, kind: str = "internal",
-               start_time_ns: int | None = None) -> Iterator[Any]:
+def start_span(
+    name: str,
+    *,
+    tracer: Any = None,
+    parent: Mapping[str, str] | None = None,
+    attributes: Mapping[str, Any] | None = None,
+    kind: str = "internal",
+    start_time_ns: int | None = None,
+) -> Iterator[Any]:
     """A span as the current span, or a no-op when OpenTelemetry is absent.
 
     ``parent``: a carrier (e.g. the ``traceparent`` a gateway put into kv_transfer_params
@@ -117,14 +123,23 @@ def start_span(name: str, *, tracer: Any = None, parent: Mapping[str, str] | Non
         return
     tracer = tracer or _otel_trace.get_tracer("kvbridge")
     ctx = extract(parent) if parent else None
-    with tracer.start_as_current_span(name, context=ctx, kind=_span_kind(kind), start_time=start_time_ns,
-                                      attributes=dict(attributes or {})) as span:
+    with tracer.start_as_current_span(
+        name, context=ctx, kind=_span_kind(kind), start_time=start_time_ns, attributes=dict(attributes or {})
+    ) as span:
         yield span
 
 
-def record_span(name: str, *, start_time_ns: int, end_time_ns: int, tracer: Any = None,
-                parent: Mapping[str, str] | None = None, attributes: Mapping[str, Any] | None = None,
-                kind: str = "internal", error: str = "") -> None:
+def record_span(
+    name: str,
+    *,
+    start_time_ns: int,
+    end_time_ns: int,
+    tracer: Any = None,
+    parent: Mapping[str, str] | None = None,
+    attributes: Mapping[str, Any] | None = None,
+    kind: str = "internal",
+    error: str = "",
+) -> None:
     """A finished span for work timed elsewhere (e.g. a transfer whose end is reported a step later).
 
     ``error``: non-empty marks the span failed with that description. No-op without OpenTelemetry.
@@ -132,8 +147,13 @@ def record_span(name: str, *, start_time_ns: int, end_time_ns: int, tracer: Any 
     if _otel_trace is None:
         return
     tracer = tracer or _otel_trace.get_tracer("kvbridge")
-    span = tracer.start_span(name, context=extract(parent) if parent else None, kind=_span_kind(kind),
-                             attributes=dict(attributes or {}), start_time=start_time_ns)
+    span = tracer.start_span(
+        name,
+        context=extract(parent) if parent else None,
+        kind=_span_kind(kind),
+        attributes=dict(attributes or {}),
+        start_time=start_time_ns,
+    )
     if error:
         span.set_status(_otel_trace.Status(_otel_trace.StatusCode.ERROR, error))
     span.end(end_time=max(end_time_ns, start_time_ns))
@@ -168,9 +188,29 @@ def current_traceparent() -> str:
 
 
 __all__ = [
-    "ATTR_CONVERSATION", "ATTR_ENGINE", "ATTR_MODEL", "ATTR_PULLED_TOKENS", "ATTR_PULL_BYTES", "ATTR_PULL_SECONDS",
-    "ATTR_REASON", "ATTR_TENANT", "ATTR_VERDICT", "ATTR_VERIFIED_TOKENS", "KV_PARAMS_TRACEPARENT", "TRACEPARENT",
-    "TRACESTATE", "current_traceparent", "extract", "hash_attribute", "identity_attributes", "inject",
-    "metadata_carrier", "otlp_traces_configured", "record_span", "start_span", "trace_headers",
-    "traceparent_carrier", "tracing_available",
+    "ATTR_CONVERSATION",
+    "ATTR_ENGINE",
+    "ATTR_MODEL",
+    "ATTR_PULLED_TOKENS",
+    "ATTR_PULL_BYTES",
+    "ATTR_PULL_SECONDS",
+    "ATTR_REASON",
+    "ATTR_TENANT",
+    "ATTR_VERDICT",
+    "ATTR_VERIFIED_TOKENS",
+    "KV_PARAMS_TRACEPARENT",
+    "TRACEPARENT",
+    "TRACESTATE",
+    "current_traceparent",
+    "extract",
+    "hash_attribute",
+    "identity_attributes",
+    "inject",
+    "metadata_carrier",
+    "otlp_traces_configured",
+    "record_span",
+    "start_span",
+    "trace_headers",
+    "traceparent_carrier",
+    "tracing_available",
 ]

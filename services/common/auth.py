@@ -77,7 +77,6 @@ class Principal:
         return self.tenant
 
 
-
 # Insecure development mode (no keys file): every non-tenant role, so the whole stack works unauthenticated.
 DEV_PRINCIPAL = Principal(name="dev", tenant=None, roles=SERVICE_ROLES)
 
@@ -137,7 +136,7 @@ class Authenticator:
         if value is not None:
             if not value.lower().startswith(_BEARER):
                 raise Unauthenticated(Reason.UNAUTHENTICATED, "authorization metadata must be 'Bearer <api key>'")
-            value = value[len(_BEARER):].strip()
+            value = value[len(_BEARER) :].strip()
         return self.authenticate_key(value)
 
 
@@ -154,7 +153,7 @@ def _principal(path: Path, spec: dict[str, Any]) -> Principal:
         if tenant is None:
             raise ValueError(
                 f"{where}: 'tenant': null without a 'role' is the retired service principal; set \"role\" to "
-                f"one of gateway, engine, operator (or \"roles\": [...]), see docs/security.md"
+                f'one of gateway, engine, operator (or "roles": [...]), see docs/security.md'
             )
         raw_roles = [Role.TENANT.value]
     if not isinstance(raw_roles, list) or not raw_roles:
@@ -171,5 +170,12 @@ def _principal(path: Path, spec: dict[str, Any]) -> Principal:
         raise ValueError(f"API keys file {path}: {exc}") from None
 
 
-__all__ = ["Role", "SERVICE_ROLES", "Principal", "Authenticator", "DEV_PRINCIPAL", "AUTH_METADATA_KEY",
-           "InvalidArgument"]
+__all__ = [
+    "Role",
+    "SERVICE_ROLES",
+    "Principal",
+    "Authenticator",
+    "DEV_PRINCIPAL",
+    "AUTH_METADATA_KEY",
+    "InvalidArgument",
+]

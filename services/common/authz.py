@@ -54,12 +54,19 @@ TABLE: dict[str, Rule] = {
     _REG + "ListEntries": _rule("inspection", OP),
     _REG + "DeleteEntry": _rule("the gateway closing a conversation, an engine, an operator evicting", G, E, OP),
     _REG + "WatchEntries": _rule("the gateway's entry mirror, decode nodes, inspection", G, E, OP),
-    _LEASE + "GrantLease": _rule("NODE and ENTRY leases: engines only (in compatibility mode the gateway's key "
-                                 "holds the engine role too)", E),
-    _LEASE + "KeepAlive": _rule("tenants heartbeat their own conversations; the gateway renews on each turn; "
-                                "engines their node lease", T, G, E),
-    _LEASE + "RevokeLease": _rule("the gateway closing, an engine evicting, an operator (and the registry "
-                                  "releasing superseded entries, with any of these keys)", G, E, OP),
+    _LEASE + "GrantLease": _rule(
+        "NODE and ENTRY leases: engines only (in compatibility mode the gateway's key holds the engine role too)", E
+    ),
+    _LEASE + "KeepAlive": _rule(
+        "tenants heartbeat their own conversations; the gateway renews on each turn; engines their node lease", T, G, E
+    ),
+    _LEASE + "RevokeLease": _rule(
+        "the gateway closing, an engine evicting, an operator (and the registry "
+        "releasing superseded entries, with any of these keys)",
+        G,
+        E,
+        OP,
+    ),
     _LEASE + "GetLease": _rule("inspection", OP),
     _LEASE + "ListLeases": _rule("inspection", OP),
     _LEASE + "WatchLeases": _rule("an engine follows its leases; inspection", E, OP),
@@ -70,8 +77,11 @@ TABLE: dict[str, Rule] = {
 }
 
 # Public services: no credentials needed, no row needed.
-PUBLIC_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.v1alpha.ServerReflection/",
-                   "/grpc.reflection.v1.ServerReflection/")
+PUBLIC_PREFIXES = (
+    "/grpc.health.v1.Health/",
+    "/grpc.reflection.v1alpha.ServerReflection/",
+    "/grpc.reflection.v1.ServerReflection/",
+)
 
 _CALLER: contextvars.ContextVar[Principal | None] = contextvars.ContextVar("kvbridge_caller", default=None)
 
@@ -92,8 +102,11 @@ def require(principal: Principal, method: str) -> None:
         return
     name = method.removeprefix("/")
     rule = rule_for(method)
-    needs = "no role (not in the authorization table)" if rule is None else \
-        "role " + " or ".join(sorted(r.value for r in rule.roles))
+    needs = (
+        "no role (not in the authorization table)"
+        if rule is None
+        else "role " + " or ".join(sorted(r.value for r in rule.roles))
+    )
     raise PermissionDenied(
         Reason.TENANT_FORBIDDEN,
         f"principal {principal.name!r} ({'/'.join(sorted(principal.roles))}) may not call {name}: needs {needs}",
@@ -110,6 +123,7 @@ def caller() -> Principal:
 
 
 # --- what tenants may not see -------------------------------------------------------------------------------
+
 
 def _redact_lookup(response: registry_pb2.LookupEntryResponse) -> registry_pb2.LookupEntryResponse:
     if not response.HasField("location"):
@@ -218,8 +232,10 @@ def table_rows(roles: Iterable[Role] = tuple(Role)) -> list[tuple[str, dict[Role
 def markdown_table() -> str:
     """The table as docs/security.md carries it (tests check the page equals this)."""
     roles = list(Role)
-    lines = ["| RPC | " + " | ".join(r.value for r in roles) + " | why |",
-             "| --- | " + " | ".join(":-:" for _ in roles) + " | --- |"]
+    lines = [
+        "| RPC | " + " | ".join(r.value for r in roles) + " | why |",
+        "| --- | " + " | ".join(":-:" for _ in roles) + " | --- |",
+    ]
     for method, ok, why in table_rows(roles):
         lines.append(f"| `{method}` | " + " | ".join("yes" if ok[r] else "-" for r in roles) + f" | {why} |")
     return "\n".join(lines)

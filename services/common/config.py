@@ -122,7 +122,8 @@ def check_bind(host: str, *, secured: bool, insecure: bool, what: str = "server"
     raise ValueError(
         f"{what}: refusing to listen on {host!r} without API keys (every caller would hold every role); set "
         "KVBRIDGE_API_KEYS_FILE, bind a loopback address (KVBRIDGE_HOST=127.0.0.1), or set KVBRIDGE_INSECURE=1 "
-        "to run open on purpose")
+        "to run open on purpose"
+    )
 
 
 class ServerSettings(BaseSettings):

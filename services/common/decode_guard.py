@@ -25,8 +25,9 @@ class _Malformed:
 
 
 def _error(marker: _Malformed) -> InvalidArgument:
-    return InvalidArgument(Reason.INVALID_FIELD, f"malformed request message: {marker.detail}",
-                           metadata={"field": "request"})
+    return InvalidArgument(
+        Reason.INVALID_FIELD, f"malformed request message: {marker.detail}", metadata={"field": "request"}
+    )
 
 
 def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], Any] | None:
@@ -44,6 +45,7 @@ def _tolerant(deserialize: Callable[[bytes], Any] | None) -> Callable[[bytes], A
 
 def _unary_request(inner: Callable[[Any, Ctx], Any], streaming_response: bool) -> Callable[[Any, Ctx], Any]:
     if streaming_response:
+
         async def stream_behavior(request: Any, context: Ctx) -> AsyncIterator[Any]:
             if isinstance(request, _Malformed):
                 await context.abort_with_status(_error(request).to_status())
@@ -76,6 +78,7 @@ def _stream_request(inner: Callable[[Any, Ctx], Any], streaming_response: bool) 
     """The wrapper must itself be a coroutine / async generator function: grpc.aio picks how to run a handler
     from its kind, and runs a plain function as a sync one (iterating an async generator -> UNKNOWN)."""
     if streaming_response:
+
         async def stream_behavior(requests: AsyncIterator[Any], context: Ctx) -> AsyncIterator[Any]:
             result = inner(_checked(requests), context)
             if hasattr(result, "__aiter__"):

@@ -24,8 +24,9 @@ def record_of(entry: registry_pb2.Entry) -> HashRecord:
     )
 
 
-def unusable(entry: registry_pb2.Entry, block_size: int, now_s: float,
-             engine: types_pb2.Engine | None) -> registry_pb2.LookupVerdict.ValueType | None:
+def unusable(
+    entry: registry_pb2.Entry, block_size: int, now_s: float, engine: types_pb2.Engine | None
+) -> registry_pb2.LookupVerdict.ValueType | None:
     """Why a stored entry cannot answer a lookup at all (before its hashes are compared), or None.
 
     ``engine``: the answering side's current record of the entry's engine (None: not registered). An entry
@@ -45,7 +46,10 @@ def unusable(entry: registry_pb2.Entry, block_size: int, now_s: float,
 
 
 def answer_hit(
-    response: registry_pb2.LookupEntryResponse, entry: registry_pb2.Entry, engine: types_pb2.Engine, blocks: int,
+    response: registry_pb2.LookupEntryResponse,
+    entry: registry_pb2.Entry,
+    engine: types_pb2.Engine,
+    blocks: int,
     min_tokens: int,
 ) -> bool:
     """Fills ``response`` for ``blocks`` verified blocks of ``entry`` on ``engine``; True for a HIT,

@@ -47,29 +47,44 @@ class HashRecord:
         blocks = len(hashes)
         tail_start = max(0, (blocks - tail_blocks) // stride * stride) if tail_blocks else blocks
         if tail_start >= blocks - 1:  # nothing between the checkpoints and the final block: no tail
-            return cls(stride=stride, checkpoints=tuple(hashes[stride - 1 :: stride]), final=hashes[-1],
-                       blocks=blocks)
+            return cls(stride=stride, checkpoints=tuple(hashes[stride - 1 :: stride]), final=hashes[-1], blocks=blocks)
         checkpoints = tuple(hashes[stride - 1 : tail_start : stride])
-        return cls(stride=stride, checkpoints=checkpoints, final=hashes[-1], blocks=blocks,
-                   tail=tuple(hashes[tail_start : blocks - 1]), tail_start=tail_start)
+        return cls(
+            stride=stride,
+            checkpoints=checkpoints,
+            final=hashes[-1],
+            blocks=blocks,
+            tail=tuple(hashes[tail_start : blocks - 1]),
+            tail_start=tail_start,
+        )
 
     @classmethod
-    def from_stored(cls, checkpoints: Sequence[bytes], stride: int, final: bytes, blocks: int,
-                    tail_packed: bytes = b"", tail_start: int = 0) -> HashRecord:
+    def from_stored(
+        cls,
+        checkpoints: Sequence[bytes],
+        stride: int,
+        final: bytes,
+        blocks: int,
+        tail_packed: bytes = b"",
+        tail_start: int = 0,
+    ) -> HashRecord:
         """From persisted fields; ``blocks`` is recovered by the caller (see entrylookup.record_of).
 
         A tail that does not end right below the final block (a damaged or foreign record) is dropped:
         the checkpoints alone still verify correctly, only more coarsely."""
         tail: Sequence[bytes] = ()
-        if tail_packed and len(tail_packed) % HASH_SIZE == 0 and tail_start % stride == 0 \
-                and tail_start + len(tail_packed) // HASH_SIZE == blocks - 1:
+        if (
+            tail_packed
+            and len(tail_packed) % HASH_SIZE == 0
+            and tail_start % stride == 0
+            and tail_start + len(tail_packed) // HASH_SIZE == blocks - 1
+        ):
             tail = PackedChain(tail_packed, HASH_SIZE)
             if len(checkpoints) > tail_start // stride:
                 checkpoints = checkpoints[: tail_start // stride]
         else:
             tail_start = 0
-        return cls(stride=stride, checkpoints=checkpoints, final=final, blocks=blocks, tail=tail,
-                   tail_start=tail_start)
+        return cls(stride=stride, checkpoints=checkpoints, final=final, blocks=blocks, tail=tail, tail_start=tail_start)
 
     def packed_tail(self) -> bytes:
         return b"".join(self.tail)

@@ -46,11 +46,11 @@ def _add_v1_descriptor() -> None:
     for message in proto.message_type:
         for field in message.field:
             if field.type_name.startswith(old):
-                field.type_name = new + field.type_name[len(old):]
+                field.type_name = new + field.type_name[len(old) :]
     for service in proto.service:
         for method in service.method:
-            method.input_type = new + method.input_type[len(old):]
-            method.output_type = new + method.output_type[len(old):]
+            method.input_type = new + method.input_type[len(old) :]
+            method.output_type = new + method.output_type[len(old) :]
     pool.AddSerializedFile(proto.SerializeToString())
 
 
@@ -65,23 +65,28 @@ def enable_reflection(server: grpc.aio.Server, service_names: Iterable[str]) -> 
             request_deserializer=reflection_pb2.ServerReflectionRequest.FromString,
             response_serializer=reflection_pb2.ServerReflectionResponse.SerializeToString,
         )
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(service, {
-            "ServerReflectionInfo": handler}),))
+        server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, {"ServerReflectionInfo": handler}),)
+        )
     return names
 
 
 def _list_response(statuses: Mapping[str, Any]) -> health_pb2.HealthListResponse:
-    return health_pb2.HealthListResponse(statuses={
-        name: health_pb2.HealthCheckResponse(status=status) for name, status in statuses.items()})
+    return health_pb2.HealthListResponse(
+        statuses={name: health_pb2.HealthCheckResponse(status=status) for name, status in statuses.items()}
+    )
 
 
 class ListingHealthServicer(health.aio.HealthServicer):  # type: ignore[misc]
     """grpcio-health-checking's aio servicer plus ``List``: every name set on it ("" is the whole server)."""
 
-    async def List(self, request: health_pb2.HealthListRequest,
-                   context: grpc.aio.ServicerContext[Any, Any]) -> health_pb2.HealthListResponse:
+    async def List(
+        self, request: health_pb2.HealthListRequest, context: grpc.aio.ServicerContext[Any, Any]
+    ) -> health_pb2.HealthListResponse:
         statuses = dict(self._server_status)
         if len(statuses) > MAX_LISTED:
-            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                                f"{len(statuses)} services exceed the {MAX_LISTED} that List may answer")
+            await context.abort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"{len(statuses)} services exceed the {MAX_LISTED} that List may answer",
+            )
         return _list_response(statuses)

@@ -36,8 +36,7 @@ class MetricsEndpoint:
     def start(self) -> None:
         if not self.enabled or self._server is not None:
             return
-        self._server, self._thread = start_http_server(self._requested_port, addr=self._host,
-                                                       registry=self._registry)
+        self._server, self._thread = start_http_server(self._requested_port, addr=self._host, registry=self._registry)
         log.info("metrics on %s", self.url)
 
     def stop(self) -> None:

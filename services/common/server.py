@@ -46,9 +46,16 @@ def server_credentials(settings: ServerSettings) -> grpc.ServerCredentials | Non
 
 
 class GrpcServer:
-    def __init__(self, settings: ServerSettings, port: int, bindings: Sequence[ServiceBinding], *,
-                 telemetry: Telemetry | None = None, reuse_port: bool = False,
-                 auth: Authenticator | None = None) -> None:
+    def __init__(
+        self,
+        settings: ServerSettings,
+        port: int,
+        bindings: Sequence[ServiceBinding],
+        *,
+        telemetry: Telemetry | None = None,
+        reuse_port: bool = False,
+        auth: Authenticator | None = None,
+    ) -> None:
         self._settings = settings
         if auth is not None:  # secure by default: no keys, loopback only (KVBRIDGE_INSECURE=1 overrides)
             check_bind(settings.host, secured=not auth.insecure, insecure=settings.insecure, what="gRPC server")
@@ -60,11 +67,16 @@ class GrpcServer:
             # Off unless asked: a second server on a taken port must fail, not silently take half its connections.
             ("grpc.so_reuseport", 1 if reuse_port else 0),
         ]
-        self.server = grpc.aio.server(options=opts, maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
-                                      interceptors=[self.telemetry.server_interceptor(),
-                                                    # auth None: only test servers of non-kvbridge services
-                                                    *([AuthzInterceptor(auth)] if auth is not None else []),
-                                                    DecodeGuardInterceptor()])
+        self.server = grpc.aio.server(
+            options=opts,
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+            interceptors=[
+                self.telemetry.server_interceptor(),
+                # auth None: only test servers of non-kvbridge services
+                *([AuthzInterceptor(auth)] if auth is not None else []),
+                DecodeGuardInterceptor(),
+            ],
+        )
         self.health = ListingHealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
         names = [b.full_name for b in bindings]
@@ -74,8 +86,11 @@ class GrpcServer:
         self._names = names
         credentials = server_credentials(settings)
         bind = f"{settings.host}:{port}"
-        self.port = (self.server.add_secure_port(bind, credentials) if credentials is not None
-                     else self.server.add_insecure_port(bind))
+        self.port = (
+            self.server.add_secure_port(bind, credentials)
+            if credentials is not None
+            else self.server.add_insecure_port(bind)
+        )
         if self.port == 0:
             raise OSError(f"cannot bind gRPC port {settings.host}:{port}")
 

@@ -37,10 +37,16 @@ log = logging.getLogger(__name__)
 # Probes and tooling calls would drown real traffic in traces.
 _UNTRACED_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 # Server-side failures (OpenTelemetry gRPC conventions): other codes are the client's problem.
-_SERVER_ERROR_CODES = frozenset({
-    grpc.StatusCode.UNKNOWN, grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNIMPLEMENTED,
-    grpc.StatusCode.INTERNAL, grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DATA_LOSS,
-})
+_SERVER_ERROR_CODES = frozenset(
+    {
+        grpc.StatusCode.UNKNOWN,
+        grpc.StatusCode.DEADLINE_EXCEEDED,
+        grpc.StatusCode.UNIMPLEMENTED,
+        grpc.StatusCode.INTERNAL,
+        grpc.StatusCode.UNAVAILABLE,
+        grpc.StatusCode.DATA_LOSS,
+    }
+)
 _CODES_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 # The global provider until a process installs a real one: its spans are dropped.
 _NO_OP_PROVIDERS = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
@@ -82,18 +88,32 @@ class RpcMetrics:
     """Per-method gRPC server counters and latency, registered in the service's registry."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.handled = Counter("kvbridge_grpc_server_handled_total", "RPCs completed, by method and status code",
-                               ["method", "code"], registry=registry)
-        self.seconds = Histogram("kvbridge_grpc_server_handling_seconds", "RPC handling time, by method",
-                                 ["method"], registry=registry,
-                                 buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30))
+        self.handled = Counter(
+            "kvbridge_grpc_server_handled_total",
+            "RPCs completed, by method and status code",
+            ["method", "code"],
+            registry=registry,
+        )
+        self.seconds = Histogram(
+            "kvbridge_grpc_server_handling_seconds",
+            "RPC handling time, by method",
+            ["method"],
+            registry=registry,
+            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30),
+        )
 
 
 class Telemetry:
     """One service's tracer, attribute hasher and metrics registry."""
 
-    def __init__(self, service_name: str, *, tracer_provider: trace.TracerProvider | None = None,
-                 hash_key: bytes | None = None, registry: CollectorRegistry | None = None) -> None:
+    def __init__(
+        self,
+        service_name: str,
+        *,
+        tracer_provider: trace.TracerProvider | None = None,
+        hash_key: bytes | None = None,
+        registry: CollectorRegistry | None = None,
+    ) -> None:
         self.service_name = service_name
         # None: the global provider (a no-op unless the process configured one).
         self._provider = tracer_provider
@@ -108,8 +128,14 @@ class Telemetry:
         return cls(service_name)
 
     @classmethod
-    def from_env(cls, service_name: str, environ: Mapping[str, str] | None = None, *,
-                 settings: TelemetrySettings | None = None, exporter: SpanExporter | None = None) -> Telemetry:
+    def from_env(
+        cls,
+        service_name: str,
+        environ: Mapping[str, str] | None = None,
+        *,
+        settings: TelemetrySettings | None = None,
+        exporter: SpanExporter | None = None,
+    ) -> Telemetry:
         """Tracing per ``OTEL_*`` (``OTEL_SERVICE_NAME`` overrides ``service_name``); composition roots only."""
         env = os.environ if environ is None else environ
         settings = settings or TelemetrySettings()
@@ -173,8 +199,7 @@ class ServerTelemetryInterceptor(grpc.aio.ServerInterceptor):
     only its metrics: that saved ~40 µs per registry lookup. Each method's wrapper is built once (handler_cache).
     """
 
-    def __init__(self, tracer: trace.Tracer, metrics: RpcMetrics | None = None, *,
-                 tracing: bool = True) -> None:
+    def __init__(self, tracer: trace.Tracer, metrics: RpcMetrics | None = None, *, tracing: bool = True) -> None:
         self._tracer = tracer
         self._metrics = metrics
         self._tracing = tracing
@@ -211,12 +236,21 @@ class ServerTelemetryInterceptor(grpc.aio.ServerInterceptor):
         carrier = api_telemetry.metadata_carrier(context.invocation_metadata())
         service, _, name = method.lstrip("/").rpartition("/")
         return self._tracer.start_span(
-            method.lstrip("/"), context=api_telemetry.extract(carrier) if carrier else None,
+            method.lstrip("/"),
+            context=api_telemetry.extract(carrier) if carrier else None,
             kind=trace.SpanKind.SERVER,
-            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name})
+            attributes={"rpc.system": "grpc", "rpc.service": service, "rpc.method": name},
+        )
 
-    def _finish(self, span: trace.Span | None, method: str, seconds: Any, context: grpc.aio.ServicerContext[Any, Any],
-                started: float, failed: bool) -> None:
+    def _finish(
+        self,
+        span: trace.Span | None,
+        method: str,
+        seconds: Any,
+        context: grpc.aio.ServicerContext[Any, Any],
+        started: float,
+        failed: bool,
+    ) -> None:
         code = _status_code(context, failed)
         if span is not None:
             span.set_attribute("rpc.grpc.status_code", code.value[0])
@@ -250,8 +284,11 @@ class ServerTelemetryInterceptor(grpc.aio.ServerInterceptor):
         async def behavior(request: Any, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[Any]:
             started, span, failed = time.perf_counter(), self._start(method, context), True
             try:
-                current = contextlib.nullcontext() if span is None else \
-                    trace.use_span(span, record_exception=False, set_status_on_exception=False)
+                current = (
+                    contextlib.nullcontext()
+                    if span is None
+                    else trace.use_span(span, record_exception=False, set_status_on_exception=False)
+                )
                 with current:
                     result = inner(request, context)
                     if hasattr(result, "__aiter__"):
@@ -267,6 +304,7 @@ class ServerTelemetryInterceptor(grpc.aio.ServerInterceptor):
 
 
 # ------------------------------------------------------------------------------------------ client side
+
 
 def _with_trace_context(details: grpc.aio.ClientCallDetails) -> grpc.aio.ClientCallDetails:
     headers = api_telemetry.trace_headers()
@@ -289,14 +327,12 @@ class _UnaryStreamPropagation(grpc.aio.UnaryStreamClientInterceptor):
 
 
 class _StreamUnaryPropagation(grpc.aio.StreamUnaryClientInterceptor):
-    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any,
-                                     request_iterator: Any) -> Any:
+    async def intercept_stream_unary(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
         return await continuation(_with_trace_context(client_call_details), request_iterator)
 
 
 class _StreamStreamPropagation(grpc.aio.StreamStreamClientInterceptor):
-    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any,
-                                      request_iterator: Any) -> Any:
+    async def intercept_stream_stream(self, continuation: Any, client_call_details: Any, request_iterator: Any) -> Any:
         return await continuation(_with_trace_context(client_call_details), request_iterator)
 
 
@@ -308,5 +344,4 @@ def client_interceptors() -> list[grpc.aio.ClientInterceptor]:
     under the first call type it implements only.
     Use: ``grpc.aio.insecure_channel(target, interceptors=client_interceptors())``.
     """
-    return [_UnaryUnaryPropagation(), _UnaryStreamPropagation(), _StreamUnaryPropagation(),
-            _StreamStreamPropagation()]
+    return [_UnaryUnaryPropagation(), _UnaryStreamPropagation(), _StreamUnaryPropagation(), _StreamStreamPropagation()]

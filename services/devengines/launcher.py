@@ -83,24 +83,30 @@ CPU_MODE = EngineMode()
 def _model_dir(raw: str) -> Path:
     path = Path(raw).expanduser()
     if not (path / "config.json").is_file():
-        raise EngineModeError(f"{ENV_MODEL}={raw!r}: not a model directory (no config.json there); give the "
-                              "local path of a Hugging Face-format model (engines start with HF_HUB_OFFLINE=1)")
+        raise EngineModeError(
+            f"{ENV_MODEL}={raw!r}: not a model directory (no config.json there); give the "
+            "local path of a Hugging Face-format model (engines start with HF_HUB_OFFLINE=1)"
+        )
     try:
         config = json.loads((path / "config.json").read_text())
     except (OSError, ValueError) as exc:
         raise EngineModeError(f"{ENV_MODEL}={raw!r}: unreadable config.json: {exc}") from exc
     vocab = config.get("vocab_size", (config.get("text_config") or {}).get("vocab_size"))
     if isinstance(vocab, int) and vocab < MIN_VOCAB_SIZE:
-        raise EngineModeError(f"{ENV_MODEL}={raw!r}: vocab_size {vocab} < {MIN_VOCAB_SIZE}; the e2e tests and the "
-                              f"bench send token ids up to {MIN_VOCAB_SIZE - 1}")
+        raise EngineModeError(
+            f"{ENV_MODEL}={raw!r}: vocab_size {vocab} < {MIN_VOCAB_SIZE}; the e2e tests and the "
+            f"bench send token ids up to {MIN_VOCAB_SIZE - 1}"
+        )
     return path
 
 
 def _gpu_id(name: str, raw: str) -> str:
     value = raw.strip()
     if not value.isdigit():
-        raise EngineModeError(f"{name}={raw!r}: give one GPU index (e.g. 0), used as the engine's "
-                              "CUDA_VISIBLE_DEVICES; one GPU per engine (no tensor parallelism here)")
+        raise EngineModeError(
+            f"{name}={raw!r}: give one GPU index (e.g. 0), used as the engine's "
+            "CUDA_VISIBLE_DEVICES; one GPU per engine (no tensor parallelism here)"
+        )
     return str(int(value))
 
 
@@ -123,12 +129,16 @@ def engine_mode_from_env(env: Mapping[str, str] | None = None) -> EngineMode:
     if device == "cpu":
         stray = [name for name in GPU_ONLY_SETTINGS if env.get(name, "").strip()]
         if stray:
-            raise EngineModeError(f"{', '.join(stray)} set but {ENV_DEVICE} is not cuda: "
-                                  f"set {ENV_DEVICE}=cuda to run the engines on GPUs, or unset them")
+            raise EngineModeError(
+                f"{', '.join(stray)} set but {ENV_DEVICE} is not cuda: "
+                f"set {ENV_DEVICE}=cuda to run the engines on GPUs, or unset them"
+            )
         return EngineMode(model=model)
     if model is None:
-        raise EngineModeError(f"{ENV_DEVICE}=cuda needs {ENV_MODEL}: the local directory of a model the host has "
-                              "(the generated tiny test model is CPU-only)")
+        raise EngineModeError(
+            f"{ENV_DEVICE}=cuda needs {ENV_MODEL}: the local directory of a model the host has "
+            "(the generated tiny test model is CPU-only)"
+        )
     prefill = _gpu_id(ENV_PREFILL_GPUS, env.get(ENV_PREFILL_GPUS, "").strip() or "0")
     decode = _gpu_id(ENV_DECODE_GPUS, env.get(ENV_DECODE_GPUS, "").strip() or "1")
     shared = prefill == decode
@@ -139,14 +149,16 @@ def engine_mode_from_env(env: Mapping[str, str] | None = None) -> EngineMode:
         except ValueError:
             util = -1.0
         if not 0.0 < util < 1.0:
-            raise EngineModeError(f"{ENV_GPU_MEMORY_UTILIZATION}={raw_util!r}: a fraction in (0, 1) of each "
-                                  "engine's GPU memory")
+            raise EngineModeError(
+                f"{ENV_GPU_MEMORY_UTILIZATION}={raw_util!r}: a fraction in (0, 1) of each engine's GPU memory"
+            )
     else:
         util = GPU_MEMORY_UTILIZATION_SHARED if shared else GPU_MEMORY_UTILIZATION_OWN
     if shared and 2 * util > GPU_MEMORY_UTILIZATION_SUM_MAX:
         raise EngineModeError(
             f"{ENV_PREFILL_GPUS} and {ENV_DECODE_GPUS} are both GPU {prefill}: the two engines share its memory, "
-            f"so {ENV_GPU_MEMORY_UTILIZATION}={util:g} (each) must be <= {GPU_MEMORY_UTILIZATION_SUM_MAX / 2:g}")
+            f"so {ENV_GPU_MEMORY_UTILIZATION}={util:g} (each) must be <= {GPU_MEMORY_UTILIZATION_SUM_MAX / 2:g}"
+        )
     dtype = env.get(ENV_DTYPE, "").strip() or "auto"
     if dtype not in GPU_DTYPES:
         raise EngineModeError(f"{ENV_DTYPE}={dtype!r}: one of {', '.join(GPU_DTYPES)}")
@@ -224,7 +236,10 @@ class Engine:
 
 def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> dict[str, Any]:
     request = urllib.request.Request(
-        url, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}, method="POST",
+        url,
+        data=json.dumps(body).encode(),
+        headers={"Content-Type": "application/json"},
+        method="POST",
     )
     try:
         with urllib.request.urlopen(request, timeout=timeout_s) as response:
@@ -255,20 +270,39 @@ def kv_transfer_config(spec: EngineSpec, engine_id: str) -> dict[str, Any]:
 
 def kvbridge_connector_overrides(extra_config: dict[str, Any]) -> dict[str, Any]:
     """EngineSpec overrides for the kvbridge connector with these ``kv_connector_extra_config`` settings."""
-    return {"kv_connector": KVBRIDGE_CONNECTOR, "kv_connector_module_path": KVBRIDGE_CONNECTOR_MODULE,
-            "extra_config": dict(extra_config)}
+    return {
+        "kv_connector": KVBRIDGE_CONNECTOR,
+        "kv_connector_module_path": KVBRIDGE_CONNECTOR_MODULE,
+        "extra_config": dict(extra_config),
+    }
 
 
 def engine_command(spec: EngineSpec, port: int, engine_id: str) -> list[str]:
     command = [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server",
-        "--model", str(spec.model_dir),
-        "--served-model-name", SERVED_MODEL_NAME,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--enforce-eager", "--block-size", str(spec.block_size),
-        "--max-model-len", str(spec.max_model_len), "--max-num-seqs", "8",
-        "--dtype", spec.dtype, "--seed", "0",
-        "--kv-transfer-config", json.dumps(kv_transfer_config(spec, engine_id)),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        str(spec.model_dir),
+        "--served-model-name",
+        SERVED_MODEL_NAME,
+        "--host",
+        "127.0.0.1",
+        "--port",
+        str(port),
+        "--enforce-eager",
+        "--block-size",
+        str(spec.block_size),
+        "--max-model-len",
+        str(spec.max_model_len),
+        "--max-num-seqs",
+        "8",
+        "--dtype",
+        spec.dtype,
+        "--seed",
+        "0",
+        "--kv-transfer-config",
+        json.dumps(kv_transfer_config(spec, engine_id)),
     ]
     if spec.device == "cuda":
         command += ["--gpu-memory-utilization", str(spec.gpu_memory_utilization)]
@@ -281,19 +315,21 @@ def engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
     if spec.device == "cuda":
         return _gpu_engine_env(spec, side_channel_port)
     env = dict(os.environ)
-    env.update({
-        "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
-        "VLLM_CPU_OMP_THREADS_BIND": str(spec.cpu_core),
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
-        "UCX_TLS": "tcp,self,sm",
-        "UCX_NET_DEVICES": "lo",
-        "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
+            "VLLM_CPU_OMP_THREADS_BIND": str(spec.cpu_core),
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+            "UCX_TLS": "tcp,self,sm",
+            "UCX_NET_DEVICES": "lo",
+            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.update(spec.extra_env)
     return env
 
@@ -302,16 +338,18 @@ def _gpu_engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
     """GPU engines: their GPU, the NIXL side channel on loopback; no VLLM_CPU_* (inherited ones dropped) and
     no UCX transport list (UCX picks its CUDA transports itself; an operator's UCX_* settings pass through)."""
     env = {key: value for key, value in os.environ.items() if not key.startswith("VLLM_CPU_")}
-    env.update({
-        "CUDA_VISIBLE_DEVICES": spec.cuda_visible_devices,
-        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
-        "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "PYTHONUNBUFFERED": "1",
-    })
+    env.update(
+        {
+            "CUDA_VISIBLE_DEVICES": spec.cuda_visible_devices,
+            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
+            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
+            "HF_HUB_OFFLINE": "1",
+            "TRANSFORMERS_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "PYTHONUNBUFFERED": "1",
+        }
+    )
     env.update(spec.extra_env)
     return env
 
@@ -324,8 +362,11 @@ def start_engine(spec: EngineSpec) -> Engine:
     log_path = spec.log_dir / f"{spec.name}.log"
     log_file = log_path.open("wb")
     process = subprocess.Popen(
-        engine_command(spec, port, engine_id), env=engine_env(spec, side_channel_port),
-        stdout=log_file, stderr=subprocess.STDOUT, start_new_session=True,
+        engine_command(spec, port, engine_id),
+        env=engine_env(spec, side_channel_port),
+        stdout=log_file,
+        stderr=subprocess.STDOUT,
+        start_new_session=True,
     )
     log_file.close()
     return Engine(spec, port, side_channel_port, engine_id, process, log_path)
@@ -348,8 +389,14 @@ class HealthWatch:
 
     POLL_INTERVAL_S = 2.0
 
-    def __init__(self, engines: list[Engine], timeout_s: float = DEFAULT_START_TIMEOUT_S, *,
-                 progress: Progress = _stderr_progress, report_every_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        engines: list[Engine],
+        timeout_s: float = DEFAULT_START_TIMEOUT_S,
+        *,
+        progress: Progress = _stderr_progress,
+        report_every_s: float = 30.0,
+    ) -> None:
         self.pending = list(engines)
         self.timeout_s = timeout_s
         self._progress = progress
@@ -364,12 +411,10 @@ class HealthWatch:
         elapsed = self.elapsed()
         for engine in list(self.pending):
             if engine.process.poll() is not None:
-                raise RuntimeError(
-                    f"{engine.spec.name} exited with {engine.process.returncode}:\n{engine.log_tail()}")
+                raise RuntimeError(f"{engine.spec.name} exited with {engine.process.returncode}:\n{engine.log_tail()}")
             if _healthy(engine):
                 moved = place_worker_threads(engine)
-                self._progress(f"{engine.spec.name} healthy after {elapsed:.0f}s "
-                               f"(worker threads placed: {moved})")
+                self._progress(f"{engine.spec.name} healthy after {elapsed:.0f}s (worker threads placed: {moved})")
                 self.pending.remove(engine)
         if not self.pending:
             return True
@@ -425,8 +470,9 @@ def place_worker_threads(engine: Engine) -> str:
     return f"{placed} threads on core {core}"
 
 
-def wait_healthy(engines: list[Engine], timeout_s: float = DEFAULT_START_TIMEOUT_S, *,
-                 progress: Progress = _stderr_progress) -> None:
+def wait_healthy(
+    engines: list[Engine], timeout_s: float = DEFAULT_START_TIMEOUT_S, *, progress: Progress = _stderr_progress
+) -> None:
     """Poll /health of every engine, printing progress; raise with log tails on failure."""
     watch = HealthWatch(engines, timeout_s, progress=progress)
     while not watch.poll():
@@ -477,9 +523,14 @@ def apply_mode(spec: EngineSpec, mode: EngineMode, gpus: str) -> None:
     spec.gpu_memory_utilization, spec.dtype, spec.block_size = mode.gpu_memory_utilization, mode.dtype, mode.block_size
 
 
-def pd_specs(model_dir: Path, log_dir: Path, *, prefill_overrides: dict[str, Any] | None = None,
-             decode_overrides: dict[str, Any] | None = None,
-             mode: EngineMode = CPU_MODE) -> tuple[EngineSpec, EngineSpec]:
+def pd_specs(
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    prefill_overrides: dict[str, Any] | None = None,
+    decode_overrides: dict[str, Any] | None = None,
+    mode: EngineMode = CPU_MODE,
+) -> tuple[EngineSpec, EngineSpec]:
     """Specs of one prefill (core 0 / ``mode.prefill_gpus``) and one decode (core 1 / ``mode.decode_gpus``)
     engine; overrides are EngineSpec fields, applied after the mode."""
     cores = os.cpu_count() or 1
@@ -498,7 +549,9 @@ def pd_specs(model_dir: Path, log_dir: Path, *, prefill_overrides: dict[str, Any
 
 @contextmanager
 def run_pd_engines(
-    model_dir: Path, log_dir: Path, *,
+    model_dir: Path,
+    log_dir: Path,
+    *,
     prefill_overrides: dict[str, Any] | None = None,
     decode_overrides: dict[str, Any] | None = None,
     start_timeout_s: float = DEFAULT_START_TIMEOUT_S,
@@ -510,8 +563,9 @@ def run_pd_engines(
     Overrides are EngineSpec fields (kv_connector, kv_connector_module_path,
     extra_config, extra_args, extra_env, ...).
     """
-    prefill_spec, decode_spec = pd_specs(model_dir, log_dir, prefill_overrides=prefill_overrides,
-                                         decode_overrides=decode_overrides, mode=mode)
+    prefill_spec, decode_spec = pd_specs(
+        model_dir, log_dir, prefill_overrides=prefill_overrides, decode_overrides=decode_overrides, mode=mode
+    )
     engines: list[Engine] = []
     try:
         engines.append(start_engine(prefill_spec))

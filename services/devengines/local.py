@@ -84,26 +84,43 @@ class LocalEngines:
 
     async def start(self, registry_address: str, lease_address: str) -> None:
         await self.build_model()
-        common = {"kvbridge_registry": registry_address, "kvbridge_lease": lease_address,
-                  "kvbridge_hash_secret": self.config.hash_secret, "kvbridge_model": SERVED_MODEL_NAME}
+        common = {
+            "kvbridge_registry": registry_address,
+            "kvbridge_lease": lease_address,
+            "kvbridge_hash_secret": self.config.hash_secret,
+            "kvbridge_model": SERVED_MODEL_NAME,
+        }
         ports = free_port(), free_port()
         sizing = {"max_model_len": self.config.max_model_len} if self.config.max_model_len else {}
         prefill, decode = pd_specs(
-            self.model_dir, self.log_dir,
-            prefill_overrides=dict(kvbridge_connector_overrides(
-                dict(common, kvbridge_http_url=f"http://127.0.0.1:{ports[0]}")), port=ports[0], **sizing),
-            decode_overrides=dict(kvbridge_connector_overrides(
-                dict(common, kvbridge_http_url=f"http://127.0.0.1:{ports[1]}", **self.config.decode_extra)),
-                port=ports[1], **sizing),
+            self.model_dir,
+            self.log_dir,
+            prefill_overrides=dict(
+                kvbridge_connector_overrides(dict(common, kvbridge_http_url=f"http://127.0.0.1:{ports[0]}")),
+                port=ports[0],
+                **sizing,
+            ),
+            decode_overrides=dict(
+                kvbridge_connector_overrides(
+                    dict(common, kvbridge_http_url=f"http://127.0.0.1:{ports[1]}", **self.config.decode_extra)
+                ),
+                port=ports[1],
+                **sizing,
+            ),
         )
         for spec in (prefill, decode):
             engine = start_engine(spec)
             self.engines.append(engine)
-            self._progress(f"{spec.name} engine starting: {engine.url} (pid {engine.process.pid}, "
-                           f"log {engine.log_path})")
+            self._progress(
+                f"{spec.name} engine starting: {engine.url} (pid {engine.process.pid}, log {engine.log_path})"
+            )
         self._progress("vLLM engines take about a minute to start (longer on a busy machine)")
-        watch = HealthWatch(self.engines, self.config.start_timeout_s, progress=self._progress,
-                            report_every_s=self.config.report_every_s)
+        watch = HealthWatch(
+            self.engines,
+            self.config.start_timeout_s,
+            progress=self._progress,
+            report_every_s=self.config.report_every_s,
+        )
         while True:  # polls over HTTP (no event to wait on)
             if await asyncio.to_thread(watch.poll):
                 return
@@ -119,9 +136,15 @@ class LocalEngines:
         with log_path.open("wb") as log_file:
             # A child process: torch stays out of this one, and Ctrl-C can stop the build at once.
             self._builder = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "kvbridge_services.devengines.model", str(self.model_dir),
-                "--shape", self.config.shape,
-                stdout=log_file, stderr=asyncio.subprocess.STDOUT, start_new_session=True,
+                sys.executable,
+                "-m",
+                "kvbridge_services.devengines.model",
+                str(self.model_dir),
+                "--shape",
+                self.config.shape,
+                stdout=log_file,
+                stderr=asyncio.subprocess.STDOUT,
+                start_new_session=True,
             )
         try:
             code = await self._builder.wait()

@@ -47,15 +47,26 @@ class ModelShape:
 TINY = ModelShape()
 # A bench shape: GQA, 12+ layers, hidden >= 1024 so prefill compute per KV byte is realistic.
 BENCH = ModelShape(
-    num_layers=16, hidden_size=1024, num_attention_heads=16, num_kv_heads=4, head_dim=64,
-    intermediate_size=3072, vocab_size=512, dtype="bfloat16",
+    num_layers=16,
+    hidden_size=1024,
+    num_attention_heads=16,
+    num_kv_heads=4,
+    head_dim=64,
+    intermediate_size=3072,
+    vocab_size=512,
+    dtype="bfloat16",
 )
 # The README demo's shape (``kvbridge demo``): big enough that a full prefill of a 1,500-token agent context
 # costs visibly more than pulling its KV (about 1.5 ms of prefill per token on one core of the 2-core dev VM),
 # small enough that both engines start and the whole demo runs within minutes. fp32, like the engines.
 DEMO = ModelShape(
-    num_layers=8, hidden_size=768, num_attention_heads=12, num_kv_heads=4, head_dim=64,
-    intermediate_size=2048, vocab_size=512,
+    num_layers=8,
+    hidden_size=768,
+    num_attention_heads=12,
+    num_kv_heads=4,
+    head_dim=64,
+    intermediate_size=2048,
+    vocab_size=512,
 )
 SHAPES = {"tiny": TINY, "demo": DEMO, "bench": BENCH}
 
@@ -76,7 +87,11 @@ def build_tokenizer(out_dir: Path, vocab_size: int) -> None:
     raw = Tokenizer(WordLevel(vocab=_vocabulary(vocab_size), unk_token="<unk>"))
     raw.pre_tokenizer = WhitespaceSplit()
     tokenizer = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=raw, unk_token="<unk>", bos_token="<s>", eos_token="</s>", pad_token="<pad>",
+        tokenizer_object=raw,
+        unk_token="<unk>",
+        bos_token="<s>",
+        eos_token="</s>",
+        pad_token="<pad>",
     )
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.save_pretrained(str(out_dir))
@@ -131,8 +146,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("out_dir", type=Path)
     parser.add_argument("--bench", action="store_true", help="build the bench shape instead of the toy")
-    parser.add_argument("--shape", choices=sorted(SHAPES), default=None,
-                        help="model shape: tiny (default, 2 layers), demo (8 layers, hidden 768) or bench")
+    parser.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default=None,
+        help="model shape: tiny (default, 2 layers), demo (8 layers, hidden 768) or bench",
+    )
     args = parser.parse_args(argv)
     print(build(args.out_dir, SHAPES[args.shape or ("bench" if args.bench else "tiny")]))
 

@@ -57,17 +57,22 @@ async def _serve(settings: GatewaySettings) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m kvbridge_services.gateway", description=_HELP,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m kvbridge_services.gateway",
+        description=_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--http-port", type=int, help="HTTP port (default 8080)")
     parser.add_argument("--grpc-port", type=int, help="gRPC port (default 50053)")
     parser.add_argument("--host", help="bind address (default 127.0.0.1)")
     args = parser.parse_args(argv)
-    overrides = {k: v for k, v in (("http_port", args.http_port), ("grpc_port", args.grpc_port),
-                                   ("host", args.host)) if v is not None}
+    overrides = {
+        k: v
+        for k, v in (("http_port", args.http_port), ("grpc_port", args.grpc_port), ("host", args.host))
+        if v is not None
+    }
     settings = GatewaySettings(**overrides)
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=settings.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     asyncio.run(_serve(settings))
 
 

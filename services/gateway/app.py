@@ -31,37 +31,68 @@ def deployment_secret(settings: GatewaySettings, auth: Authenticator) -> bytes:
     if settings.hash_secret_hex:
         return kvsecret.parse(settings.hash_secret_hex, setting=kvsecret.ENV)
     if not auth.insecure:
-        raise ValueError(f"{kvsecret.ENV} is required when API keys are configured: the hex deployment secret "
-                         "every gateway replica and connector shares (e.g. `openssl rand -hex 32`)")
-    log.warning("no %s configured (development mode): using a random secret; no entry registered by a connector "
-                "will verify, and restarts lose reuse", kvsecret.ENV)
+        raise ValueError(
+            f"{kvsecret.ENV} is required when API keys are configured: the hex deployment secret "
+            "every gateway replica and connector shares (e.g. `openssl rand -hex 32`)"
+        )
+    log.warning(
+        "no %s configured (development mode): using a random secret; no entry registered by a connector "
+        "will verify, and restarts lose reuse",
+        kvsecret.ENV,
+    )
     return bytes.fromhex(kvsecret.generate())
 
 
 class GatewayApp:
     """``await app.start()`` binds HTTP and gRPC (port 0 picks free ports); ``await app.stop()``."""
 
-    def __init__(self, settings: GatewaySettings, *, auth: Authenticator | None = None,
-                 server_settings: ServerSettings | None = None, telemetry: Telemetry | None = None,
-                 peer_tls: PeerTlsSettings | None = None) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        *,
+        auth: Authenticator | None = None,
+        server_settings: ServerSettings | None = None,
+        telemetry: Telemetry | None = None,
+        peer_tls: PeerTlsSettings | None = None,
+    ) -> None:
         """``peer_tls``: TLS towards the registry and lease manager (None: plaintext)."""
         self.settings = settings
         # Tracing (OTEL_*, set up by the composition root) and the registry behind /metrics.
         self.telemetry = telemetry or Telemetry.disabled("kvbridge-gateway")
         auth = auth or Authenticator.from_file(settings.api_keys_file)
         secret = deployment_secret(settings, auth)
-        control = ControlPlane(settings.registry_address, settings.lease_address, api_key=settings.control_api_key,
-                               timeout_s=settings.control_timeout_s, tracer=self.telemetry.tracer,
-                               tls=peer_tls, registry_connections=settings.registry_connections)
+        control = ControlPlane(
+            settings.registry_address,
+            settings.lease_address,
+            api_key=settings.control_api_key,
+            timeout_s=settings.control_timeout_s,
+            tracer=self.telemetry.tracer,
+            tls=peer_tls,
+            registry_connections=settings.registry_connections,
+        )
         self.core = GatewayCore(settings, auth, control, secret, telemetry=self.telemetry)
         self.http_app = build_http_app(self.core)
         grpc_settings = (server_settings or ServerSettings()).model_copy(update={"host": settings.host})
-        self._grpc = GrpcServer(grpc_settings, settings.grpc_port, [
-            ServiceBinding(SERVICE_NAME, GatewayServicer(self.core),
-                           gateway_pb2_grpc.add_GatewayServiceServicer_to_server)], telemetry=self.telemetry,
-            auth=auth)
-        config = uvicorn.Config(self.http_app, host=settings.host, port=settings.http_port, log_level="warning",
-                                lifespan="off", access_log=False, timeout_graceful_shutdown=5)
+        self._grpc = GrpcServer(
+            grpc_settings,
+            settings.grpc_port,
+            [
+                ServiceBinding(
+                    SERVICE_NAME, GatewayServicer(self.core), gateway_pb2_grpc.add_GatewayServiceServicer_to_server
+                )
+            ],
+            telemetry=self.telemetry,
+            auth=auth,
+        )
+        config = uvicorn.Config(
+            self.http_app,
+            host=settings.host,
+            port=settings.http_port,
+            log_level="warning",
+            lifespan="off",
+            access_log=False,
+            timeout_graceful_shutdown=5,
+        )
         self._http = uvicorn.Server(config)
         self._http_task: asyncio.Task[None] | None = None
 

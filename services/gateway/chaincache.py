@@ -98,8 +98,9 @@ class ChainCache:
         reuse = common_blocks(packed, prev.packed, 4 * b) if prev is not None else 0
         if reuse:
             assert prev is not None
-            hashes = hashchain.extend(self._secret, scope.tenant, scope.model, scope.cache_salt, b,
-                                      prev.hashes[:reuse], token_ids)
+            hashes = hashchain.extend(
+                self._secret, scope.tenant, scope.model, scope.cache_salt, b, prev.hashes[:reuse], token_ids
+            )
             self.reused_blocks += reuse
         else:
             hashes = hashchain.chain(self._secret, scope.tenant, scope.model, scope.cache_salt, b, token_ids)

@@ -64,18 +64,24 @@ class GatewaySettings(BaseSettings):
     registry_connections: int = Field(default=1, ge=1, le=64)
     # API key the gateway presents to registry and lease manager (its gateway role there): KVBRIDGE_API_KEY, the
     # one service key of the stack, unless KVBRIDGE_GATEWAY_CONTROL_API_KEY overrides it.
-    control_api_key: str | None = Field(default=None, validation_alias=AliasChoices(
-        "control_api_key", "KVBRIDGE_GATEWAY_CONTROL_API_KEY", "KVBRIDGE_API_KEY"))
+    control_api_key: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("control_api_key", "KVBRIDGE_GATEWAY_CONTROL_API_KEY", "KVBRIDGE_API_KEY"),
+    )
     control_timeout_s: float = Field(default=1.0, gt=0, le=30)
 
     # Client API keys (JSON, see services/common/auth.py): KVBRIDGE_API_KEYS_FILE, the one keys file of the stack
     # (KVBRIDGE_GATEWAY_API_KEYS_FILE, the older name, still works). Unset = insecure development mode.
-    api_keys_file: Path | None = Field(default=None, validation_alias=AliasChoices(
-        "api_keys_file", "KVBRIDGE_API_KEYS_FILE", "KVBRIDGE_GATEWAY_API_KEYS_FILE"))
+    api_keys_file: Path | None = Field(
+        default=None,
+        validation_alias=AliasChoices("api_keys_file", "KVBRIDGE_API_KEYS_FILE", "KVBRIDGE_GATEWAY_API_KEYS_FILE"),
+    )
     # The deployment secret (kvbridge.secret): hex, shared by every gateway replica and every connector. Required
     # with API keys; KVBRIDGE_HASH_SECRET, the connector's name too (KVBRIDGE_GATEWAY_HASH_SECRET_HEX still works).
-    hash_secret_hex: str = Field(default="", validation_alias=AliasChoices(
-        "hash_secret_hex", "KVBRIDGE_HASH_SECRET", "KVBRIDGE_GATEWAY_HASH_SECRET_HEX"))
+    hash_secret_hex: str = Field(
+        default="",
+        validation_alias=AliasChoices("hash_secret_hex", "KVBRIDGE_HASH_SECRET", "KVBRIDGE_GATEWAY_HASH_SECRET_HEX"),
+    )
 
     # Engine pools: static config plus engines registered in the registry.
     # NoDecode: the validator below accepts JSON *or* a comma-separated URL list from the env.

@@ -47,14 +47,18 @@ def _duration(seconds: float) -> duration_pb2.Duration:
     return d
 
 
-def _traced(name: str) -> Callable[[Callable[Concatenate[ControlPlane, P], Awaitable[R]]],
-                                   Callable[Concatenate[ControlPlane, P], Awaitable[R]]]:
+def _traced(
+    name: str,
+) -> Callable[
+    [Callable[Concatenate[ControlPlane, P], Awaitable[R]]], Callable[Concatenate[ControlPlane, P], Awaitable[R]]
+]:
     """A CLIENT span around a control-plane call made within a turn's trace; its context travels in the
     call's metadata (client interceptors). Background calls outside any trace (engine list refresh, node
     lease renewal) stay untraced rather than opening a root trace every few seconds."""
 
-    def decorate(fn: Callable[Concatenate[ControlPlane, P], Awaitable[R]]
-                 ) -> Callable[Concatenate[ControlPlane, P], Awaitable[R]]:
+    def decorate(
+        fn: Callable[Concatenate[ControlPlane, P], Awaitable[R]],
+    ) -> Callable[Concatenate[ControlPlane, P], Awaitable[R]]:
         @functools.wraps(fn)
         async def wrapper(self: ControlPlane, *args: P.args, **kwargs: P.kwargs) -> R:
             if not trace.get_current_span().get_span_context().is_valid:
@@ -68,9 +72,17 @@ def _traced(name: str) -> Callable[[Callable[Concatenate[ControlPlane, P], Await
 
 
 class ControlPlane:
-    def __init__(self, registry_address: str, lease_address: str, *, api_key: str | None, timeout_s: float,
-                 tracer: trace.Tracer | None = None, tls: PeerTlsSettings | None = None,
-                 registry_connections: int = 1) -> None:
+    def __init__(
+        self,
+        registry_address: str,
+        lease_address: str,
+        *,
+        api_key: str | None,
+        timeout_s: float,
+        tracer: trace.Tracer | None = None,
+        tls: PeerTlsSettings | None = None,
+        registry_connections: int = 1,
+    ) -> None:
         self._timeout = timeout_s
         self._tracer = tracer or trace.get_tracer("kvbridge.gateway")
         self._metadata = (("authorization", f"Bearer {api_key}"),) if api_key else ()
@@ -84,15 +96,19 @@ class ControlPlane:
         self._next_registry = 0
         if registry_address:
             for _ in range(max(1, registry_connections)):
-                ch = peer_channel(registry_address, tls, interceptors=client_interceptors(),
-                                  own_connection=registry_connections > 1)
+                ch = peer_channel(
+                    registry_address, tls, interceptors=client_interceptors(), own_connection=registry_connections > 1
+                )
                 self._channels.append(ch)
                 self._registry_stubs.append(registry_pb2_grpc.RegistryServiceStub(ch))
         if lease_address:
             self._lease = LeaseClient(
-                lease_address, ClientOptions(api_key=api_key, timeout_s=timeout_s, max_attempts=2,
-                                             backoff_initial_s=0.01, backoff_max_s=0.05),
-                channel_factory=lambda target: peer_channel(target, tls, interceptors=client_interceptors()))
+                lease_address,
+                ClientOptions(
+                    api_key=api_key, timeout_s=timeout_s, max_attempts=2, backoff_initial_s=0.01, backoff_max_s=0.05
+                ),
+                channel_factory=lambda target: peer_channel(target, tls, interceptors=client_interceptors()),
+            )
 
     @property
     def enabled(self) -> bool:
@@ -122,21 +138,36 @@ class ControlPlane:
 
     # -- registry ----------------------------------------------------------------------
     @_traced(_REGISTRY + "LookupEntry")
-    async def lookup(self, *, tenant: str, model: str, conversation_key: str, block_hashes: Sequence[bytes],
-                     block_size: int, min_tokens: int) -> registry_pb2.LookupEntryResponse:
+    async def lookup(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        conversation_key: str,
+        block_hashes: Sequence[bytes],
+        block_size: int,
+        min_tokens: int,
+    ) -> registry_pb2.LookupEntryResponse:
         # Packed chain: one bytes field, far cheaper for the registry to parse than one field per block.
-        req = registry_pb2.LookupEntryRequest(tenant=tenant, model=model, conversation_key=conversation_key,
-                                              block_hashes_packed=b"".join(block_hashes), block_size=block_size,
-                                              min_tokens=min_tokens)
+        req = registry_pb2.LookupEntryRequest(
+            tenant=tenant,
+            model=model,
+            conversation_key=conversation_key,
+            block_hashes_packed=b"".join(block_hashes),
+            block_size=block_size,
+            min_tokens=min_tokens,
+        )
         try:
             resp: registry_pb2.LookupEntryResponse = await self._reg().LookupEntry(
-                req, timeout=self._timeout, metadata=self._metadata)
+                req, timeout=self._timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise self._wrap(exc, "LookupEntry") from exc
         return resp
 
-    async def watch_entries(self, *, progress_interval_s: float, lifetime_s: float
-                            ) -> AsyncIterator[registry_pb2.WatchEntriesResponse]:
+    async def watch_entries(
+        self, *, progress_interval_s: float, lifetime_s: float
+    ) -> AsyncIterator[registry_pb2.WatchEntriesResponse]:
         """Every tenant's entries (a service principal's watch): a snapshot, then changes, until the stream's
         deadline ``lifetime_s``. Untraced: it outlives any one turn."""
         req = registry_pb2.WatchEntriesRequest(progress_interval=_duration(progress_interval_s))
@@ -154,8 +185,9 @@ class ControlPlane:
         """The stored epoch of a conversation's entry, 0 when there is none."""
         key = registry_pb2.EntryKey(tenant=tenant, model=model, conversation_key=conversation_key)
         try:
-            resp = await self._reg().GetEntry(registry_pb2.GetEntryRequest(key=key), timeout=self._timeout,
-                                              metadata=self._metadata)
+            resp = await self._reg().GetEntry(
+                registry_pb2.GetEntryRequest(key=key), timeout=self._timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             if exc.code() == grpc.StatusCode.NOT_FOUND:
                 return 0
@@ -167,7 +199,8 @@ class ControlPlane:
         req = registry_pb2.RegisterEntryRequest(request_id=f"gw-{uuid.uuid4().hex}", entry=entry)
         try:
             resp: registry_pb2.RegisterEntryResponse = await self._reg().RegisterEntry(
-                req, timeout=self._timeout, metadata=self._metadata)
+                req, timeout=self._timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise self._wrap(exc, "RegisterEntry") from exc
         return resp
@@ -205,8 +238,10 @@ class ControlPlane:
         for _ in range(page_limit):
             try:
                 resp = await self._reg().ListEngines(
-                    registry_pb2.ListEnginesRequest(page_size=500, page_token=token), timeout=self._timeout,
-                    metadata=self._metadata)
+                    registry_pb2.ListEnginesRequest(page_size=500, page_token=token),
+                    timeout=self._timeout,
+                    metadata=self._metadata,
+                )
             except grpc.RpcError as exc:
                 raise self._wrap(exc, "ListEngines") from exc
             engines.extend(resp.engines)
@@ -218,8 +253,9 @@ class ControlPlane:
     @_traced(_REGISTRY + "RegisterEngine")
     async def register_engine(self, engine: types_pb2.Engine) -> types_pb2.Engine:
         try:
-            resp = await self._reg().RegisterEngine(registry_pb2.RegisterEngineRequest(engine=engine),
-                                                    timeout=self._timeout, metadata=self._metadata)
+            resp = await self._reg().RegisterEngine(
+                registry_pb2.RegisterEngineRequest(engine=engine), timeout=self._timeout, metadata=self._metadata
+            )
         except grpc.RpcError as exc:
             raise self._wrap(exc, "RegisterEngine") from exc
         registered: types_pb2.Engine = resp.engine
@@ -227,12 +263,28 @@ class ControlPlane:
 
     # -- lease manager -------------------------------------------------------------------
     @_traced(_LEASE + "GrantLease")
-    async def grant_lease(self, *, kind: int, tenant: str = "", engine_id: str, model: str = "",
-                          conversation_key: str = "", retained_tokens: int = 0, ttl_s: float) -> int:
+    async def grant_lease(
+        self,
+        *,
+        kind: int,
+        tenant: str = "",
+        engine_id: str,
+        model: str = "",
+        conversation_key: str = "",
+        retained_tokens: int = 0,
+        ttl_s: float,
+    ) -> int:
         try:
-            resp = await self._lse().grant(kind=kind, tenant=tenant, engine_id=engine_id, model=model,
-                                           conversation_key=conversation_key, retained_tokens=retained_tokens,
-                                           ttl_s=ttl_s, request_id=f"gw-{uuid.uuid4().hex}")
+            resp = await self._lse().grant(
+                kind=kind,
+                tenant=tenant,
+                engine_id=engine_id,
+                model=model,
+                conversation_key=conversation_key,
+                retained_tokens=retained_tokens,
+                ttl_s=ttl_s,
+                request_id=f"gw-{uuid.uuid4().hex}",
+            )
         except KvbridgeError as exc:
             raise self._wrap(exc, "GrantLease") from exc
         return int(resp.lease.lease_id)
@@ -244,14 +296,16 @@ class ControlPlane:
         except KvbridgeError as exc:
             raise self._wrap(exc, "RevokeLease") from exc
 
-    def open_keep_alive(self, *, timeout_s: float) -> grpc.aio.StreamStreamCall[
-            lease_pb2.KeepAliveRequest, lease_pb2.KeepAliveResponse]:
+    def open_keep_alive(
+        self, *, timeout_s: float
+    ) -> grpc.aio.StreamStreamCall[lease_pb2.KeepAliveRequest, lease_pb2.KeepAliveResponse]:
         """A KeepAlive stream the caller keeps open (deadline ``timeout_s``) and must cancel. Untraced:
         it outlives any one turn. Report how it failed with ``lease_stream_failed`` (follows NOT_LEADER)."""
         client = self._lse()
         self._stream_target = client.target
-        call: grpc.aio.StreamStreamCall[lease_pb2.KeepAliveRequest, lease_pb2.KeepAliveResponse] = \
+        call: grpc.aio.StreamStreamCall[lease_pb2.KeepAliveRequest, lease_pb2.KeepAliveResponse] = (
             client.stub.KeepAlive(timeout=timeout_s, metadata=self._metadata)
+        )
         return call
 
     def lease_stream_failed(self, exc: BaseException) -> None:

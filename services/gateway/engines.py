@@ -127,8 +127,11 @@ class EnginePool:
     def choose(self, model: str, role: str, *, exclude: frozenset[str] = frozenset()) -> EngineState:
         """The least loaded healthy engine of ``role`` serving ``model``, skipping ejected ones while any
         other is left (ejecting every engine would turn slowness into an outage)."""
-        candidates = [s for s in self._engines.values()
-                      if s.role == role and s.healthy and s.serves(model) and s.url not in exclude]
+        candidates = [
+            s
+            for s in self._engines.values()
+            if s.role == role and s.healthy and s.serves(model) and s.url not in exclude
+        ]
         if not candidates:
             raise Unavailable(Reason.NO_ENGINE_AVAILABLE, f"no healthy {role} engine serves model {model!r}")
         now = time.monotonic()
@@ -142,8 +145,13 @@ class EnginePool:
         engine.consecutive_timeouts += 1
         period = min(EJECT_BASE_S * 2 ** (engine.consecutive_timeouts - 1), EJECT_MAX_S)
         engine.ejected_until = time.monotonic() + period
-        log.warning("engine %s (%s) timed out %d time(s) in a row: no new traffic for %.0fs",
-                    engine.url, engine.role, engine.consecutive_timeouts, period)
+        log.warning(
+            "engine %s (%s) timed out %d time(s) in a row: no new traffic for %.0fs",
+            engine.url,
+            engine.role,
+            engine.consecutive_timeouts,
+            period,
+        )
 
     def answered(self, engine: EngineState) -> None:
         """A call completed within its deadline: the engine's timeout streak ends."""
@@ -155,9 +163,15 @@ class EnginePool:
         try:
             return self.choose(model, role, exclude=exclude)
         except Unavailable:
-            stale = [s for s in self._engines.values()
-                     if s.role == role and not s.healthy and s.url not in exclude
-                     and (not s.model or s.serves(model)) and time.monotonic() - s.last_check > _REPROBE_AFTER_S]
+            stale = [
+                s
+                for s in self._engines.values()
+                if s.role == role
+                and not s.healthy
+                and s.url not in exclude
+                and (not s.model or s.serves(model))
+                and time.monotonic() - s.last_check > _REPROBE_AFTER_S
+            ]
             if not stale:
                 raise
             await asyncio.gather(*(self.check(s) for s in stale))
@@ -201,8 +215,9 @@ class EnginePool:
                 models = await self._http.get(f"{engine.url}/v1/models", timeout_s=timeout)
                 if models.status == 200:
                     cards = [m for m in models.json().get("data", [])[:64] if isinstance(m, dict)]
-                    engine.adapters = {str(m.get("id")) for m in cards
-                                       if m.get("parent") and m.get("parent") != m.get("id")}
+                    engine.adapters = {
+                        str(m.get("id")) for m in cards if m.get("parent") and m.get("parent") != m.get("id")
+                    }
                     engine.models = {str(m.get("id")) for m in cards}
             metrics = await self._http.get(f"{engine.url}/metrics", timeout_s=timeout)
             if metrics.status == 200:

@@ -35,8 +35,9 @@ def _sampling(sp: gateway_pb2.SamplingParams) -> dict[str, Any]:
 
 def _report(v: ReuseVerdict) -> gateway_pb2.ReuseReport:
     pulled = v.tokens if v.label == "hit" else 0
-    return gateway_pb2.ReuseReport(verdict=v.label, verified_tokens=v.tokens, pulled_tokens=pulled,
-                                   prompt_tokens=v.prompt_tokens)
+    return gateway_pb2.ReuseReport(
+        verdict=v.label, verified_tokens=v.tokens, pulled_tokens=pulled, prompt_tokens=v.prompt_tokens
+    )
 
 
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
@@ -51,8 +52,9 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
                 requested = val if isinstance(val, str) else val.decode()
         return self._core.tenant_of(principal, requested)
 
-    async def _run(self, kind: TurnKind, body: dict[str, Any], request: Any,
-                   context: Ctx) -> AsyncIterator[tuple[ReuseVerdict, dict[str, Any], bool]]:
+    async def _run(
+        self, kind: TurnKind, body: dict[str, Any], request: Any, context: Ctx
+    ) -> AsyncIterator[tuple[ReuseVerdict, dict[str, Any], bool]]:
         tenant = self._tenant(context)
         turn: Turn = parse_turn(kind, body, tenant=tenant, session_header=None, limits=self._core.limits)
         if request.HasField("timeout"):
@@ -84,8 +86,19 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     async def CreateChatCompletion(
         self, request: gateway_pb2.CreateChatCompletionRequest, context: Ctx
     ) -> AsyncIterator[gateway_pb2.CreateChatCompletionResponse]:
-        messages = [{k: v for k, v in (("role", m.role), ("content", m.content), ("name", m.name),
-                                       ("tool_call_id", m.tool_call_id)) if v} for m in request.messages]
+        messages = [
+            {
+                k: v
+                for k, v in (
+                    ("role", m.role),
+                    ("content", m.content),
+                    ("name", m.name),
+                    ("tool_call_id", m.tool_call_id),
+                )
+                if v
+            }
+            for m in request.messages
+        ]
         for m in messages:
             m.setdefault("content", "")
         body = _streaming_body(request, messages=messages)
@@ -122,32 +135,40 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             yield msg
 
     @rpc_boundary
-    async def ListModels(self, request: gateway_pb2.ListModelsRequest,
-                         context: Ctx) -> gateway_pb2.ListModelsResponse:
+    async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: Ctx) -> gateway_pb2.ListModelsResponse:
         caller()
         pool = self._core.pool
-        return gateway_pb2.ListModelsResponse(models=[
-            gateway_pb2.Model(id=m, prefill_engines=pool.count(m, "prefill"), decode_engines=pool.count(m, "decode"))
-            for m in sorted(self._core.models())])
+        return gateway_pb2.ListModelsResponse(
+            models=[
+                gateway_pb2.Model(
+                    id=m, prefill_engines=pool.count(m, "prefill"), decode_engines=pool.count(m, "decode")
+                )
+                for m in sorted(self._core.models())
+            ]
+        )
 
     @rpc_boundary
-    async def CloseConversation(self, request: gateway_pb2.CloseConversationRequest,
-                                context: Ctx) -> gateway_pb2.CloseConversationResponse:
+    async def CloseConversation(
+        self, request: gateway_pb2.CloseConversationRequest, context: Ctx
+    ) -> gateway_pb2.CloseConversationResponse:
         tenant = self._tenant(context)
         if not request.model or not request.conversation_id:
             raise invalid_field("conversation_id", "model and conversation_id are required")
         # Checked here so a bad value is the caller's INVALID_ARGUMENT, not a registry failure (UNAVAILABLE).
         conversation_key_of({"conversation_id": request.conversation_id}, None)
         model = ids.MODEL.check("model", request.model)
-        await self._core.router.settle_conversation(tenant, model, request.conversation_id,
-                                                    timeout_s=self._core.settings.control_timeout_s)
+        await self._core.router.settle_conversation(
+            tenant, model, request.conversation_id, timeout_s=self._core.settings.control_timeout_s
+        )
         try:
-            epoch = await self._core.control.entry_epoch(tenant=tenant, model=request.model,
-                                                         conversation_key=request.conversation_id)
+            epoch = await self._core.control.entry_epoch(
+                tenant=tenant, model=request.model, conversation_key=request.conversation_id
+            )
             if not epoch:
                 return gateway_pb2.CloseConversationResponse(released=False)
-            await self._core.control.delete_entry(tenant=tenant, model=request.model,
-                                                  conversation_key=request.conversation_id)
+            await self._core.control.delete_entry(
+                tenant=tenant, model=request.model, conversation_key=request.conversation_id
+            )
         except ControlPlaneError as exc:
             raise Unavailable(Reason.STORE_UNAVAILABLE, f"registry unavailable: {exc}") from exc
         return gateway_pb2.CloseConversationResponse(released=True)
@@ -156,9 +177,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
 def _streaming_body(request: Any, **fields: Any) -> dict[str, Any]:
     """The OpenAI-style body both gRPC RPCs hand to the shared core: always streamed, with usage and
     token ids, plus the request's sampling, conversation id and cache salt when set."""
-    body: dict[str, Any] = {"model": request.model, **fields, "stream": True,
-                            "stream_options": {"include_usage": True}, "return_token_ids": True,
-                            **_sampling(request.sampling)}
+    body: dict[str, Any] = {
+        "model": request.model,
+        **fields,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        "return_token_ids": True,
+        **_sampling(request.sampling),
+    }
     if request.conversation_id:
         body["conversation_id"] = request.conversation_id
     if request.cache_salt:
@@ -170,9 +196,13 @@ def _usage(msg: Any, ev: dict[str, Any]) -> None:
     usage = ev.get("usage")
     if isinstance(usage, dict):
         details = usage.get("prompt_tokens_details") or {}
-        msg.usage.CopyFrom(gateway_pb2.Usage(prompt_tokens=int(usage.get("prompt_tokens") or 0),
-                                             completion_tokens=int(usage.get("completion_tokens") or 0),
-                                             cached_tokens=int(details.get("cached_tokens") or 0)))
+        msg.usage.CopyFrom(
+            gateway_pb2.Usage(
+                prompt_tokens=int(usage.get("prompt_tokens") or 0),
+                completion_tokens=int(usage.get("completion_tokens") or 0),
+                cached_tokens=int(details.get("cached_tokens") or 0),
+            )
+        )
 
 
 __all__ = ["GatewayServicer", "KvbridgeError"]

@@ -24,8 +24,10 @@ from .upstream import ClientError
 
 REUSE_HEADER = "x-kvbridge-reuse"
 # The HTTP routes answer under the authorization rows of their gRPC twins (services/common/authz.py).
-_HTTP_METHODS: dict[TurnKind, str] = {"chat": "kvbridge.gateway.v1.GatewayService/CreateChatCompletion",
-                                      "completion": "kvbridge.gateway.v1.GatewayService/CreateCompletion"}
+_HTTP_METHODS: dict[TurnKind, str] = {
+    "chat": "kvbridge.gateway.v1.GatewayService/CreateChatCompletion",
+    "completion": "kvbridge.gateway.v1.GatewayService/CreateCompletion",
+}
 
 _HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: 400,
@@ -44,8 +46,14 @@ def error_response(err: KvbridgeError) -> JSONResponse:
         status = 413
     elif err.reason == Reason.UPSTREAM_FAILED.value and err.code is not grpc.StatusCode.DEADLINE_EXCEEDED:
         status = 502  # an engine failed; one that timed out keeps 504
-    body = {"error": {"message": err.message, "type": err.code.name.lower(), "code": err.reason or None,
-                      "param": err.metadata.get("field")}}
+    body = {
+        "error": {
+            "message": err.message,
+            "type": err.code.name.lower(),
+            "code": err.reason or None,
+            "param": err.metadata.get("field"),
+        }
+    }
     return JSONResponse(body, status_code=status)
 
 
@@ -121,12 +129,18 @@ def build_http_app(core: GatewayCore) -> Starlette:
                 return await measured(request)
             # The root of the turn's trace, or a child of the caller's (W3C traceparent, e.g. from Envoy).
             parent = tel.extract(dict(request.headers)) if tel.TRACEPARENT in request.headers else None
-            with tracer.start_as_current_span(f"{request.method} {request.url.path}", context=parent,
-                                              kind=trace.SpanKind.SERVER, record_exception=False,
-                                              set_status_on_exception=False,
-                                              attributes={"http.request.method": request.method,
-                                                          "url.path": request.url.path,
-                                                          "http.route": request.url.path}) as span:
+            with tracer.start_as_current_span(
+                f"{request.method} {request.url.path}",
+                context=parent,
+                kind=trace.SpanKind.SERVER,
+                record_exception=False,
+                set_status_on_exception=False,
+                attributes={
+                    "http.request.method": request.method,
+                    "url.path": request.url.path,
+                    "http.route": request.url.path,
+                },
+            ) as span:
                 resp = await measured(request)
                 span.set_attribute("http.response.status_code", resp.status_code)
                 if resp.status_code >= 500:
@@ -158,16 +172,20 @@ def build_http_app(core: GatewayCore) -> Starlette:
         try:
             body = parse_json_body(await _read_body(request, s.max_body_bytes))
             tenant = core.tenant_of(principal, request.headers.get(TENANT_HEADER))
-            turn = parse_turn(kind, body, tenant=tenant, session_header=request.headers.get(SESSION_HEADER),
-                              limits=core.limits)
+            turn = parse_turn(
+                kind, body, tenant=tenant, session_header=request.headers.get(SESSION_HEADER), limits=core.limits
+            )
             result = await _race_disconnect(request, core.router.run(turn))
             if result is None:
                 return Response(status_code=499)
             headers = {REUSE_HEADER: result.verdict.header()}
             if result.stream is not None:
                 release = False
-                return StreamingResponse(_release_after(result, core), media_type="text/event-stream",
-                                         headers={**headers, "cache-control": "no-cache"})
+                return StreamingResponse(
+                    _release_after(result, core),
+                    media_type="text/event-stream",
+                    headers={**headers, "cache-control": "no-cache"},
+                )
             return JSONResponse(result.body, headers=headers, background=BackgroundTask(_finish, result))
         except ClientError as exc:
             return JSONResponse(exc.body, status_code=exc.status)

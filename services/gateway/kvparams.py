@@ -22,7 +22,8 @@ TENANT_PARAM = kvsecret.TENANT
 EPOCH_PARAM = kvsecret.EPOCH
 # Never passed on from P's params: only this gateway sets (and signs) them.
 _SIGNED_KVBRIDGE_FIELDS = frozenset(
-    name for name in (*kvsecret.SIGNED_FIELDS, kvsecret.SIGNATURE) if name.startswith("kvbridge_"))
+    name for name in (*kvsecret.SIGNED_FIELDS, kvsecret.SIGNATURE) if name.startswith("kvbridge_")
+)
 
 _INTERNAL_BODY_KEYS = ("kv_transfer_params", "conversation_id")
 
@@ -109,8 +110,9 @@ def plain_prefill_params() -> dict[str, Any]:
     return {"do_remote_decode": True, "do_remote_prefill": False}
 
 
-def reuse_prefill_params(source: PullSource, tokens: int, block_size: int, *,
-                         prompt_ids: Sequence[int]) -> dict[str, Any]:
+def reuse_prefill_params(
+    source: PullSource, tokens: int, block_size: int, *, prompt_ids: Sequence[int]
+) -> dict[str, Any]:
     """P's params: produce KV for a remote decode, and pull the first ``tokens`` tokens' KV from D
     (with the digest of the verified prompt prefix, which P checks against its own prompt)."""
     params: dict[str, Any] = {
@@ -142,7 +144,12 @@ def offer_ttl_ms(source: PullSource) -> int:
 
 
 def decode_params(
-    prefill_returned: dict[str, Any], *, tenant: str, conversation_key: str, epoch: int, secret: bytes,
+    prefill_returned: dict[str, Any],
+    *,
+    tenant: str,
+    conversation_key: str,
+    epoch: int,
+    secret: bytes,
     now: float | None = None,
 ) -> dict[str, Any]:
     """D's params: what P returned, plus the conversation identity for a connector on D, signed with the

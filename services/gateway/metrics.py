@@ -12,57 +12,111 @@ class GatewayMetrics:
     def __init__(self, registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
         r = self.registry
-        self.requests = Counter("kvbridge_gateway_requests_total", "Client requests by route and status class",
-                                ["route", "status"], registry=r)
-        self.reuse = Counter("kvbridge_gateway_reuse_total",
-                             "Turns by reuse verdict (hit, miss, declined) and the reason of a decline",
-                             ["verdict", "reason"], registry=r)
-        self.verified_tokens = Counter("kvbridge_gateway_verified_tokens_total",
-                                       "Prompt tokens the registry verified as a prefix of stored KV",
-                                       registry=r)
-        self.pulled_tokens = Counter("kvbridge_gateway_pulled_tokens_total",
-                                     "Prompt tokens whose KV P pulled from D instead of recomputing", registry=r)
-        self.prompt_tokens = Counter("kvbridge_gateway_prompt_tokens_total",
-                                     "Prompt tokens of turns the gateway tokenized", registry=r)
-        self.tokenize = Counter("kvbridge_gateway_tokenize_total",
-                                "Turns tokenized, by where the ids came from: local (the gateway's own tokenizer), "
-                                "engine (P's /tokenize), request (token ids the client sent)", ["path"], registry=r)
+        self.requests = Counter(
+            "kvbridge_gateway_requests_total",
+            "Client requests by route and status class",
+            ["route", "status"],
+            registry=r,
+        )
+        self.reuse = Counter(
+            "kvbridge_gateway_reuse_total",
+            "Turns by reuse verdict (hit, miss, declined) and the reason of a decline",
+            ["verdict", "reason"],
+            registry=r,
+        )
+        self.verified_tokens = Counter(
+            "kvbridge_gateway_verified_tokens_total",
+            "Prompt tokens the registry verified as a prefix of stored KV",
+            registry=r,
+        )
+        self.pulled_tokens = Counter(
+            "kvbridge_gateway_pulled_tokens_total",
+            "Prompt tokens whose KV P pulled from D instead of recomputing",
+            registry=r,
+        )
+        self.prompt_tokens = Counter(
+            "kvbridge_gateway_prompt_tokens_total", "Prompt tokens of turns the gateway tokenized", registry=r
+        )
+        self.tokenize = Counter(
+            "kvbridge_gateway_tokenize_total",
+            "Turns tokenized, by where the ids came from: local (the gateway's own tokenizer), "
+            "engine (P's /tokenize), request (token ids the client sent)",
+            ["path"],
+            registry=r,
+        )
         self.tokenize_reused_tokens = Gauge(
-            "kvbridge_gateway_tokenize_reused_tokens", "Prompt tokens taken from a conversation's previous "
-            "encoding instead of encoded again (local tokenization; grows like a counter)", registry=r)
-        self.lookups = Counter("kvbridge_gateway_lookups_total",
-                               "Keyed and content lookups, by who answered: mirror (the gateway's copy of the "
-                               "registry's entries) or registry (a round trip)", ["source"], registry=r)
-        self.mirror_entries = Gauge("kvbridge_gateway_entry_mirror_entries",
-                                    "Entries in the gateway's copy of the registry's entries", registry=r)
-        self.mirror_in_sync = Gauge("kvbridge_gateway_entry_mirror_in_sync",
-                                    "1 while the copy of the registry's entries may answer lookups", registry=r)
-        self.mirror_lag = Gauge("kvbridge_gateway_entry_mirror_lag_seconds",
-                                "Seconds since the entry copy last heard from the registry's watch (-1: never)",
-                                registry=r)
-        self.secret_mismatch = Counter("kvbridge_gateway_secret_mismatch_total",
-                                       "Turns refused reuse: the decode engine announced another deployment secret",
-                                       ["engine"], registry=r)
-        self.reuse_retries = Counter("kvbridge_gateway_reuse_retries_total",
-                                     "Prefills retried without D params after a failure on the reuse path",
-                                     registry=r)
-        self.registrations = Counter("kvbridge_gateway_compat_registrations_total",
-                                     "Entries registered by the gateway (compatibility mode), by outcome",
-                                     ["outcome"], registry=r)
+            "kvbridge_gateway_tokenize_reused_tokens",
+            "Prompt tokens taken from a conversation's previous "
+            "encoding instead of encoded again (local tokenization; grows like a counter)",
+            registry=r,
+        )
+        self.lookups = Counter(
+            "kvbridge_gateway_lookups_total",
+            "Keyed and content lookups, by who answered: mirror (the gateway's copy of the "
+            "registry's entries) or registry (a round trip)",
+            ["source"],
+            registry=r,
+        )
+        self.mirror_entries = Gauge(
+            "kvbridge_gateway_entry_mirror_entries",
+            "Entries in the gateway's copy of the registry's entries",
+            registry=r,
+        )
+        self.mirror_in_sync = Gauge(
+            "kvbridge_gateway_entry_mirror_in_sync",
+            "1 while the copy of the registry's entries may answer lookups",
+            registry=r,
+        )
+        self.mirror_lag = Gauge(
+            "kvbridge_gateway_entry_mirror_lag_seconds",
+            "Seconds since the entry copy last heard from the registry's watch (-1: never)",
+            registry=r,
+        )
+        self.secret_mismatch = Counter(
+            "kvbridge_gateway_secret_mismatch_total",
+            "Turns refused reuse: the decode engine announced another deployment secret",
+            ["engine"],
+            registry=r,
+        )
+        self.reuse_retries = Counter(
+            "kvbridge_gateway_reuse_retries_total",
+            "Prefills retried without D params after a failure on the reuse path",
+            registry=r,
+        )
+        self.registrations = Counter(
+            "kvbridge_gateway_compat_registrations_total",
+            "Entries registered by the gateway (compatibility mode), by outcome",
+            ["outcome"],
+            registry=r,
+        )
         self.inflight = Gauge("kvbridge_gateway_inflight_requests", "Requests being served", registry=r)
-        self.latency = Histogram("kvbridge_gateway_request_seconds", "Request latency until the response starts",
-                                 ["route"], registry=r, buckets=_LATENCY_BUCKETS)
+        self.latency = Histogram(
+            "kvbridge_gateway_request_seconds",
+            "Request latency until the response starts",
+            ["route"],
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
         # TTFT as the gateway sees it: turn start until D's first response bytes (streaming) or its whole
         # response (non-streaming, where the client gets nothing earlier).
-        self.ttft = Histogram("kvbridge_gateway_ttft_seconds", "Time to first token through the gateway, by reuse",
-                              ["reuse"], registry=r, buckets=_LATENCY_BUCKETS)
+        self.ttft = Histogram(
+            "kvbridge_gateway_ttft_seconds",
+            "Time to first token through the gateway, by reuse",
+            ["reuse"],
+            registry=r,
+            buckets=_LATENCY_BUCKETS,
+        )
         # What routing adds before decode starts, engine time excluded: tokenize/hash, registry lookup,
         # engine choice, request rewriting (turn start until the decode request is sent, minus the prefill call).
-        self.router_overhead = Histogram("kvbridge_gateway_router_overhead_seconds",
-                                         "Gateway time per turn outside the prefill and decode calls",
-                                         registry=r, buckets=_OVERHEAD_BUCKETS)
-        self.engine_healthy = Gauge("kvbridge_gateway_engine_healthy", "1 if the engine passed its last check",
-                                    ["role", "url"], registry=r)
+        self.router_overhead = Histogram(
+            "kvbridge_gateway_router_overhead_seconds",
+            "Gateway time per turn outside the prefill and decode calls",
+            registry=r,
+            buckets=_OVERHEAD_BUCKETS,
+        )
+        self.engine_healthy = Gauge(
+            "kvbridge_gateway_engine_healthy", "1 if the engine passed its last check", ["role", "url"], registry=r
+        )
 
     def count_verdict(self, label: str) -> None:
         """``label``: hit | miss | declined:<reason>."""

@@ -51,8 +51,14 @@ class MirroredEntry:
 class EntryMirror:
     """Entries by (tenant, model, conversation key), at most ``max_entries`` (the rest stay registry-only)."""
 
-    def __init__(self, *, max_entries: int, stale_after_s: float,
-                 clock: Callable[[], float] = time.monotonic, wall_clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self,
+        *,
+        max_entries: int,
+        stale_after_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+    ) -> None:
         self._max_entries = max_entries
         self._stale_after_s = stale_after_s
         self._clock = clock
@@ -115,9 +121,17 @@ class EntryMirror:
         own.CopyFrom(entry)
         self._entries[eid] = MirroredEntry(own, record_of(own), revision)
 
-    def lookup(self, *, tenant: str, model: str, conversation_key: str, block_hashes: Sequence[bytes],
-               block_size: int, min_tokens: int, engine_record: EngineRecords
-               ) -> registry_pb2.LookupEntryResponse | None:
+    def lookup(
+        self,
+        *,
+        tenant: str,
+        model: str,
+        conversation_key: str,
+        block_hashes: Sequence[bytes],
+        block_size: int,
+        min_tokens: int,
+        engine_record: EngineRecords,
+    ) -> registry_pb2.LookupEntryResponse | None:
         """The registry's answer for a keyed lookup when it is a HIT the copy can vouch for; else None (ask
         the registry: not in sync, no entry here, expired, engine unknown, mismatch, below threshold)."""
         if not conversation_key or not self.in_sync():
@@ -136,8 +150,9 @@ class EntryMirror:
         return response
 
 
-async def follow_registry(control: ControlPlane, mirror: EntryMirror, *, progress_interval_s: float,
-                          stream_lifetime_s: float) -> None:
+async def follow_registry(
+    control: ControlPlane, mirror: EntryMirror, *, progress_interval_s: float, stream_lifetime_s: float
+) -> None:
     """Keeps ``mirror`` up to date until cancelled. Every stream, a fresh one after its lifetime deadline or
     after a failure, starts with a snapshot: resuming at a revision could silently skip changes if the
     registry's store restarted with its revisions reset (the in-memory dev store)."""
@@ -145,15 +160,17 @@ async def follow_registry(control: ControlPlane, mirror: EntryMirror, *, progres
     while True:
         mirror.reset()
         try:
-            async for message in control.watch_entries(progress_interval_s=progress_interval_s,
-                                                       lifetime_s=stream_lifetime_s):
+            async for message in control.watch_entries(
+                progress_interval_s=progress_interval_s, lifetime_s=stream_lifetime_s
+            ):
                 mirror.apply(message)
                 failures = 0
         except ControlPlaneError as exc:
             mirror.reset()
             if exc.code in ("PERMISSION_DENIED", "UNAUTHENTICATED", "UNIMPLEMENTED"):
-                log.error("entry mirror off (lookups go to the registry): the registry refuses this gateway's "
-                          "watch: %s", exc)
+                log.error(
+                    "entry mirror off (lookups go to the registry): the registry refuses this gateway's watch: %s", exc
+                )
                 return
             if exc.code != "DEADLINE_EXCEEDED":  # the stream's own lifetime: reopen at once
                 delay = _BACKOFF_S[min(failures, len(_BACKOFF_S) - 1)]

@@ -38,8 +38,14 @@ _BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
 
 
 class ConversationRenewer:
-    def __init__(self, control: ControlPlane, *, max_pending: int = MAX_PENDING,
-                 stream_lifetime_s: float = STREAM_LIFETIME_S, max_delay_s: float = MAX_DELAY_S) -> None:
+    def __init__(
+        self,
+        control: ControlPlane,
+        *,
+        max_pending: int = MAX_PENDING,
+        stream_lifetime_s: float = STREAM_LIFETIME_S,
+        max_delay_s: float = MAX_DELAY_S,
+    ) -> None:
         self._control = control
         self._max_pending = max_pending
         self._lifetime_s = stream_lifetime_s
@@ -126,8 +132,7 @@ class ConversationRenewer:
                     await asyncio.wait({waiter, reader}, return_when=asyncio.FIRST_COMPLETED)
                     waiter.cancel()
                     continue
-                batch = [self._pending.popitem(last=False)[0] for _ in range(min(len(self._pending),
-                                                                                 MAX_PER_REQUEST))]
+                batch = [self._pending.popitem(last=False)[0] for _ in range(min(len(self._pending), MAX_PER_REQUEST))]
                 if not self._pending:
                     self._wake.clear()  # the next touch starts a new wait
                 refs = [lease_pb2.ConversationRef(tenant=t, model=m, conversation_key=k) for t, m, k in batch]
@@ -139,8 +144,9 @@ class ConversationRenewer:
             reader.cancel()
             call.cancel()
 
-    async def _read(self, call: grpc.aio.StreamStreamCall[lease_pb2.KeepAliveRequest,
-                                                          lease_pb2.KeepAliveResponse]) -> None:
+    async def _read(
+        self, call: grpc.aio.StreamStreamCall[lease_pb2.KeepAliveRequest, lease_pb2.KeepAliveResponse]
+    ) -> None:
         while True:
             resp = await call.read()
             if resp is grpc.aio.EOF:

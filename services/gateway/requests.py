@@ -87,8 +87,9 @@ def _check_messages(messages: object, limits: Limits) -> None:
     if not isinstance(messages, list) or not messages:
         raise invalid_field("messages", "must be a non-empty array")
     if len(messages) > limits.max_messages:
-        raise InvalidArgument(Reason.TOO_LARGE, f"messages: at most {limits.max_messages} allowed",
-                              metadata={"field": "messages"})
+        raise InvalidArgument(
+            Reason.TOO_LARGE, f"messages: at most {limits.max_messages} allowed", metadata={"field": "messages"}
+        )
     for i, msg in enumerate(messages):
         if not isinstance(msg, dict):
             raise invalid_field(f"messages[{i}]", "must be an object")
@@ -127,8 +128,9 @@ def _prompt_ids(prompt: object, limits: Limits) -> list[int] | None:
     raise invalid_field("prompt", "must be a string or a non-empty array of token ids (one prompt per request)")
 
 
-def parse_turn(kind: TurnKind, body: dict[str, Any], *, tenant: str, session_header: str | None,
-               limits: Limits) -> Turn:
+def parse_turn(
+    kind: TurnKind, body: dict[str, Any], *, tenant: str, session_header: str | None, limits: Limits
+) -> Turn:
     model = ids.MODEL.check("model", body.get("model"))
     if kind == "chat":
         _check_messages(body.get("messages"), limits)
@@ -140,6 +142,14 @@ def parse_turn(kind: TurnKind, body: dict[str, Any], *, tenant: str, session_hea
     if not isinstance(salt, str) or len(salt) > 256:
         raise invalid_field("cache_salt", "must be a string of at most 256 characters")
     key = conversation_key_of(body, session_header)
-    return Turn(kind=kind, tenant=tenant, model=model, body=strip_client_params(body), conversation_key=key,
-                cache_salt=salt, stream=bool(body.get("stream", False)), prompt_token_ids=prompt_ids,
-                client_wants_token_ids=bool(body.get("return_token_ids")))
+    return Turn(
+        kind=kind,
+        tenant=tenant,
+        model=model,
+        body=strip_client_params(body),
+        conversation_key=key,
+        cache_salt=salt,
+        stream=bool(body.get("stream", False)),
+        prompt_token_ids=prompt_ids,
+        client_wants_token_ids=bool(body.get("return_token_ids")),
+    )

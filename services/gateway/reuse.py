@@ -96,9 +96,14 @@ LOOKUP_REASONS: Mapping[int, NoReuse] = {
     registry_pb2.LOOKUP_VERDICT_BELOW_THRESHOLD: NoReuse.BELOW_THRESHOLD,
     registry_pb2.LOOKUP_VERDICT_ENGINE_GONE: NoReuse.ENGINE_GONE,
     registry_pb2.LOOKUP_VERDICT_BLOCK_SIZE_MISMATCH: NoReuse.BLOCK_SIZE_MISMATCH,
-    **{getattr(registry_pb2, name): reason for name, reason in (
-        ("LOOKUP_VERDICT_ENGINE_RESTARTED", NoReuse.ENGINE_RESTARTED),
-        ("LOOKUP_VERDICT_INDEX_STALE", NoReuse.INDEX_STALE)) if hasattr(registry_pb2, name)},
+    **{
+        getattr(registry_pb2, name): reason
+        for name, reason in (
+            ("LOOKUP_VERDICT_ENGINE_RESTARTED", NoReuse.ENGINE_RESTARTED),
+            ("LOOKUP_VERDICT_INDEX_STALE", NoReuse.INDEX_STALE),
+        )
+        if hasattr(registry_pb2, name)
+    },
 }
 
 
@@ -143,20 +148,68 @@ class ReuseVerdict:
 # truncate_prompt_tokens, documents, mm_processor_kwargs, prompt_embeds, reasoning_effort (some chat
 # templates read it), suffix. Stock P (compatibility mode) has no prefix-digest check to catch a prompt
 # that differs from the tokenized one, so the gateway must not guess.
-TOKENIZED_FIELDS = frozenset({
-    "model", "messages", "prompt", "add_generation_prompt", "continue_final_message", "tools", "chat_template",
-    "chat_template_kwargs", "add_special_tokens", "cache_salt",
-})
+TOKENIZED_FIELDS = frozenset(
+    {
+        "model",
+        "messages",
+        "prompt",
+        "add_generation_prompt",
+        "continue_final_message",
+        "tools",
+        "chat_template",
+        "chat_template_kwargs",
+        "add_special_tokens",
+        "cache_salt",
+    }
+)
 GATEWAY_FIELDS = frozenset({"conversation_id", "session_id", "kv_transfer_params", "stream", "stream_options"})
-SAMPLING_FIELDS = frozenset({
-    "max_tokens", "max_completion_tokens", "min_tokens", "temperature", "top_p", "top_k", "min_p", "n", "seed",
-    "stop", "stop_token_ids", "presence_penalty", "frequency_penalty", "repetition_penalty", "length_penalty",
-    "logit_bias", "logprobs", "top_logprobs", "prompt_logprobs", "user", "response_format", "tool_choice",
-    "parallel_tool_calls", "ignore_eos", "skip_special_tokens", "spaces_between_special_tokens",
-    "include_stop_str_in_output", "return_token_ids", "echo", "bad_words", "allowed_token_ids",
-    "structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "priority",
-    "request_id", "metadata", "store", "service_tier", "logits_processors", "return_tokens_as_token_ids",
-})
+SAMPLING_FIELDS = frozenset(
+    {
+        "max_tokens",
+        "max_completion_tokens",
+        "min_tokens",
+        "temperature",
+        "top_p",
+        "top_k",
+        "min_p",
+        "n",
+        "seed",
+        "stop",
+        "stop_token_ids",
+        "presence_penalty",
+        "frequency_penalty",
+        "repetition_penalty",
+        "length_penalty",
+        "logit_bias",
+        "logprobs",
+        "top_logprobs",
+        "prompt_logprobs",
+        "user",
+        "response_format",
+        "tool_choice",
+        "parallel_tool_calls",
+        "ignore_eos",
+        "skip_special_tokens",
+        "spaces_between_special_tokens",
+        "include_stop_str_in_output",
+        "return_token_ids",
+        "echo",
+        "bad_words",
+        "allowed_token_ids",
+        "structured_outputs",
+        "guided_json",
+        "guided_regex",
+        "guided_choice",
+        "guided_grammar",
+        "priority",
+        "request_id",
+        "metadata",
+        "store",
+        "service_tier",
+        "logits_processors",
+        "return_tokens_as_token_ids",
+    }
+)
 ALLOWED_FIELDS = TOKENIZED_FIELDS | GATEWAY_FIELDS | SAMPLING_FIELDS
 
 
@@ -200,8 +253,12 @@ def has_multimodal_content(body: Mapping[str, Any]) -> bool:
 
 
 def request_features(body: Mapping[str, Any], *, lora_adapter: bool, secret_mismatch: bool = False) -> RequestFeatures:
-    return RequestFeatures(multimodal=has_multimodal_content(body), unsupported_field=unsupported_field(body),
-                           lora_adapter=lora_adapter, secret_mismatch=secret_mismatch)
+    return RequestFeatures(
+        multimodal=has_multimodal_content(body),
+        unsupported_field=unsupported_field(body),
+        lora_adapter=lora_adapter,
+        secret_mismatch=secret_mismatch,
+    )
 
 
 # -- the decision ----------------------------------------------------------------------------------------
@@ -236,8 +293,9 @@ class ReusePlan:
     conversation_key: str  # the entry's conversation (differs from the turn's for content hits)
 
 
-def screen(features: RequestFeatures, *, wants_reuse: bool, prompt_tokens: int | None,
-           policy: Policy) -> NoReuse | None:
+def screen(
+    features: RequestFeatures, *, wants_reuse: bool, prompt_tokens: int | None, policy: Policy
+) -> NoReuse | None:
     """The part of :func:`decide` that needs no lookup (the router calls it first to skip the lookup)."""
     if not wants_reuse:
         return NoReuse.NOT_REQUESTED
@@ -254,9 +312,19 @@ def screen(features: RequestFeatures, *, wants_reuse: bool, prompt_tokens: int |
     return None
 
 
-def decide(features: RequestFeatures, *, wants_reuse: bool, prompt_tokens: int,
-           lookup: registry_pb2.LookupEntryResponse, block_size: int, source: SourceState, policy: Policy,
-           now_s: float, looked_up_at: float = 0.0, now_mono: float = 0.0) -> ReusePlan | NoReuse:
+def decide(
+    features: RequestFeatures,
+    *,
+    wants_reuse: bool,
+    prompt_tokens: int,
+    lookup: registry_pb2.LookupEntryResponse,
+    block_size: int,
+    source: SourceState,
+    policy: Policy,
+    now_s: float,
+    looked_up_at: float = 0.0,
+    now_mono: float = 0.0,
+) -> ReusePlan | NoReuse:
     """Whether this turn's prefill pulls KV: the plan, or the reason it does not.
 
     ``looked_up_at`` and ``now_mono`` (``time.monotonic()``): when the lookup was answered, and now; P gets what
@@ -299,16 +367,34 @@ def decide(features: RequestFeatures, *, wants_reuse: bool, prompt_tokens: int,
     # P declines a read that would start after D's deadline, on D's clock (vLLM's remote_blocks_expiry_time):
     # known for stock D once this gateway learned D's clock from its responses. The connector's entries carry
     # none (their lease bounds them).
-    engine_expiry = expire_s + source.clock_offset_s \
-        if single_use and expire_s is not None and source.clock_offset_s is not None else None
+    engine_expiry = (
+        expire_s + source.clock_offset_s
+        if single_use and expire_s is not None and source.clock_offset_s is not None
+        else None
+    )
     pull = kvparams.PullSource(
-        engine_id=engine.engine_id, request_id=loc.engine_request_id, host=engine.kv_host, port=int(engine.kv_port),
-        block_groups=groups, tp_size=int(engine.tp_size or 1), pp_size=int(engine.pp_size or 1),
-        dcp_size=int(engine.dcp_size or 1), expiry_time=engine_expiry, offer_window_s=offer_window_s,
-        looked_up_at=looked_up_at)
-    if offer_window_s is not None and \
-            offers.offer_ttl_ms(offer_window_s, now_mono - looked_up_at) <= 1000 * offers.READ_START_MARGIN_S:
+        engine_id=engine.engine_id,
+        request_id=loc.engine_request_id,
+        host=engine.kv_host,
+        port=int(engine.kv_port),
+        block_groups=groups,
+        tp_size=int(engine.tp_size or 1),
+        pp_size=int(engine.pp_size or 1),
+        dcp_size=int(engine.dcp_size or 1),
+        expiry_time=engine_expiry,
+        offer_window_s=offer_window_s,
+        looked_up_at=looked_up_at,
+    )
+    if (
+        offer_window_s is not None
+        and offers.offer_ttl_ms(offer_window_s, now_mono - looked_up_at) <= 1000 * offers.READ_START_MARGIN_S
+    ):
         return NoReuse.OFFER_EXPIRED
-    return ReusePlan(source=pull, tokens=k, key=(engine.engine_id, loc.engine_request_id), consume=single_use,
-                     epoch=int(loc.epoch), conversation_key=loc.conversation_key)
-
+    return ReusePlan(
+        source=pull,
+        tokens=k,
+        key=(engine.engine_id, loc.engine_request_id),
+        consume=single_use,
+        epoch=int(loc.epoch),
+        conversation_key=loc.conversation_key,
+    )

@@ -89,10 +89,19 @@ class _Plan:
 
 
 class TurnRouter:
-    def __init__(self, settings: GatewaySettings, pool: EnginePool, control: ControlPlane,
-                 http: EngineHttp, metrics: GatewayMetrics, secret: bytes, *,
-                 telemetry: Telemetry | None = None, tokenizers: LocalTokenizers | None = None,
-                 mirror: EntryMirror | None = None) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        pool: EnginePool,
+        control: ControlPlane,
+        http: EngineHttp,
+        metrics: GatewayMetrics,
+        secret: bytes,
+        *,
+        telemetry: Telemetry | None = None,
+        tokenizers: LocalTokenizers | None = None,
+        mirror: EntryMirror | None = None,
+    ) -> None:
         """``tokenizers``: the gateway's own tokenizers (None: every turn is tokenized by P's /tokenize).
         ``mirror``: the gateway's copy of the registry's entries (None: every lookup is a registry call)."""
         self._mirror = mirror
@@ -108,8 +117,11 @@ class TurnRouter:
         self._chains = ChainCache(self._secret, max_bytes=settings.chain_cache_mb * 1024 * 1024)
         self.canary = SecretCanary(self._secret, metrics.secret_mismatch)
         self._pulling: set[tuple[str, str]] = set()
-        self._policy = reuse.Policy(threshold_tokens=settings.reuse_threshold_tokens,
-                                    single_use_entries=settings.single_use_entries, expiry_margin_s=_EXPIRY_MARGIN_S)
+        self._policy = reuse.Policy(
+            threshold_tokens=settings.reuse_threshold_tokens,
+            single_use_entries=settings.single_use_entries,
+            expiry_margin_s=_EXPIRY_MARGIN_S,
+        )
         # Stock D's clock minus wall time, a lower bound learned from its responses (compatibility mode): turns
         # an entry's deadline into the remote_blocks_expiry_time P checks on D's clock.
         self._clock_offsets: dict[str, float] = {}
@@ -121,8 +133,11 @@ class TurnRouter:
     async def run(self, turn: Turn) -> TurnResult:
         if turn.model not in self._pool.models():
             raise NotFound(Reason.MODEL_NOT_FOUND, f"model {turn.model!r} is not served", metadata={"field": "model"})
-        attrs: dict[str, str | bool] = {tel.ATTR_MODEL: turn.model, "kvbridge.stream": turn.stream,
-                 **self._telemetry.identity(tenant=turn.tenant, conversation_key=turn.conversation_key)}
+        attrs: dict[str, str | bool] = {
+            tel.ATTR_MODEL: turn.model,
+            "kvbridge.stream": turn.stream,
+            **self._telemetry.identity(tenant=turn.tenant, conversation_key=turn.conversation_key),
+        }
         with self._tracer.start_as_current_span("kvbridge.gateway.turn", attributes=attrs) as span:
             plan = _Plan()
             prefill = await self._pool.choose_live(turn.model, PREFILL)
@@ -140,18 +155,28 @@ class TurnRouter:
 
     def _after_turn(self, turn: Turn, plan: _Plan) -> None:
         self._renewer.flush_soon()  # the renewal touched before the prefill goes out now
-        log.info("turn tenant=%s model=%s key=%r reuse=%s", turn.tenant, turn.model, turn.conversation_key,
-                 plan.verdict.header())
+        log.info(
+            "turn tenant=%s model=%s key=%r reuse=%s",
+            turn.tenant,
+            turn.model,
+            turn.conversation_key,
+            plan.verdict.header(),
+        )
 
     def _record_verdict(self, span: trace.Span, plan: _Plan, prefill: EngineState, decode: EngineState) -> None:
         v = plan.verdict
         pulled = v.tokens if v.hit else 0
-        span.set_attributes({
-            tel.ATTR_VERDICT: v.verdict, tel.ATTR_REASON: v.span_reason, tel.ATTR_VERIFIED_TOKENS: plan.verified_tokens,
-            tel.ATTR_PULLED_TOKENS: pulled, "kvbridge.prompt_tokens": plan.verdict.prompt_tokens,
-            "kvbridge.prefill.engine_id": prefill.engine_id or prefill.url,
-            "kvbridge.decode.engine_id": decode.engine_id or decode.url,
-        })
+        span.set_attributes(
+            {
+                tel.ATTR_VERDICT: v.verdict,
+                tel.ATTR_REASON: v.span_reason,
+                tel.ATTR_VERIFIED_TOKENS: plan.verified_tokens,
+                tel.ATTR_PULLED_TOKENS: pulled,
+                "kvbridge.prompt_tokens": plan.verdict.prompt_tokens,
+                "kvbridge.prefill.engine_id": prefill.engine_id or prefill.url,
+                "kvbridge.decode.engine_id": decode.engine_id or decode.url,
+            }
+        )
         if plan.pull is not None:
             span.set_attribute("kvbridge.source.engine_id", plan.pull.source.engine_id)
         self._metrics.reuse.labels(v.verdict, v.metric_reason).inc()
@@ -181,8 +206,12 @@ class TurnRouter:
             self._metrics.tokenize.labels("request").inc()
             return turn.prompt_token_ids
         if self._tokenizers is not None:
-            local = await self._tokenizers.ids(turn.model, turn.kind, turn.body,
-                                               (turn.tenant, turn.conversation_key) if turn.conversation_key else None)
+            local = await self._tokenizers.ids(
+                turn.model,
+                turn.kind,
+                turn.body,
+                (turn.tenant, turn.conversation_key) if turn.conversation_key else None,
+            )
             if local is not None:
                 self._metrics.tokenize.labels("local").inc()
                 trace.get_current_span().set_attribute(ATTR_TOKENIZE_PATH, "local")
@@ -191,17 +220,27 @@ class TurnRouter:
         trace.get_current_span().set_attribute(ATTR_TOKENIZE_PATH, "engine")
         if turn.kind == "chat":
             req: dict[str, Any] = {"model": turn.model, "messages": turn.body["messages"]}
-            for k in ("add_generation_prompt", "continue_final_message", "tools", "chat_template",
-                      "chat_template_kwargs", "add_special_tokens"):
+            for k in (
+                "add_generation_prompt",
+                "continue_final_message",
+                "tools",
+                "chat_template",
+                "chat_template_kwargs",
+                "add_special_tokens",
+            ):
                 if k in turn.body:
                     req[k] = turn.body[k]
         else:
-            req = {"model": turn.model, "prompt": turn.body["prompt"],
-                   "add_special_tokens": turn.body.get("add_special_tokens", True)}
+            req = {
+                "model": turn.model,
+                "prompt": turn.body["prompt"],
+                "add_special_tokens": turn.body.get("add_special_tokens", True),
+            }
         with self._engine_span("kvbridge.gateway.tokenize", engine) as span:
             async with self._pool.using(engine):
-                data = await self._http.post_json(f"{engine.url}/tokenize", req,
-                                       timeout_s=self._s.tokenize_timeout_s, headers=tel.trace_headers())
+                data = await self._http.post_json(
+                    f"{engine.url}/tokenize", req, timeout_s=self._s.tokenize_timeout_s, headers=tel.trace_headers()
+                )
             tokens = data.get("tokens")
             if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
                 raise UpstreamError("tokenize answered without token ids")
@@ -210,8 +249,11 @@ class TurnRouter:
 
     def _engine_span(self, name: str, engine: EngineState) -> Any:
         """A CLIENT span around one HTTP call to an engine (its traceparent goes into the request headers)."""
-        return self._tracer.start_as_current_span(name, kind=trace.SpanKind.CLIENT, attributes={
-            tel.ATTR_ENGINE: engine.engine_id or engine.url, "server.address": engine.url})
+        return self._tracer.start_as_current_span(
+            name,
+            kind=trace.SpanKind.CLIENT,
+            attributes={tel.ATTR_ENGINE: engine.engine_id or engine.url, "server.address": engine.url},
+        )
 
     def _is_adapter(self, model: str, *engines: EngineState) -> bool:
         """Whether ``model`` names a LoRA adapter (or alias) of the engines rather than the model they register
@@ -224,10 +266,14 @@ class TurnRouter:
 
     async def _plan(self, turn: Turn, prefill: EngineState, decode: EngineState, plan: _Plan) -> _Plan:
         plan.block_size = self._block_size(prefill)
-        plan.features = reuse.request_features(turn.body, lora_adapter=self._is_adapter(turn.model, prefill, decode),
-                                               secret_mismatch=self.canary.mismatch(decode.record))
-        wants_reuse = bool(self._s.reuse_enabled and self._control.enabled and (
-            turn.conversation_key or self._s.content_lookup))
+        plan.features = reuse.request_features(
+            turn.body,
+            lora_adapter=self._is_adapter(turn.model, prefill, decode),
+            secret_mismatch=self.canary.mismatch(decode.record),
+        )
+        wants_reuse = bool(
+            self._s.reuse_enabled and self._control.enabled and (turn.conversation_key or self._s.content_lookup)
+        )
         early = reuse.screen(plan.features, wants_reuse=wants_reuse, prompt_tokens=None, policy=self._policy)
         if early is not None:
             plan.verdict.outcome = early
@@ -256,12 +302,19 @@ class TurnRouter:
     async def _lookup(self, turn: Turn, plan: _Plan) -> None:
         assert plan.prompt_ids is not None
         b, threshold = plan.block_size, self._s.reuse_threshold_tokens
-        hashes = self._chains.chain(Scope(turn.tenant, turn.model, turn.cache_salt, b), turn.conversation_key,
-                                    plan.prompt_ids)
+        hashes = self._chains.chain(
+            Scope(turn.tenant, turn.model, turn.cache_salt, b), turn.conversation_key, plan.prompt_ids
+        )
         if self._mirror is not None:
-            found = self._mirror.lookup(tenant=turn.tenant, model=turn.model,
-                                        conversation_key=turn.conversation_key, block_hashes=hashes,
-                                        block_size=b, min_tokens=threshold, engine_record=self._engine_record)
+            found = self._mirror.lookup(
+                tenant=turn.tenant,
+                model=turn.model,
+                conversation_key=turn.conversation_key,
+                block_hashes=hashes,
+                block_size=b,
+                min_tokens=threshold,
+                engine_record=self._engine_record,
+            )
             if found is not None:
                 self._metrics.lookups.labels("mirror").inc()
                 await self._apply_lookup(turn, plan, found)
@@ -272,9 +325,14 @@ class TurnRouter:
                 plan.verdict = ReuseVerdict(prompt_tokens=plan.verdict.prompt_tokens)
                 plan.next_epoch, plan.verified_tokens = None, 0
         try:
-            found = await self._control.lookup(tenant=turn.tenant, model=turn.model,
-                                               conversation_key=turn.conversation_key, block_hashes=hashes,
-                                               block_size=b, min_tokens=threshold)
+            found = await self._control.lookup(
+                tenant=turn.tenant,
+                model=turn.model,
+                conversation_key=turn.conversation_key,
+                block_hashes=hashes,
+                block_size=b,
+                min_tokens=threshold,
+            )
         except ControlPlaneError as exc:
             log.warning("registry lookup failed, no reuse this turn: %s", exc)
             plan.verdict.outcome = NoReuse.REGISTRY_UNAVAILABLE
@@ -300,20 +358,31 @@ class TurnRouter:
             plan.verdict.tokens = kvparams.reusable_tokens(plan.verified_tokens, len(plan.prompt_ids), plan.block_size)
         engine_id = loc.engine.engine_id
         local = self._pool.find(engine_id) if engine_id else None
-        source = reuse.SourceState(healthy=local.healthy if local is not None else None,
-                                   pulling=(engine_id, loc.engine_request_id) in self._pulling,
-                                   clock_offset_s=self._clock_offsets.get(engine_id))
-        decided = reuse.decide(plan.features, wants_reuse=True, prompt_tokens=len(plan.prompt_ids), lookup=found,
-                               block_size=plan.block_size, source=source, policy=self._policy, now_s=time.time(),
-                               looked_up_at=answered_at, now_mono=time.monotonic())
+        source = reuse.SourceState(
+            healthy=local.healthy if local is not None else None,
+            pulling=(engine_id, loc.engine_request_id) in self._pulling,
+            clock_offset_s=self._clock_offsets.get(engine_id),
+        )
+        decided = reuse.decide(
+            plan.features,
+            wants_reuse=True,
+            prompt_tokens=len(plan.prompt_ids),
+            lookup=found,
+            block_size=plan.block_size,
+            source=source,
+            policy=self._policy,
+            now_s=time.time(),
+            looked_up_at=answered_at,
+            now_mono=time.monotonic(),
+        )
         if isinstance(decided, NoReuse):
             plan.verdict.outcome = decided
             return
         if decided.consume:
             try:
-                took = await self._control.consume_entry(tenant=turn.tenant, model=turn.model,
-                                                         conversation_key=decided.conversation_key,
-                                                         epoch=decided.epoch)
+                took = await self._control.consume_entry(
+                    tenant=turn.tenant, model=turn.model, conversation_key=decided.conversation_key, epoch=decided.epoch
+                )
             except ControlPlaneError as exc:
                 log.warning("could not consume a single-use entry, no reuse this turn: %s", exc)
                 plan.verdict.outcome = NoReuse.REGISTRY_UNAVAILABLE
@@ -327,22 +396,29 @@ class TurnRouter:
 
     # -- step 2: prefill ---------------------------------------------------------------------
     def _prefill_body(self, turn: Turn, params: dict[str, Any]) -> dict[str, Any]:
-        body = {k: v for k, v in turn.body.items()
-                if k not in ("stream_options", "max_completion_tokens", "min_tokens", "session_id")}
+        body = {
+            k: v
+            for k, v in turn.body.items()
+            if k not in ("stream_options", "max_completion_tokens", "min_tokens", "session_id")
+        }
         body.update(max_tokens=1, stream=False, kv_transfer_params=params)
         return body
 
-    async def _prefill_once(self, turn: Turn, plan: _Plan, engine: EngineState,
-                            params: dict[str, Any]) -> dict[str, Any]:
+    async def _prefill_once(
+        self, turn: Turn, plan: _Plan, engine: EngineState, params: dict[str, Any]
+    ) -> dict[str, Any]:
         path = "/v1/chat/completions" if turn.kind == "chat" else "/v1/completions"
         started = time.perf_counter()
         with self._engine_span("kvbridge.gateway.prefill", engine) as span:
             span.set_attribute(tel.ATTR_PULLED_TOKENS, int(params.get("remote_num_tokens") or 0))
             async with self._pool.using(engine):
                 try:
-                    data = await self._http.post_json(engine.url + path, self._prefill_body(turn, params),
-                                           timeout_s=turn.timeout_s or self._s.prefill_timeout_s,
-                                           headers=tel.trace_headers())
+                    data = await self._http.post_json(
+                        engine.url + path,
+                        self._prefill_body(turn, params),
+                        timeout_s=turn.timeout_s or self._s.prefill_timeout_s,
+                        headers=tel.trace_headers(),
+                    )
                 except UpstreamError as exc:
                     self._engine_failed(engine, exc)
                     raise
@@ -357,8 +433,9 @@ class TurnRouter:
     async def _prefill(self, turn: Turn, plan: _Plan, engine: EngineState) -> dict[str, Any]:
         if plan.pull is not None:
             pull = plan.pull
-            params = kvparams.reuse_prefill_params(pull.source, pull.tokens, plan.block_size,
-                                                  prompt_ids=plan.prompt_ids or ())
+            params = kvparams.reuse_prefill_params(
+                pull.source, pull.tokens, plan.block_size, prompt_ids=plan.prompt_ids or ()
+            )
             self._pulling.add(pull.key)
             try:
                 returned = await self._prefill_once(turn, plan, engine, params)
@@ -380,8 +457,11 @@ class TurnRouter:
             return await self._prefill_once(turn, plan, engine, kvparams.plain_prefill_params())
         except UpstreamError as exc:
             # A plain prefill that timed out is worth one try on another prefill engine, if there is one.
-            other = self._pool.choose(turn.model, PREFILL, exclude=frozenset({engine.url})) \
-                if exc.timed_out and self._pool.count(turn.model, PREFILL) > 1 else None
+            other = (
+                self._pool.choose(turn.model, PREFILL, exclude=frozenset({engine.url}))
+                if exc.timed_out and self._pool.count(turn.model, PREFILL) > 1
+                else None
+            )
             if other is None:
                 raise _upstream_failure("prefill", exc) from exc
             log.warning("prefill on %s timed out; trying %s", engine.url, other.url)
@@ -406,10 +486,19 @@ class TurnRouter:
         # registers nothing, and neither does the gateway.
         covered = plan.features.covered
         body["kv_transfer_params"] = kvparams.decode_params(
-            p_params, tenant=turn.tenant, conversation_key=turn.conversation_key if covered else "", epoch=epoch,
-            secret=self._secret)
-        register = (self._s.compat_registration and self._control.enabled and bool(turn.conversation_key)
-                    and not turn.stream and covered)
+            p_params,
+            tenant=turn.tenant,
+            conversation_key=turn.conversation_key if covered else "",
+            epoch=epoch,
+            secret=self._secret,
+        )
+        register = (
+            self._s.compat_registration
+            and self._control.enabled
+            and bool(turn.conversation_key)
+            and not turn.stream
+            and covered
+        )
         if register:
             body["return_token_ids"] = True
         path = "/v1/chat/completions" if turn.kind == "chat" else "/v1/completions"
@@ -420,9 +509,12 @@ class TurnRouter:
             async with self._pool.using(engine):
                 plan.decode_sent_s = time.time()
                 try:
-                    data = await self._http.post_json(engine.url + path, body,
-                                           timeout_s=turn.timeout_s or self._s.decode_timeout_s,
-                                           headers=tel.trace_headers())
+                    data = await self._http.post_json(
+                        engine.url + path,
+                        body,
+                        timeout_s=turn.timeout_s or self._s.decode_timeout_s,
+                        headers=tel.trace_headers(),
+                    )
                 except UpstreamError as exc:
                     self._engine_failed(engine, exc)
                     raise _upstream_failure("decode", exc) from exc
@@ -436,21 +528,28 @@ class TurnRouter:
             if seq is not None:
                 # Started after the response, in this turn's context: the registration stays in the turn's trace.
                 turn_context = contextvars.copy_context()
-                result.after.append(lambda: turn_context.run(
-                    self._spawn, self._register(turn, plan, engine, retained_params, seq), turn))
+                result.after.append(
+                    lambda: turn_context.run(
+                        self._spawn, self._register(turn, plan, engine, retained_params, seq), turn
+                    )
+                )
         if not turn.client_wants_token_ids:
             _drop_token_ids(data)
         return result
 
-    async def _decode_stream(self, turn: Turn, plan: _Plan, engine: EngineState, path: str,
-                             body: dict[str, Any]) -> TurnResult:
+    async def _decode_stream(
+        self, turn: Turn, plan: _Plan, engine: EngineState, path: str, body: dict[str, Any]
+    ) -> TurnResult:
         engine.outstanding += 1
         try:
             with self._engine_span("kvbridge.gateway.decode", engine):  # until D's response headers
-                upstream = await self._http.open_stream(engine.url + path, body,
-                                             connect_timeout_s=self._s.connect_timeout_s,
-                                             read_timeout_s=turn.timeout_s or self._s.decode_timeout_s,
-                                             headers=tel.trace_headers())
+                upstream = await self._http.open_stream(
+                    engine.url + path,
+                    body,
+                    connect_timeout_s=self._s.connect_timeout_s,
+                    read_timeout_s=turn.timeout_s or self._s.decode_timeout_s,
+                    headers=tel.trace_headers(),
+                )
         except UpstreamError as exc:
             engine.outstanding -= 1
             self._engine_failed(engine, exc)
@@ -459,8 +558,9 @@ class TurnRouter:
             engine.outstanding -= 1
             raise
         ttft = self._metrics.ttft.labels(_reuse_label(plan))
-        return TurnResult(plan.verdict, stream=_forward(upstream, engine, lambda: ttft.observe(
-            time.perf_counter() - plan.started)))
+        return TurnResult(
+            plan.verdict, stream=_forward(upstream, engine, lambda: ttft.observe(time.perf_counter() - plan.started))
+        )
 
     # -- step 4: afterwards --------------------------------------------------------------------
     def _spawn(self, coro: Any, turn: Turn) -> None:
@@ -482,16 +582,14 @@ class TurnRouter:
             if not tasks:
                 del self._pending_by_conversation[key]
 
-    async def settle_conversation(self, tenant: str, model: str, conversation_key: str, *,
-                                  timeout_s: float) -> None:
+    async def settle_conversation(self, tenant: str, model: str, conversation_key: str, *, timeout_s: float) -> None:
         """Waits (bounded) for this conversation's post-turn work, so that closing it right after a turn
         also releases what that turn is still registering."""
         tasks = list(self._pending_by_conversation.get((tenant, model, conversation_key), ()))
         if tasks:
             await asyncio.wait(tasks, timeout=timeout_s)
 
-    async def _register(self, turn: Turn, plan: _Plan, engine: EngineState, params: object,
-                        seq: Sequence[int]) -> None:
+    async def _register(self, turn: Turn, plan: _Plan, engine: EngineState, params: object, seq: Sequence[int]) -> None:
         retained = kvparams.retained_from_decode(params, len(seq))
         if retained is None:
             self._metrics.registrations.labels("nothing_retained").inc()
@@ -522,22 +620,35 @@ class TurnRouter:
         if full == 0:
             self._metrics.registrations.labels("too_short").inc()
             return
-        hashes = self._chains.chain(Scope(turn.tenant, turn.model, turn.cache_salt, b), turn.conversation_key,
-                                    seq[: full * b])
+        hashes = self._chains.chain(
+            Scope(turn.tenant, turn.model, turn.cache_salt, b), turn.conversation_key, seq[: full * b]
+        )
         n_blocks = -(-retained.token_count // b)
         groups = [types_pb2.BlockIds(ids=g[:n_blocks]) for g in retained.block_groups]
         lease_id = 0
         try:
             lease_id = await self._control.grant_lease(
-                kind=lease_pb2.LEASE_KIND_ENTRY, tenant=turn.tenant, engine_id=retained.engine_id, model=turn.model,
-                conversation_key=turn.conversation_key, retained_tokens=retained.token_count,
-                ttl_s=min(self._s.entry_lease_ttl_s, remaining))
+                kind=lease_pb2.LEASE_KIND_ENTRY,
+                tenant=turn.tenant,
+                engine_id=retained.engine_id,
+                model=turn.model,
+                conversation_key=turn.conversation_key,
+                retained_tokens=retained.token_count,
+                ttl_s=min(self._s.entry_lease_ttl_s, remaining),
+            )
             entry = registry_pb2.Entry(
-                key=registry_pb2.EntryKey(tenant=turn.tenant, model=turn.model,
-                                          conversation_key=turn.conversation_key),
-                engine_id=retained.engine_id, engine_request_id=retained.request_id, block_ids=groups,
-                block_size=b, token_count=retained.token_count, block_hashes=hashes, chain_stride=1,
-                final_block_hash=hashes[-1], lease_id=lease_id, epoch=_epoch_for(plan))
+                key=registry_pb2.EntryKey(tenant=turn.tenant, model=turn.model, conversation_key=turn.conversation_key),
+                engine_id=retained.engine_id,
+                engine_request_id=retained.request_id,
+                block_ids=groups,
+                block_size=b,
+                token_count=retained.token_count,
+                block_hashes=hashes,
+                chain_stride=1,
+                final_block_hash=hashes[-1],
+                lease_id=lease_id,
+                epoch=_epoch_for(plan),
+            )
             entry.expire_time.FromNanoseconds(int(expire_s * 1e9))
             try:
                 await self._control.register_entry(entry)
@@ -557,7 +668,6 @@ class TurnRouter:
             if lease_id:
                 with contextlib.suppress(ControlPlaneError):
                     await self._control.revoke_lease(lease_id)
-
 
     def _learn_clock(self, engine_id: str, offset_low: float) -> None:
         """Keeps the largest lower bound of D's clock minus ours (D finished before our receive time)."""
@@ -589,8 +699,9 @@ def _reuse_label(plan: _Plan) -> str:
     return "hit" if plan.verdict.hit else "none"
 
 
-async def _forward(upstream: UpstreamStream, engine: EngineState,
-                   on_first_chunk: Callable[[], None]) -> AsyncIterator[bytes]:
+async def _forward(
+    upstream: UpstreamStream, engine: EngineState, on_first_chunk: Callable[[], None]
+) -> AsyncIterator[bytes]:
     """D's SSE bytes, forwarded as they arrive; closing early (client gone) closes the upstream request."""
     started = time.monotonic()
     first = True

@@ -32,34 +32,57 @@ _MIRROR_STREAM_LIFETIME_S = 600.0  # each entry watch's deadline; the next one s
 
 
 class GatewayCore:
-    def __init__(self, settings: GatewaySettings, auth: Authenticator, control: ControlPlane, secret: bytes, *,
-                 telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        auth: Authenticator,
+        control: ControlPlane,
+        secret: bytes,
+        *,
+        telemetry: Telemetry | None = None,
+    ) -> None:
         self.settings = settings
         self.auth = auth
         self.control = control
         self.telemetry = telemetry or Telemetry.disabled("kvbridge-gateway")
         self.metrics = GatewayMetrics(self.telemetry.registry)
         self.http = EngineHttp(connect_timeout_s=settings.connect_timeout_s)
-        self.pool = EnginePool(self.http, health_timeout_s=settings.health_timeout_s,
-                               kv_usage_weight=settings.kv_usage_weight)
+        self.pool = EnginePool(
+            self.http, health_timeout_s=settings.health_timeout_s, kv_usage_weight=settings.kv_usage_weight
+        )
         # Loaded now: a tokenizer directory that does not load stops the gateway at start (TokenizerConfigError).
-        self.tokenizers = LocalTokenizers(settings.tokenizers,
-                                          prefix_cache_bytes=settings.tokenizer_prefix_cache_mb * 1024 * 1024) \
-            if settings.tokenizers else None
+        self.tokenizers = (
+            LocalTokenizers(settings.tokenizers, prefix_cache_bytes=settings.tokenizer_prefix_cache_mb * 1024 * 1024)
+            if settings.tokenizers
+            else None
+        )
         if self.tokenizers is not None:
             log.info("local tokenization for models: %s", ", ".join(self.tokenizers.models()))
             tokenizers = self.tokenizers
             self.metrics.tokenize_reused_tokens.set_function(lambda: float(tokenizers.reused_tokens()))
-        self.mirror = EntryMirror(max_entries=settings.entry_mirror_max_entries,
-                                  stale_after_s=settings.entry_mirror_stale_after_s) \
-            if settings.entry_mirror and control.enabled and settings.reuse_enabled else None
+        self.mirror = (
+            EntryMirror(
+                max_entries=settings.entry_mirror_max_entries, stale_after_s=settings.entry_mirror_stale_after_s
+            )
+            if settings.entry_mirror and control.enabled and settings.reuse_enabled
+            else None
+        )
         if self.mirror is not None:
             mirror = self.mirror
             self.metrics.mirror_entries.set_function(lambda: len(mirror))
             self.metrics.mirror_in_sync.set_function(lambda: 1.0 if mirror.in_sync() else 0.0)
             self.metrics.mirror_lag.set_function(lambda: -1.0 if (lag := mirror.lag_s()) is None else lag)
-        self.router = TurnRouter(settings, self.pool, control, self.http, self.metrics, secret,
-                                 telemetry=self.telemetry, tokenizers=self.tokenizers, mirror=self.mirror)
+        self.router = TurnRouter(
+            settings,
+            self.pool,
+            control,
+            self.http,
+            self.metrics,
+            secret,
+            telemetry=self.telemetry,
+            tokenizers=self.tokenizers,
+            mirror=self.mirror,
+        )
         self.limits = Limits(max_messages=settings.max_messages, max_prompt_tokens=settings.max_prompt_tokens)
         self.inflight = 0
         self._tasks: list[asyncio.Task[None]] = []
@@ -95,9 +118,16 @@ class GatewayCore:
         if self._node_leases:
             self._tasks.append(asyncio.create_task(self._node_lease_loop()))
         if self.mirror is not None:
-            self._tasks.append(asyncio.create_task(follow_registry(
-                self.control, self.mirror, progress_interval_s=self.settings.entry_mirror_stale_after_s / 3,
-                stream_lifetime_s=_MIRROR_STREAM_LIFETIME_S)))
+            self._tasks.append(
+                asyncio.create_task(
+                    follow_registry(
+                        self.control,
+                        self.mirror,
+                        progress_interval_s=self.settings.entry_mirror_stale_after_s / 3,
+                        stream_lifetime_s=_MIRROR_STREAM_LIFETIME_S,
+                    )
+                )
+            )
 
     async def stop(self) -> None:
         for t in self._tasks:
@@ -150,8 +180,9 @@ class GatewayCore:
         if not self.control.enabled:
             return
         cfg = self.settings
-        specs = [(s, types_pb2.ENGINE_ROLE_PREFILL) for s in cfg.prefill_engines if s.register_in_registry] + \
-                [(s, types_pb2.ENGINE_ROLE_DECODE) for s in cfg.decode_engines if s.register_in_registry]
+        specs = [(s, types_pb2.ENGINE_ROLE_PREFILL) for s in cfg.prefill_engines if s.register_in_registry] + [
+            (s, types_pb2.ENGINE_ROLE_DECODE) for s in cfg.decode_engines if s.register_in_registry
+        ]
         for spec, role in specs:
             await self._register_one(spec, role)
 
@@ -160,13 +191,25 @@ class GatewayCore:
             log.warning("static engine %s needs engine_id and model to be registered", spec.url)
             return
         try:
-            lease_id = await self.control.grant_lease(kind=lease_pb2.LEASE_KIND_NODE, engine_id=spec.engine_id,
-                                                      ttl_s=_NODE_LEASE_TTL_S)
+            lease_id = await self.control.grant_lease(
+                kind=lease_pb2.LEASE_KIND_NODE, engine_id=spec.engine_id, ttl_s=_NODE_LEASE_TTL_S
+            )
             rec = types_pb2.Engine(
-                engine_id=spec.engine_id, role=role, model=spec.model, http_url=spec.url,  # type: ignore[arg-type]
-                kv_host=spec.kv_host, kv_port=spec.kv_port, dp_size=1, tp_size=1, pp_size=1, dcp_size=1,
-                block_size=spec.block_size or self.settings.default_block_size, kv_group_count=1,
-                capabilities=["bidirectional_kv_xfer"], node_lease_id=lease_id)
+                engine_id=spec.engine_id,
+                role=role,  # type: ignore[arg-type]
+                model=spec.model,
+                http_url=spec.url,
+                kv_host=spec.kv_host,
+                kv_port=spec.kv_port,
+                dp_size=1,
+                tp_size=1,
+                pp_size=1,
+                dcp_size=1,
+                block_size=spec.block_size or self.settings.default_block_size,
+                kv_group_count=1,
+                capabilities=["bidirectional_kv_xfer"],
+                node_lease_id=lease_id,
+            )
             registered = await self.control.register_engine(rec)
             self._node_leases[spec.engine_id] = lease_id
             state = self.pool.find(spec.engine_id)

@@ -99,8 +99,10 @@ class ModelTokenizer:
             raise TokenizerConfigError(f"tokenizers[{model!r}]: {str(path)!r} is not a directory")
         odd = [name for name in _UNSUPPORTED_FILES if (path / name).exists()]
         if odd:
-            raise TokenizerConfigError(f"tokenizers[{model!r}]: {path} has {', '.join(odd)}: vLLM would not use "
-                                       "the plain HF tokenizer and chat template there; leave this model out")
+            raise TokenizerConfigError(
+                f"tokenizers[{model!r}]: {path} has {', '.join(odd)}: vLLM would not use "
+                "the plain HF tokenizer and chat template there; leave this model out"
+            )
         try:
             from transformers import AutoTokenizer
 
@@ -118,12 +120,15 @@ class ModelTokenizer:
             self.template = str(self._tok.get_chat_template(None, tools=None))
             self.template_loops_content = loops_over_content(self.template)
         except Exception as exc:  # noqa: BLE001 - no template, or one jinja cannot parse: chat turns use /tokenize
-            log.warning("tokenizers[%r]: no usable chat template in %s (%s): chat turns use P's /tokenize",
-                        model, path, exc)
+            log.warning(
+                "tokenizers[%r]: no usable chat template in %s (%s): chat turns use P's /tokenize", model, path, exc
+            )
             self.template = None
         # Keys of apply_chat_template itself: in chat_template_kwargs they change more than the template's vars.
         self._reserved_kwargs = frozenset(inspect.signature(self._tok.apply_chat_template).parameters) | {
-            "messages", "conversation"}
+            "messages",
+            "conversation",
+        }
 
     def ids(self, kind: str, body: Mapping[str, Any]) -> list[int] | None:
         """``prepare`` then ``encode``, in this thread (tests; the gateway goes through LocalTokenizers)."""
@@ -183,20 +188,27 @@ class ModelTokenizer:
             return None
         return kwargs
 
-    def _renderer(self, add_generation_prompt: bool, continue_final: bool,
-                  kwargs: dict[str, Any]) -> Callable[[list[dict[str, Any]]], str | None]:
+    def _renderer(
+        self, add_generation_prompt: bool, continue_final: bool, kwargs: dict[str, Any]
+    ) -> Callable[[list[dict[str, Any]]], str | None]:
         def render(conversation: list[dict[str, Any]]) -> str | None:
             try:
                 text = self._tok.apply_chat_template(
-                    conversation, tools=None, chat_template=self.template, tokenize=False,
-                    add_generation_prompt=add_generation_prompt, continue_final_message=continue_final,
-                    return_dict=False, **kwargs)
+                    conversation,
+                    tools=None,
+                    chat_template=self.template,
+                    tokenize=False,
+                    add_generation_prompt=add_generation_prompt,
+                    continue_final_message=continue_final,
+                    return_dict=False,
+                    **kwargs,
+                )
             except Exception as exc:  # noqa: BLE001 - the template rejected the request: P's /tokenize reports it
                 log.debug("chat template failed for %r: %s", self.model, exc)
                 return None
             return text if isinstance(text, str) else None
-        return render
 
+        return render
 
 
 def _prepare_backend(tok: Any) -> None:
@@ -223,8 +235,13 @@ def _message_texts(messages: object) -> list[tuple[str, list[str], str | None]] 
         if isinstance(content, str):
             parts = [content]
         elif isinstance(content, list):
-            if not content or not all(isinstance(p, dict) and set(p) == {"type", "text"} and p["type"] == "text"
-                                      and isinstance(p["text"], str) for p in content):
+            if not content or not all(
+                isinstance(p, dict)
+                and set(p) == {"type", "text"}
+                and p["type"] == "text"
+                and isinstance(p["text"], str)
+                for p in content
+            ):
                 return None
             parts = [p["text"] for p in content]
         else:
@@ -256,13 +273,26 @@ class LocalTokenizers:
     """The gateway's local tokenizers by model. A conversation's turn re-encodes only what follows its
     previous turn's prompt (``prefixcache``); long texts to encode go to one worker thread (bounded queue)."""
 
-    def __init__(self, dirs: Mapping[str, Path], *, offload_chars: int = OFFLOAD_CHARS,
-                 max_offloaded: int = MAX_OFFLOADED, prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
-                 prefix_cache_conversations: int = PREFIX_CACHE_CONVERSATIONS) -> None:
+    def __init__(
+        self,
+        dirs: Mapping[str, Path],
+        *,
+        offload_chars: int = OFFLOAD_CHARS,
+        max_offloaded: int = MAX_OFFLOADED,
+        prefix_cache_bytes: int = PREFIX_CACHE_BYTES,
+        prefix_cache_conversations: int = PREFIX_CACHE_CONVERSATIONS,
+    ) -> None:
         self._by_model = {model: ModelTokenizer(model, Path(path)) for model, path in dirs.items()}
-        self._prefixes = {model: PrefixCache(max_conversations=prefix_cache_conversations,
-                                             max_bytes=prefix_cache_bytes // max(1, len(dirs)))
-                          for model in self._by_model} if prefix_cache_bytes > 0 else {}
+        self._prefixes = (
+            {
+                model: PrefixCache(
+                    max_conversations=prefix_cache_conversations, max_bytes=prefix_cache_bytes // max(1, len(dirs))
+                )
+                for model in self._by_model
+            }
+            if prefix_cache_bytes > 0
+            else {}
+        )
         self._offload_chars = offload_chars
         self._max_offloaded = max_offloaded
         self._offloaded = 0
@@ -278,8 +308,9 @@ class LocalTokenizers:
         """Tokens taken from a conversation's previous encoding instead of encoded again (all models)."""
         return sum(p.reused_tokens for p in self._prefixes.values())
 
-    async def ids(self, model: str, kind: str, body: Mapping[str, Any],
-                  conversation: Hashable | None = None) -> list[int] | None:
+    async def ids(
+        self, model: str, kind: str, body: Mapping[str, Any], conversation: Hashable | None = None
+    ) -> list[int] | None:
         """Token ids as vLLM's /tokenize would return them, or None (no tokenizer, unsupported request,
         or the worker thread's queue is full): then the caller asks P. ``conversation``: the turn's
         conversation identity, under which its encoding is kept for the next turn."""
@@ -295,7 +326,7 @@ class LocalTokenizers:
         resume = prefixes.resume(conversation, text) if prefixes is not None else None
         if resume is not None:
             assert prefixes is not None
-            tail = await self._encode(tok, text[resume.char:], add_special)
+            tail = await self._encode(tok, text[resume.char :], add_special)
             if tail is None:
                 return None
             spliced = prefixes.splice(resume, text, *tail)
@@ -324,7 +355,8 @@ class LocalTokenizers:
         self._offloaded += 1
         try:
             return await asyncio.get_running_loop().run_in_executor(
-                self._pool, lambda: tok.encode(text, add_special, on_worker=True))
+                self._pool, lambda: tok.encode(text, add_special, on_worker=True)
+            )
         finally:
             self._offloaded -= 1
 

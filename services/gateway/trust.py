@@ -53,7 +53,11 @@ class SecretCanary:
         theirs = kvsecret.canary_of(record.capabilities)
         if (record.engine_id, theirs) not in self._reported and len(self._reported) < _MAX_REPORTED:
             self._reported.add((record.engine_id, theirs))
-            log.error("engine %s holds another deployment secret than this gateway (its canary %s, ours %s): no "
-                      "reuse with it until KVBRIDGE_HASH_SECRET is the same hex value on both", record.engine_id,
-                      theirs or "absent", self.canary)
+            log.error(
+                "engine %s holds another deployment secret than this gateway (its canary %s, ours %s): no "
+                "reuse with it until KVBRIDGE_HASH_SECRET is the same hex value on both",
+                record.engine_id,
+                theirs or "absent",
+                self.canary,
+            )
         return True

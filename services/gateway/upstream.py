@@ -28,8 +28,9 @@ TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, Timeou
 class UpstreamError(Exception):
     """An engine failed (transport error, timeout, 5xx) or answered something unusable."""
 
-    def __init__(self, message: str, *, status: int = 502, body: Any = None, transport: bool = False,
-                 timed_out: bool = False) -> None:
+    def __init__(
+        self, message: str, *, status: int = 502, body: Any = None, transport: bool = False, timed_out: bool = False
+    ) -> None:
         super().__init__(message)
         self.status = status
         self.body = body
@@ -89,8 +90,9 @@ class EngineHttp:
             # Idle connections are dropped before the engine's server drops them (uvicorn's and vLLM's
             # keep-alive timeout is 5 s): reusing one the server just closed fails the request.
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_IDLE_KEEPALIVE_S, ttl_dns_cache=300)
-            self._session = aiohttp.ClientSession(connector=connector, json_serialize=json.dumps,
-                                                  auto_decompress=False, raise_for_status=False)
+            self._session = aiohttp.ClientSession(
+                connector=connector, json_serialize=json.dumps, auto_decompress=False, raise_for_status=False
+            )
         return self._session
 
     def _observe(self, method: str, url: str, headers: Mapping[str, str] | None) -> None:
@@ -104,8 +106,9 @@ class EngineHttp:
             async with self._http().get(url) as resp:
                 return Reply(resp.status, await resp.read())
 
-    async def post_json(self, url: str, body: dict[str, Any], *, timeout_s: float,
-                        headers: Mapping[str, str] | None = None) -> dict[str, Any]:
+    async def post_json(
+        self, url: str, body: dict[str, Any], *, timeout_s: float, headers: Mapping[str, str] | None = None
+    ) -> dict[str, Any]:
         """POST and parse a JSON object; ClientError on 4xx, UpstreamError on anything else unusable.
 
         ``headers``: extra request headers (the W3C ``traceparent`` of the caller's span).
@@ -116,8 +119,9 @@ class EngineHttp:
                 async with self._http().post(url, json=body, headers=headers) as resp:
                     status, raw = resp.status, await resp.read()
         except TRANSPORT_ERRORS as exc:
-            raise UpstreamError(f"{url}: {type(exc).__name__}: {exc}", transport=True,
-                                timed_out=isinstance(exc, TimeoutError)) from exc
+            raise UpstreamError(
+                f"{url}: {type(exc).__name__}: {exc}", transport=True, timed_out=isinstance(exc, TimeoutError)
+            ) from exc
         if 400 <= status < 500:
             raise ClientError(status, _body_of(raw))
         if status != 200:
@@ -130,17 +134,26 @@ class EngineHttp:
             raise UpstreamError(f"{url}: response is not a JSON object")
         return data
 
-    async def open_stream(self, url: str, body: dict[str, Any], *, connect_timeout_s: float,
-                          read_timeout_s: float, headers: Mapping[str, str] | None = None) -> UpstreamStream:
+    async def open_stream(
+        self,
+        url: str,
+        body: dict[str, Any],
+        *,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+    ) -> UpstreamStream:
         """Start a streamed POST; the read timeout bounds each wait for the next bytes."""
         self._observe("POST", url, headers)
-        timeout = aiohttp.ClientTimeout(total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s,
-                                        sock_read=read_timeout_s)
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s
+        )
         try:
             resp = await self._http().post(url, json=body, headers=headers, timeout=timeout)
         except TRANSPORT_ERRORS as exc:
-            raise UpstreamError(f"{url}: {type(exc).__name__}: {exc}", transport=True,
-                                timed_out=isinstance(exc, TimeoutError)) from exc
+            raise UpstreamError(
+                f"{url}: {type(exc).__name__}: {exc}", transport=True, timed_out=isinstance(exc, TimeoutError)
+            ) from exc
         if resp.status != 200:
             raw = b""
             with contextlib.suppress(*TRANSPORT_ERRORS):

@@ -57,8 +57,12 @@ def _parse_args(argv: list[str]) -> argparse.Namespace:
         epilog=_settings_help(),
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("--data-dir", type=Path, default=None,
-                        help="embedded store only: directory of its write-ahead log (default: memory only)")
+    parser.add_argument(
+        "--data-dir",
+        type=Path,
+        default=None,
+        help="embedded store only: directory of its write-ahead log (default: memory only)",
+    )
     return parser.parse_args(argv)
 
 
@@ -124,8 +128,9 @@ def main(argv: list[str] | None = None) -> int:
     async def run() -> None:
         store = open_store(store_settings, data_dir=args.data_dir)
         await _check_store(store, store_settings.etcd_timeout_s)
-        app = LeaseApp(store, policy, server_settings, auth=auth, keys=KeyLayout(store_settings.etcd_prefix),
-                       telemetry=telemetry)
+        app = LeaseApp(
+            store, policy, server_settings, auth=auth, keys=KeyLayout(store_settings.etcd_prefix), telemetry=telemetry
+        )
         await _serve(app, server_settings.shutdown_grace_s)
 
     try:

@@ -65,24 +65,39 @@ class LeaseApp:
         # server first (binding the port), then the rest.
         self._election: LeaderElection | None = None
         self.persistence = LeasePersistence(
-            store, keys, self._fence, timeout_s=policy.store_timeout_s, batch_ops=policy.store_batch_ops,
+            store,
+            keys,
+            self._fence,
+            timeout_s=policy.store_timeout_s,
+            batch_ops=policy.store_batch_ops,
             attempt_s=policy.store_attempt_timeout_s,
         )
         extra = {"clock": clock} if clock is not None else {}
         self.manager = LeaseManager(
-            policy, self.persistence, leader_hint=self._leader_hint, on_fenced=self._fenced,
-            metrics=LeaseMetrics(self.telemetry.registry), **extra,
+            policy,
+            self.persistence,
+            leader_hint=self._leader_hint,
+            on_fenced=self._fenced,
+            metrics=LeaseMetrics(self.telemetry.registry),
+            **extra,
         )
         self.servicer = LeaseServicer(self.manager, self.servicer_auth)
         self.server = GrpcServer(
-            server_settings, policy.port,
+            server_settings,
+            policy.port,
             [ServiceBinding(SERVICE_NAME, self.servicer, lease_pb2_grpc.add_LeaseServiceServicer_to_server)],
-            telemetry=self.telemetry, auth=self.servicer_auth,
+            telemetry=self.telemetry,
+            auth=self.servicer_auth,
         )
         self.election = LeaderElection(
-            store, keys.leader("lease"), policy.advertise_address or self.server.address,
-            ttl_s=policy.leader_ttl_s, refresh_s=policy.leader_refresh_s, timeout_s=policy.store_timeout_s,
-            on_elected=self._elected, on_deposed=self._deposed,
+            store,
+            keys.leader("lease"),
+            policy.advertise_address or self.server.address,
+            ttl_s=policy.leader_ttl_s,
+            refresh_s=policy.leader_refresh_s,
+            timeout_s=policy.store_timeout_s,
+            on_elected=self._elected,
+            on_deposed=self._deposed,
         )
         self._election = self.election
         self._election_task: asyncio.Task[None] | None = None

@@ -84,7 +84,9 @@ class LeaderElection:
     async def _campaign(self) -> bool:
         lease = await self._store.grant_lease(self._ttl, timeout=self._timeout)
         result = await self._store.txn(
-            [Compare.absent(self._key)], [Put(self._key, self.address.encode(), lease=lease)], [Get(self._key)],
+            [Compare.absent(self._key)],
+            [Put(self._key, self.address.encode(), lease=lease)],
+            [Get(self._key)],
             timeout=self._timeout,
         )
         if result.succeeded:

@@ -57,8 +57,15 @@ class GrantSpec:
     @staticmethod
     def of(record: LeaseRecord) -> GrantSpec:
         """The request a persisted lease was granted for (to rebuild idempotency records at takeover)."""
-        return GrantSpec(record.kind, record.tenant, record.engine_id, record.model, record.conversation_key,
-                         record.retained_tokens, record.ttl_s)
+        return GrantSpec(
+            record.kind,
+            record.tenant,
+            record.engine_id,
+            record.model,
+            record.conversation_key,
+            record.retained_tokens,
+            record.ttl_s,
+        )
 
 
 @dataclass(eq=False, slots=True)
@@ -119,10 +126,14 @@ class LeaseManager:
         self._inflight: set[asyncio.Task[None]] = set()
         # Without one (unit tests), metrics go to a private registry nobody scrapes.
         self.metrics = metrics or LeaseMetrics(CollectorRegistry())
-        self.metrics.bind(LeaseState(
-            renewals=lambda: self.renewals, live_by_kind=lambda: self.table.live_by_kind,
-            watch_subscribers=lambda: self.hub.count, is_leader=lambda: self.serving,
-        ))
+        self.metrics.bind(
+            LeaseState(
+                renewals=lambda: self.renewals,
+                live_by_kind=lambda: self.table.live_by_kind,
+                watch_subscribers=lambda: self.hub.count,
+                is_leader=lambda: self.serving,
+            )
+        )
 
     # --- leadership ---
 
@@ -226,9 +237,15 @@ class LeaseManager:
         future.add_done_callback(_retrieve)  # a failure nobody retried is not an "unretrieved" error
         pending = _Pending(spec, future)
         record, evicted = self.table.grant(
-            kind=spec.kind, tenant=spec.tenant, engine_id=spec.engine_id, model=spec.model,
-            conversation_key=spec.conversation_key, retained_tokens=spec.retained_tokens, ttl_s=spec.ttl_s,
-            max_lifetime_s=self.policy.max_lifetime_s, request_id=request_id,
+            kind=spec.kind,
+            tenant=spec.tenant,
+            engine_id=spec.engine_id,
+            model=spec.model,
+            conversation_key=spec.conversation_key,
+            retained_tokens=spec.retained_tokens,
+            ttl_s=spec.ttl_s,
+            max_lifetime_s=self.policy.max_lifetime_s,
+            request_id=request_id,
         )
         if request_id:
             self._requests[request_id] = pending
@@ -270,8 +287,12 @@ class LeaseManager:
             return
         if not self.serving or not pending.awaited():
             self._undo(pending, record)
-            _settle(pending.future, self.not_leader() if not self.serving else
-                    DeadlineExceeded("", "the deadline left no time to answer; the grant was taken back"))
+            _settle(
+                pending.future,
+                self.not_leader()
+                if not self.serving
+                else DeadlineExceeded("", "the deadline left no time to answer; the grant was taken back"),
+            )
             await self._take_back(record, value)
             return
         pending.future.set_result(record.lease_id)
@@ -293,15 +314,20 @@ class LeaseManager:
                 return
             except Exception as exc:  # noqa: BLE001 - retried, then logged
                 if attempt == _TAKE_BACK_ATTEMPTS:
-                    log.error("could not take back unacknowledged lease %d (%s); if its write landed it stays "
-                              "until its TTL passes unrenewed", record.lease_id, exc)
+                    log.error(
+                        "could not take back unacknowledged lease %d (%s); if its write landed it stays "
+                        "until its TTL passes unrenewed",
+                        record.lease_id,
+                        exc,
+                    )
                     return
                 await asyncio.sleep(_END_RETRY_S)
 
     async def _replay(self, spec: GrantSpec, request_id: str, pending: _Pending, time_left: TimeLeft) -> LeaseRecord:
         if pending.spec != spec:
             raise AlreadyExists(
-                Reason.IDEMPOTENCY_CONFLICT, f"request_id {request_id!r} was used with a different request",
+                Reason.IDEMPOTENCY_CONFLICT,
+                f"request_id {request_id!r} was used with a different request",
                 metadata={"field": "request_id"},
             )
         lease_id = await self._wait(pending, time_left)
@@ -422,6 +448,11 @@ class LeaseManager:
             c = self.persistence.counters
             log.info(
                 "stats leases=%d renewals=%d watchers=%d store_txns=%d store_puts=%d store_deletes=%d store_gets=%d",
-                len(self.table), self.renewals, self.hub.count, c.txns, c.puts, c.deletes, c.gets,
+                len(self.table),
+                self.renewals,
+                self.hub.count,
+                c.txns,
+                c.puts,
+                c.deletes,
+                c.gets,
             )
-

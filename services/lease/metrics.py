@@ -58,8 +58,9 @@ class _StateCollector(Collector):
     @staticmethod
     def _families(state: LeaseState | None) -> list[Metric]:
         renewals = CounterMetricFamily("kvbridge_lease_renewals", "Lease renewals accepted by this replica")
-        live = GaugeMetricFamily("kvbridge_lease_live_leases", "Live leases held by this replica, by kind",
-                                 labels=["kind"])
+        live = GaugeMetricFamily(
+            "kvbridge_lease_live_leases", "Live leases held by this replica, by kind", labels=["kind"]
+        )
         watchers = GaugeMetricFamily("kvbridge_lease_watch_subscribers", "Open WatchLeases subscribers")
         leader = GaugeMetricFamily("kvbridge_lease_is_leader", "1 while this replica is the serving leader")
         if state is not None:
@@ -75,8 +76,9 @@ class _StateCollector(Collector):
 class LeaseMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
         self.grants = Counter("kvbridge_lease_grants", "Leases granted, by kind", ["kind"], registry=registry)
-        self.ended = Counter("kvbridge_lease_ended", "Leases ended, by reason (EXPIRED, SUPERSEDED, ...)",
-                             ["reason"], registry=registry)
+        self.ended = Counter(
+            "kvbridge_lease_ended", "Leases ended, by reason (EXPIRED, SUPERSEDED, ...)", ["reason"], registry=registry
+        )
         for name in _KINDS.values():
             self.grants.labels(name)
         for reason in types_pb2.RevokeReason.values():

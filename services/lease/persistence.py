@@ -47,8 +47,16 @@ class StoreCounters:
 
 
 class LeasePersistence:
-    def __init__(self, store: Store, keys: KeyLayout, fence: Fence, *, timeout_s: float, batch_ops: int,
-                 attempt_s: float | None = None) -> None:
+    def __init__(
+        self,
+        store: Store,
+        keys: KeyLayout,
+        fence: Fence,
+        *,
+        timeout_s: float,
+        batch_ops: int,
+        attempt_s: float | None = None,
+    ) -> None:
         self._store = store
         self._keys = keys
         self._fence = fence

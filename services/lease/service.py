@@ -47,9 +47,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     # --- GrantLease ---
 
     @rpc_boundary
-    async def GrantLease(
-        self, request: lease_pb2.GrantLeaseRequest, context: Context
-    ) -> lease_pb2.GrantLeaseResponse:
+    async def GrantLease(self, request: lease_pb2.GrantLeaseRequest, context: Context) -> lease_pb2.GrantLeaseResponse:
         principal = caller()
         spec = self._grant_spec(request, principal)
         request_id = v.optional_request_id(request.request_id)
@@ -148,18 +146,14 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         return lease_pb2.RevokeLeaseResponse(lease=to_proto(record))
 
     @rpc_boundary
-    async def GetLease(
-        self, request: lease_pb2.GetLeaseRequest, context: Context
-    ) -> lease_pb2.GetLeaseResponse:
+    async def GetLease(self, request: lease_pb2.GetLeaseRequest, context: Context) -> lease_pb2.GetLeaseResponse:
         principal = caller()
         lease_id = v.lease_id(request.lease_id)
         self._m.require_serving()
         return lease_pb2.GetLeaseResponse(lease=to_proto(self._m.get(lease_id, principal.tenant)))
 
     @rpc_boundary
-    async def ListLeases(
-        self, request: lease_pb2.ListLeasesRequest, context: Context
-    ) -> lease_pb2.ListLeasesResponse:
+    async def ListLeases(self, request: lease_pb2.ListLeasesRequest, context: Context) -> lease_pb2.ListLeasesResponse:
         principal = caller()
         tenant = ""  # an operator listing every tenant
         if principal.tenant is not None or request.tenant:
@@ -218,8 +212,9 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(sub.wake.wait(), progress_s)
                 if sub.closed_reason:
-                    raise Unavailable(Reason.NOT_LEADER, f"watch closed: {sub.closed_reason}; reconnect",
-                                      metadata={"leader": ""})
+                    raise Unavailable(
+                        Reason.NOT_LEADER, f"watch closed: {sub.closed_reason}; reconnect", metadata={"leader": ""}
+                    )
                 if sub.overflowed:
                     raise Unavailable(Reason.OVERLOADED, "watcher fell too far behind; reconnect to re-sync")
                 yield lease_pb2.WatchLeasesResponse(events=sub.drain(_EVENTS_PER_MESSAGE))
@@ -244,6 +239,9 @@ def _parse_page_token(token: str, query: str) -> int:
     except ValueError:
         last_id = -1
     if last_id <= 0 or tag != _query_tag(query):
-        raise InvalidArgument(Reason.INVALID_PAGE_TOKEN, "page_token is malformed or belongs to another query",
-                              metadata={"field": "page_token"})
+        raise InvalidArgument(
+            Reason.INVALID_PAGE_TOKEN,
+            "page_token is malformed or belongs to another query",
+            metadata={"field": "page_token"},
+        )
     return last_id

@@ -65,6 +65,7 @@ def lease_id(value: int, field: str = "lease_id") -> int:
 
 def too_large(field: str, count: int, limit: int) -> InvalidArgument:
     return InvalidArgument(
-        Reason.TOO_LARGE, f"{field}: {count} items exceed the limit of {limit} per message",
+        Reason.TOO_LARGE,
+        f"{field}: {count} items exceed the limit of {limit} per message",
         metadata={"field": field, "limit": str(limit)},
     )

@@ -76,8 +76,10 @@ def _settings() -> RegistrySettings:
 
 def _multi_process_problem(settings: RegistrySettings, store: StoreSettings) -> str | None:
     if store.embedded:
-        return ("KVBRIDGE_REGISTRY_SERVE_PROCESSES > 1 needs etcd (KVBRIDGE_ETCD_ENDPOINTS): the embedded "
-                "in-process store cannot be shared between processes")
+        return (
+            "KVBRIDGE_REGISTRY_SERVE_PROCESSES > 1 needs etcd (KVBRIDGE_ETCD_ENDPOINTS): the embedded "
+            "in-process store cannot be shared between processes"
+        )
     if settings.port == 0:
         return "KVBRIDGE_REGISTRY_SERVE_PROCESSES > 1 needs a fixed KVBRIDGE_REGISTRY_PORT, not 0"
     return None
@@ -131,8 +133,9 @@ def main(argv: list[str] | None = None) -> int:
         if problem:
             parser.error(problem)
         # Each worker prints its own "registry listening" line once it serves.
-        log.info("registry: %d server processes on %s:%d", settings.serve_processes, ServerSettings().host,
-                 settings.port)
+        log.info(
+            "registry: %d server processes on %s:%d", settings.serve_processes, ServerSettings().host, settings.port
+        )
         return supervise(settings.serve_processes)
     asyncio.run(_serve(args.worker))
     return 0

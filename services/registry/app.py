@@ -49,8 +49,10 @@ class RegistryApp:
     ) -> None:
         """``share_port``: bind with SO_REUSEPORT, one of several processes serving the same port (etcd only)."""
         if share_port and isinstance(store, MemoryStore):
-            raise ValueError("a registry sharing its port with other processes needs etcd: the embedded store "
-                             "lives inside one process")
+            raise ValueError(
+                "a registry sharing its port with other processes needs etcd: the embedded store "
+                "lives inside one process"
+            )
         self.settings = settings or RegistrySettings()
         self.server_settings = server_settings or ServerSettings()
         self.keys = keys or KeyLayout()
@@ -58,8 +60,9 @@ class RegistryApp:
         self.telemetry = telemetry or Telemetry.disabled("kvbridge-registry")
         # Everything below talks to the store through the meter (latency and errors per operation).
         store = MeteredStore(store, self.telemetry.registry)
-        self.metrics_endpoint = MetricsEndpoint(self.telemetry.registry, self.server_settings.host,
-                                                self.settings.metrics_port)
+        self.metrics_endpoint = MetricsEndpoint(
+            self.telemetry.registry, self.server_settings.host, self.settings.metrics_port
+        )
         self._own_releaser: GrpcLeaseReleaser | None = None
         if releaser is None:
             if self.settings.lease_service_target:
@@ -72,18 +75,31 @@ class RegistryApp:
             else:
                 releaser = LogOnlyReleaser()
         self.index = RegistryIndex(
-            self.settings.max_index_entries, self.settings.max_engines, self.settings.content_index_stride,
+            self.settings.max_index_entries,
+            self.settings.max_engines,
+            self.settings.content_index_stride,
             max_lag_s=self.settings.index_max_lag_s,
         )
         self.revoker = BackgroundRevoker(releaser)
         self.registry = Registry(
-            store, self.keys, self.settings, self.index, self.revoker, store_timeout_s=store_timeout_s,
+            store,
+            self.keys,
+            self.settings,
+            self.index,
+            self.revoker,
+            store_timeout_s=store_timeout_s,
             group_commit=_group_commit(self.settings, self.store),
         )
         self._sweeper: asyncio.Task[None] | None = None
         max_lag = self.settings.index_max_lag_s
-        self.feeder = IndexFeeder(store, self.keys, self.index, timeout_s=store_timeout_s,
-                                  progress_interval_s=max_lag / 4, restart_after_s=max(5.0, 4 * max_lag))
+        self.feeder = IndexFeeder(
+            store,
+            self.keys,
+            self.index,
+            timeout_s=store_timeout_s,
+            progress_interval_s=max_lag / 4,
+            restart_after_s=max(5.0, 4 * max_lag),
+        )
         self._readiness: asyncio.Task[None] | None = None
         auth = auth or Authenticator({})
         servicer = RegistryServicer(self.registry, auth, store, self.keys, telemetry=self.telemetry)
@@ -105,8 +121,7 @@ class RegistryApp:
         self.revoker.start()
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_engines(), name="registry-engine-sweep")
         await self.server.start()
-        self._readiness = asyncio.get_running_loop().create_task(self._follow_freshness(),
-                                                                 name="registry-readiness")
+        self._readiness = asyncio.get_running_loop().create_task(self._follow_freshness(), name="registry-readiness")
         self.metrics_endpoint.start()
 
     async def _follow_freshness(self) -> None:
@@ -118,9 +133,13 @@ class RegistryApp:
             if fresh != serving:
                 serving = fresh
                 status = health_pb2.HealthCheckResponse.SERVING if fresh else health_pb2.HealthCheckResponse.NOT_SERVING
-                log.warning("registry index %s (lag %.1fs, bound %.1fs): health %s",
-                            "fresh again" if fresh else "stale", self.index.lag_s(), self.index.max_lag_s,
-                            "SERVING" if fresh else "NOT_SERVING")
+                log.warning(
+                    "registry index %s (lag %.1fs, bound %.1fs): health %s",
+                    "fresh again" if fresh else "stale",
+                    self.index.lag_s(),
+                    self.index.max_lag_s,
+                    "SERVING" if fresh else "NOT_SERVING",
+                )
                 for name in ("", SERVICE_NAME):
                     result = self.server.health.set(name, status)
                     if result is not None:

@@ -189,9 +189,11 @@ class RegistrationBatcher(Generic[R]):
         size = 0
         for job in jobs:
             new_keys = keys.union(job.read_keys)
-            too_big = (len(new_keys) > self._limits.max_txn_ops
-                       or 2 * (len(current) + 1) > self._limits.max_txn_ops
-                       or size + job.size_hint > self._limits.max_txn_bytes)
+            too_big = (
+                len(new_keys) > self._limits.max_txn_ops
+                or 2 * (len(current) + 1) > self._limits.max_txn_ops
+                or size + job.size_hint > self._limits.max_txn_bytes
+            )
             if current and too_big:
                 chunks.append(current)
                 current, new_keys, size = [], set(job.read_keys), 0

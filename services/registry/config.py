@@ -46,8 +46,12 @@ class RegistrySettings(BaseSettings):
     lease_service_target: str = ""
     # The key the registry presents to the lease manager: KVBRIDGE_API_KEY, the one service key of the stack,
     # unless KVBRIDGE_REGISTRY_LEASE_SERVICE_API_KEY overrides it.
-    lease_service_api_key: str = Field(default="", validation_alias=AliasChoices(
-        "lease_service_api_key", "KVBRIDGE_REGISTRY_LEASE_SERVICE_API_KEY", "KVBRIDGE_API_KEY"))
+    lease_service_api_key: str = Field(
+        default="",
+        validation_alias=AliasChoices(
+            "lease_service_api_key", "KVBRIDGE_REGISTRY_LEASE_SERVICE_API_KEY", "KVBRIDGE_API_KEY"
+        ),
+    )
     lease_rpc_timeout_s: float = Field(default=2.0, gt=0, le=60)
 
     # Group commit of registrations (docs/adr/0005): "auto" batches on etcd, not on the embedded store

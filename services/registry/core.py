@@ -220,8 +220,12 @@ class Registry:
         if previous:
             # This replica's lookups refuse them already (their incarnation is not the engine's); deleting them
             # and revoking their leases runs off the RPC's path (the engine sweep retries what this misses).
-            log.info("engine %s registered as a new incarnation (node lease %d): dropping %d entries of the "
-                     "previous one", stored.engine_id, stored.node_lease_id, len(previous))
+            log.info(
+                "engine %s registered as a new incarnation (node lease %d): dropping %d entries of the previous one",
+                stored.engine_id,
+                stored.node_lease_id,
+                len(previous),
+            )
             self._spawn(self.drop_other_incarnations(stored.engine_id))
         return stored
 
@@ -244,8 +248,9 @@ class Registry:
         current = types_pb2.Engine.FromString(kv.value)
         dropped = 0
         for item in self.index.of_other_incarnations(current):
-            if await self._delete_indexed(item, types_pb2.REVOKE_REASON_ENGINE_GONE,
-                                          Compare.mod_revision_is(engine_key, kv.mod_revision)):
+            if await self._delete_indexed(
+                item, types_pb2.REVOKE_REASON_ENGINE_GONE, Compare.mod_revision_is(engine_key, kv.mod_revision)
+            ):
                 dropped += 1
         return dropped
 
@@ -301,9 +306,13 @@ class Registry:
         size = v.page_size("page_size", request.page_size)
         after = _decode_page_token(request.page_token, b"engines").decode() if request.page_token else ""
         matching = sorted(
-            (e for e in self.index.engines.values()
-             if (not request.model or e.model == request.model) and (not request.role or e.role == request.role)
-             and e.engine_id > after),
+            (
+                e
+                for e in self.index.engines.values()
+                if (not request.model or e.model == request.model)
+                and (not request.role or e.role == request.role)
+                and e.engine_id > after
+            ),
             key=lambda e: e.engine_id,
         )
         page = matching[:size]
@@ -315,8 +324,9 @@ class Registry:
     def _compact(self, entry: registry_pb2.Entry, tenant: str) -> tuple[registry_pb2.Entry, bytes]:
         """The entry as stored (every stride-th hash, the tail's every hash, server time) and its content
         digest."""
-        record = HashRecord.from_chain(entry.block_hashes, self._settings.chain_stride,
-                                       self._settings.chain_exact_tail_blocks)
+        record = HashRecord.from_chain(
+            entry.block_hashes, self._settings.chain_stride, self._settings.chain_exact_tail_blocks
+        )
         stored = registry_pb2.Entry()
         stored.CopyFrom(entry)
         stored.key.tenant = tenant
@@ -406,11 +416,10 @@ class Registry:
         _check_entry_lease(lease, entry)
         current = registry_pb2.Entry.FromString(current_kv.value) if current_kv is not None else None
         # An entry of a previous incarnation of the same engine is garbage whatever its epoch: replace it.
-        if current is not None and not (current.engine_id == entry.engine_id
-                                        and current.engine_incarnation != entry.engine_incarnation):
-            if current.epoch > entry.epoch or (
-                current.epoch == entry.epoch and _content_digest(current) != reg.digest
-            ):
+        if current is not None and not (
+            current.engine_id == entry.engine_id and current.engine_incarnation != entry.engine_incarnation
+        ):
+            if current.epoch > entry.epoch or (current.epoch == entry.epoch and _content_digest(current) != reg.digest):
                 raise FailedPrecondition(
                     Reason.STALE_EPOCH,
                     f"stored epoch {current.epoch} supersedes epoch {entry.epoch}",
@@ -425,8 +434,10 @@ class Registry:
             entry=entry, superseded_epoch=current.epoch if current is not None else 0
         )
         assert lease_kv is not None and engine_kv is not None
-        cas = Compare.absent(reg.entry_key) if current_kv is None else Compare.mod_revision_is(
-            reg.entry_key, current_kv.mod_revision
+        cas = (
+            Compare.absent(reg.entry_key)
+            if current_kv is None
+            else Compare.mod_revision_is(reg.entry_key, current_kv.mod_revision)
         )
         idem_lease = await self._idem.current()
 
@@ -438,8 +449,12 @@ class Registry:
 
         return PlannedWrite(
             # The engine record unchanged since the read: the entry is bound to the incarnation registered now.
-            compares=(cas, _exists(reg.lease_key), Compare.mod_revision_is(reg.engine_key, engine_kv.mod_revision),
-                      Compare.absent(reg.request_key)),
+            compares=(
+                cas,
+                _exists(reg.lease_key),
+                Compare.mod_revision_is(reg.engine_key, engine_kv.mod_revision),
+                Compare.absent(reg.request_key),
+            ),
             puts=(
                 Put(reg.entry_key, entry.SerializeToString(), lease=lease_kv.lease),
                 Put(reg.request_key, _RECORD_VERSION + reg.digest + response.SerializeToString(), lease=idem_lease),
@@ -470,8 +485,9 @@ class Registry:
 
     @staticmethod
     def _lease_gone(field: str) -> FailedPrecondition:
-        return FailedPrecondition(Reason.LEASE_NOT_FOUND, "the lease does not exist (expired or revoked)",
-                                  metadata={"field": field})
+        return FailedPrecondition(
+            Reason.LEASE_NOT_FOUND, "the lease does not exist (expired or revoked)", metadata={"field": field}
+        )
 
     async def _make_room(self, tenant: str, incoming: EntryId) -> None:
         """Per-tenant cap: evict the tenant's oldest-idle entry (lease revoked with BUDGET).
@@ -486,11 +502,16 @@ class Registry:
                 return
             if await self._delete_indexed(victim, types_pb2.REVOKE_REASON_BUDGET):
                 self.evictions[EVICTED_TENANT_CAP] = self.evictions.get(EVICTED_TENANT_CAP, 0) + 1
-                log.info("evicted entry %s (tenant at its cap of %d entries; oldest idle; lease %x revoked: BUDGET)",
-                         "/".join(victim.id), cap, victim.entry.lease_id)
+                log.info(
+                    "evicted entry %s (tenant at its cap of %d entries; oldest idle; lease %x revoked: BUDGET)",
+                    "/".join(victim.id),
+                    cap,
+                    victim.entry.lease_id,
+                )
 
-    async def _delete_indexed(self, item: IndexedEntry, reason: types_pb2.RevokeReason.ValueType,
-                              *also: Compare) -> bool:
+    async def _delete_indexed(
+        self, item: IndexedEntry, reason: types_pb2.RevokeReason.ValueType, *also: Compare
+    ) -> bool:
         """Deletes ``item`` if unchanged in the store (and ``also`` holds), revoking its lease with ``reason``."""
         key = self._keys.entry(*item.id)
         result = await self._store.txn(
@@ -580,8 +601,10 @@ class Registry:
             if blocks and (
                 best is None
                 or blocks > best[1]
-                or (blocks == best[1] and item.entry.register_time.ToNanoseconds()
-                    > best[0].entry.register_time.ToNanoseconds())
+                or (
+                    blocks == best[1]
+                    and item.entry.register_time.ToNanoseconds() > best[0].entry.register_time.ToNanoseconds()
+                )
             ):
                 best = (item, blocks)
         return best
@@ -597,8 +620,12 @@ class Registry:
         return registry_pb2.Entry.FromString(kv.value)
 
     async def delete_entry(
-        self, principal: Principal, key: registry_pb2.EntryKey, reason: types_pb2.RevokeReason.ValueType,
-        *, expected_epoch: int = 0,
+        self,
+        principal: Principal,
+        key: registry_pb2.EntryKey,
+        reason: types_pb2.RevokeReason.ValueType,
+        *,
+        expected_epoch: int = 0,
     ) -> registry_pb2.Entry:
         """Deletes the conversation's entry (``expected_epoch`` nonzero: only if it has that epoch, in the same
         compare-and-delete, so of several callers that saw the entry exactly one deletes it)."""
@@ -702,6 +729,7 @@ def _decode_page_token(token: str, query: bytes) -> bytes:
     except (ValueError, UnicodeEncodeError):
         raw = b""
     if len(token) > 2048 or len(raw) < 9 or raw[:8] != hashlib.sha256(query).digest()[:8]:
-        raise InvalidArgument(Reason.INVALID_PAGE_TOKEN, "malformed page token or not of this query",
-                              metadata={"field": "page_token"})
+        raise InvalidArgument(
+            Reason.INVALID_PAGE_TOKEN, "malformed page token or not of this query", metadata={"field": "page_token"}
+        )
     return raw[8:]

@@ -41,8 +41,16 @@ async def _cancel(task: asyncio.Task[None]) -> None:
 
 
 class IndexFeeder:
-    def __init__(self, store: Store, keys: KeyLayout, index: RegistryIndex, *, timeout_s: float = 5.0,
-                 progress_interval_s: float = 0.5, restart_after_s: float = 10.0) -> None:
+    def __init__(
+        self,
+        store: Store,
+        keys: KeyLayout,
+        index: RegistryIndex,
+        *,
+        timeout_s: float = 5.0,
+        progress_interval_s: float = 0.5,
+        restart_after_s: float = 10.0,
+    ) -> None:
         self._store = store
         self._progress_s = progress_interval_s
         self._restart_after_s = restart_after_s
@@ -96,8 +104,12 @@ class IndexFeeder:
         self._need_relist = False
         self._index.heard()
         self.ready.set()
-        log.info("registry index loaded: %d entries, %d engines at revision %d",
-                 len(self._index.entries), len(self._index.engines), self.revision)
+        log.info(
+            "registry index loaded: %d entries, %d engines at revision %d",
+            len(self._index.entries),
+            len(self._index.engines),
+            self.revision,
+        )
 
     async def _supervise(self) -> None:
         """Runs the follow task; restarts it when it fails or its watch goes silent (with backoff)."""
@@ -110,14 +122,21 @@ class IndexFeeder:
                 while not follow.done():
                     await asyncio.wait([follow], timeout=min(1.0, self._restart_after_s / 4))
                     if not follow.done() and self._index.lag_s() > self._restart_after_s:
-                        log.warning("registry watch silent for %.1fs; restarting it from revision %d",
-                                    self._index.lag_s(), self.revision)
+                        log.warning(
+                            "registry watch silent for %.1fs; restarting it from revision %d",
+                            self._index.lag_s(),
+                            self.revision,
+                        )
                         await _cancel(follow)
                         break
                 else:
                     exc = follow.exception()
-                    log.error("registry index follow task ended (%r); restarting it from a fresh list in %.1fs",
-                              exc, backoff, exc_info=exc)
+                    log.error(
+                        "registry index follow task ended (%r); restarting it from a fresh list in %.1fs",
+                        exc,
+                        backoff,
+                        exc_info=exc,
+                    )
                     self._need_relist = True
             except asyncio.CancelledError:
                 await _cancel(follow)
@@ -134,8 +153,9 @@ class IndexFeeder:
         backoff = 0.1
         while True:
             try:
-                async for batch in self._store.watch_prefix(self._registry_prefix, start_revision=self.revision + 1,
-                                                            progress_interval_s=self._progress_s):
+                async for batch in self._store.watch_prefix(
+                    self._registry_prefix, start_revision=self.revision + 1, progress_interval_s=self._progress_s
+                ):
                     self._index.heard()
                     for event in batch.events:
                         if event.type is EventType.PUT:
@@ -148,8 +168,9 @@ class IndexFeeder:
                 log.warning("registry watch compacted at revision %d; re-listing", self.revision)
                 await self._relist_until_done()
             except (StoreError, TimeoutError, OSError) as exc:
-                log.warning("registry watch failed (%s); resuming from revision %d in %.1fs",
-                            exc, self.revision, backoff)
+                log.warning(
+                    "registry watch failed (%s); resuming from revision %d in %.1fs", exc, self.revision, backoff
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, _MAX_BACKOFF_S)
 
@@ -177,4 +198,4 @@ class IndexFeeder:
         if key.startswith(self._entries_prefix):
             self._index.delete_entry(self._keys.parse_entry(key), revision)
         elif key.startswith(self._engines_prefix):
-            self._index.delete_engine(unquote(key[len(self._engines_prefix):].decode()), revision)
+            self._index.delete_engine(unquote(key[len(self._engines_prefix) :].decode()), revision)

@@ -41,8 +41,15 @@ class IndexedEntry:
 
 
 class RegistryIndex:
-    def __init__(self, max_entries: int = 1_000_000, max_engines: int = 10_000, content_stride: int = 16, *,
-                 max_lag_s: float = float("inf"), clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(
+        self,
+        max_entries: int = 1_000_000,
+        max_engines: int = 10_000,
+        content_stride: int = 16,
+        *,
+        max_lag_s: float = float("inf"),
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self._max_entries = max_entries
         self.max_lag_s = max_lag_s
         self._clock = clock
@@ -210,5 +217,8 @@ class RegistryIndex:
 
     def of_other_incarnations(self, engine: types_pb2.Engine) -> list[IndexedEntry]:
         """The entries of ``engine``'s id made by another incarnation than ``engine`` (a previous process)."""
-        return [item for eid in self._by_engine.get(engine.engine_id, ())
-                if (item := self.entries[eid]).entry.engine_incarnation != engine.node_lease_id]
+        return [
+            item
+            for eid in self._by_engine.get(engine.engine_id, ())
+            if (item := self.entries[eid]).entry.engine_incarnation != engine.node_lease_id
+        ]

@@ -32,18 +32,25 @@ class LogOnlyReleaser:
     """No lease manager configured: leases end at their deadline; say so."""
 
     async def revoke(self, lease_id: int, reason: types_pb2.RevokeReason.ValueType) -> None:
-        log.info("no lease service configured; lease %d (%s) ends at its deadline",
-                 lease_id, types_pb2.RevokeReason.Name(reason))
+        log.info(
+            "no lease service configured; lease %d (%s) ends at its deadline",
+            lease_id,
+            types_pb2.RevokeReason.Name(reason),
+        )
 
 
 class GrpcLeaseReleaser:
     """Revokes through kvbridge.lease.v1.LeaseService, with the SDK's lease client (follows NOT_LEADER)."""
 
-    def __init__(self, target: str, *, api_key: str = "", timeout_s: float = 2.0,
-                 tls: PeerTlsSettings | None = None) -> None:
+    def __init__(
+        self, target: str, *, api_key: str = "", timeout_s: float = 2.0, tls: PeerTlsSettings | None = None
+    ) -> None:
         # One attempt more than none, for a NOT_LEADER redirect; BackgroundRevoker retries the rest.
-        self._client = LeaseClient(target, ClientOptions(api_key=api_key or None, timeout_s=timeout_s, max_attempts=2),
-                                   channel_factory=lambda t: peer_channel(t, tls))
+        self._client = LeaseClient(
+            target,
+            ClientOptions(api_key=api_key or None, timeout_s=timeout_s, max_attempts=2),
+            channel_factory=lambda t: peer_channel(t, tls),
+        )
 
     async def revoke(self, lease_id: int, reason: types_pb2.RevokeReason.ValueType) -> None:
         try:

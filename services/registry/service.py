@@ -51,21 +51,29 @@ class _IndexCollector(Collector):
         return self._bytes
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
-        yield GaugeMetricFamily("kvbridge_registry_entries", "Entries in the in-memory index",
-                                value=len(self._index.entries))
-        yield GaugeMetricFamily("kvbridge_registry_entry_bytes",
-                                "Serialized size of the indexed entries (refreshed at most every 10 s)",
-                                value=self._entry_bytes())
-        yield GaugeMetricFamily("kvbridge_registry_engines", "Registered engines in the index",
-                                value=len(self._index.engines))
+        yield GaugeMetricFamily(
+            "kvbridge_registry_entries", "Entries in the in-memory index", value=len(self._index.entries)
+        )
+        yield GaugeMetricFamily(
+            "kvbridge_registry_entry_bytes",
+            "Serialized size of the indexed entries (refreshed at most every 10 s)",
+            value=self._entry_bytes(),
+        )
+        yield GaugeMetricFamily(
+            "kvbridge_registry_engines", "Registered engines in the index", value=len(self._index.engines)
+        )
         lag = self._index.lag_s()
-        yield GaugeMetricFamily("kvbridge_registry_index_lag_seconds",
-                                "Seconds since the index last heard from the store (watch event or progress; "
-                                "-1: never); lookups answer INDEX_STALE past the bound",
-                                value=-1.0 if lag == float("inf") else lag)
-        yield GaugeMetricFamily("kvbridge_registry_index_max_lag_seconds",
-                                "The index's freshness bound (KVBRIDGE_REGISTRY_INDEX_MAX_LAG_S)",
-                                value=self._index.max_lag_s)
+        yield GaugeMetricFamily(
+            "kvbridge_registry_index_lag_seconds",
+            "Seconds since the index last heard from the store (watch event or progress; "
+            "-1: never); lookups answer INDEX_STALE past the bound",
+            value=-1.0 if lag == float("inf") else lag,
+        )
+        yield GaugeMetricFamily(
+            "kvbridge_registry_index_max_lag_seconds",
+            "The index's freshness bound (KVBRIDGE_REGISTRY_INDEX_MAX_LAG_S)",
+            value=self._index.max_lag_s,
+        )
 
 
 class _EvictionCollector(Collector):
@@ -75,26 +83,36 @@ class _EvictionCollector(Collector):
         self._evictions = evictions
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily("kvbridge_registry_entries_evicted",
-                                     "Entries the registry evicted (tenant_cap: the tenant reached "
-                                     "KVBRIDGE_REGISTRY_MAX_ENTRIES_PER_TENANT; its oldest-idle entry removed, "
-                                     "its lease revoked)",
-                                     labels=["reason"])
+        family = CounterMetricFamily(
+            "kvbridge_registry_entries_evicted",
+            "Entries the registry evicted (tenant_cap: the tenant reached "
+            "KVBRIDGE_REGISTRY_MAX_ENTRIES_PER_TENANT; its oldest-idle entry removed, "
+            "its lease revoked)",
+            labels=["reason"],
+        )
         for reason, count in dict(self._evictions).items():
             family.add_metric([reason], count)
         yield family
 
 
 class RegistryMetrics:
-    def __init__(self, registry: CollectorRegistry, index: RegistryIndex,
-                 evictions: Mapping[str, int] | None = None) -> None:
-        self.lookups = Counter("kvbridge_registry_lookups_total", "LookupEntry answers by verdict",
-                               ["verdict"], registry=registry)
-        self.lookup_verified_tokens = Counter("kvbridge_registry_lookup_verified_tokens_total",
-                                              "Tokens verified by LookupEntry answers", registry=registry)
-        self.registrations = Counter("kvbridge_registry_registrations_total",
-                                     "RegisterEntry outcomes (ok, replayed, superseded, or the error reason)",
-                                     ["outcome"], registry=registry)
+    def __init__(
+        self, registry: CollectorRegistry, index: RegistryIndex, evictions: Mapping[str, int] | None = None
+    ) -> None:
+        self.lookups = Counter(
+            "kvbridge_registry_lookups_total", "LookupEntry answers by verdict", ["verdict"], registry=registry
+        )
+        self.lookup_verified_tokens = Counter(
+            "kvbridge_registry_lookup_verified_tokens_total",
+            "Tokens verified by LookupEntry answers",
+            registry=registry,
+        )
+        self.registrations = Counter(
+            "kvbridge_registry_registrations_total",
+            "RegisterEntry outcomes (ok, replayed, superseded, or the error reason)",
+            ["outcome"],
+            registry=registry,
+        )
         registry.register(_IndexCollector(index))
         registry.register(_EvictionCollector(evictions if evictions is not None else {}))
         # Per-verdict children and names resolved once: labels() and enum lookups cost µs on the lookup path.
@@ -117,8 +135,15 @@ def _verdict_name(verdict: int) -> str:
 
 
 class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
-    def __init__(self, registry: Registry, auth: Authenticator, store: Store, keys: KeyLayout, *,
-                 telemetry: Telemetry | None = None) -> None:
+    def __init__(
+        self,
+        registry: Registry,
+        auth: Authenticator,
+        store: Store,
+        keys: KeyLayout,
+        *,
+        telemetry: Telemetry | None = None,
+    ) -> None:
         self._registry = registry
         self._auth = auth
         self._store = store
@@ -130,8 +155,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         """The RPC's server span (from the interceptor), tagged with the hashed identity."""
         span = trace.get_current_span()
         if span.is_recording():  # the identity HMACs cost a few µs per RPC: only when a span keeps them
-            span.set_attributes({tel.ATTR_MODEL: model,
-                                 **self._telemetry.identity(tenant=tenant, conversation_key=conversation_key)})
+            span.set_attributes(
+                {tel.ATTR_MODEL: model, **self._telemetry.identity(tenant=tenant, conversation_key=conversation_key)}
+            )
         return span
 
     @rpc_boundary
@@ -152,9 +178,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         return registry_pb2.DeregisterEngineResponse()
 
     @rpc_boundary
-    async def GetEngine(
-        self, request: registry_pb2.GetEngineRequest, context: Ctx
-    ) -> registry_pb2.GetEngineResponse:
+    async def GetEngine(self, request: registry_pb2.GetEngineRequest, context: Ctx) -> registry_pb2.GetEngineResponse:
         caller()
         return registry_pb2.GetEngineResponse(engine=self._registry.get_engine(request.engine_id))
 
@@ -172,8 +196,13 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         key = request.entry.key
         span = self._annotate(key.tenant, key.model, key.conversation_key)
         if span.is_recording():
-            span.set_attributes({tel.ATTR_ENGINE: request.entry.engine_id, "kvbridge.entry.epoch": request.entry.epoch,
-                                 "kvbridge.entry.tokens": request.entry.token_count})
+            span.set_attributes(
+                {
+                    tel.ATTR_ENGINE: request.entry.engine_id,
+                    "kvbridge.entry.epoch": request.entry.epoch,
+                    "kvbridge.entry.tokens": request.entry.token_count,
+                }
+            )
         try:
             response = await self._registry.register_entry(caller(), request)
         except KvbridgeError as err:
@@ -197,9 +226,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         return response
 
     @rpc_boundary
-    async def GetEntry(
-        self, request: registry_pb2.GetEntryRequest, context: Ctx
-    ) -> registry_pb2.GetEntryResponse:
+    async def GetEntry(self, request: registry_pb2.GetEntryRequest, context: Ctx) -> registry_pb2.GetEntryResponse:
         entry = await self._registry.get_entry(caller(), request.key)
         return registry_pb2.GetEntryResponse(entry=entry)
 
@@ -213,8 +240,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
     async def DeleteEntry(
         self, request: registry_pb2.DeleteEntryRequest, context: Ctx
     ) -> registry_pb2.DeleteEntryResponse:
-        entry = await self._registry.delete_entry(caller(), request.key, request.reason,
-                                                   expected_epoch=request.expected_epoch)
+        entry = await self._registry.delete_entry(
+            caller(), request.key, request.reason, expected_epoch=request.expected_epoch
+        )
         return registry_pb2.DeleteEntryResponse(entry=entry)
 
     @stream_boundary
@@ -224,8 +252,9 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         principal = caller()
         v.check_tenant_field("tenant", request.tenant)
         # Empty tenant: a non-tenant principal watches every tenant, a tenant principal its own (as in other RPCs).
-        tenant: str | None = principal.tenant_for(request.tenant) if request.tenant or principal.tenant is not None \
-            else None
+        tenant: str | None = (
+            principal.tenant_for(request.tenant) if request.tenant or principal.tenant is not None else None
+        )
         if request.engine_id:
             v.check_id("engine_id", request.engine_id)
         if request.start_revision < 0:
@@ -251,8 +280,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 for kv in kvs:
                     entry = registry_pb2.Entry.FromString(kv.value)
                     if wanted(entry):
-                        page.events.add(type=registry_pb2.EntryEvent.TYPE_PUT, entry=entry,
-                                        revision=kv.mod_revision)
+                        page.events.add(type=registry_pb2.EntryEvent.TYPE_PUT, entry=entry, revision=kv.mod_revision)
                 if page.events or page.snapshot_complete:
                     yield page
                 if page.snapshot_complete:

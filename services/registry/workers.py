@@ -64,8 +64,13 @@ class _Worker:
         if code is None:
             return
         young = now - self.started < _YOUNG_S
-        log.error("registry worker %d (pid %d) exited with %s; restarting in %.0f s", self.index,
-                  self.proc.pid if self.proc else -1, code, self.delay_s)
+        log.error(
+            "registry worker %d (pid %d) exited with %s; restarting in %.0f s",
+            self.index,
+            self.proc.pid if self.proc else -1,
+            code,
+            self.delay_s,
+        )
         self.restart_at = now + self.delay_s
         self.delay_s = min(self.delay_s * 2, _MAX_RESTART_DELAY_S) if young else _FIRST_RESTART_DELAY_S
 

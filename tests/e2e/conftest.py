@@ -65,11 +65,20 @@ def kvbridge_overrides(procs: ControlPlaneProcs, **extra: object) -> tuple[dict[
     """EngineSpec overrides: the kvbridge connector on P and D, both registered with the control plane."""
     # NIXL progress thread stays on: without it an idle engine never progresses UCX TCP, so a
     # peer's READ hung here (engines only poll NIXL while they have requests).
-    common: dict[str, Any] = {"kvbridge_registry": procs.registry_target, "kvbridge_lease": procs.lease_target,
-                              "kvbridge_hash_secret": HASH_SECRET, "kvbridge_model": "tiny"}
-    decode_extra = dict(common, decoder_kv_blocks_ttl=OLD_TTL_S,
-                        kvbridge_fallback_ttl_s=FALLBACK_TTL_S, kvbridge_node_lease_ttl_s=NODE_LEASE_TTL_S,
-                        kvbridge_entry_lease_ttl_s=ENTRY_LEASE_TTL_S, **extra)
+    common: dict[str, Any] = {
+        "kvbridge_registry": procs.registry_target,
+        "kvbridge_lease": procs.lease_target,
+        "kvbridge_hash_secret": HASH_SECRET,
+        "kvbridge_model": "tiny",
+    }
+    decode_extra = dict(
+        common,
+        decoder_kv_blocks_ttl=OLD_TTL_S,
+        kvbridge_fallback_ttl_s=FALLBACK_TTL_S,
+        kvbridge_node_lease_ttl_s=NODE_LEASE_TTL_S,
+        kvbridge_entry_lease_ttl_s=ENTRY_LEASE_TTL_S,
+        **extra,
+    )
     connector = {"kv_connector": "KvbridgeConnector", "kv_connector_module_path": "kvbridge_connector.connector"}
     return dict(connector, extra_config=common), dict(connector, extra_config=decode_extra)
 

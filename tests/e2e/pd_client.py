@@ -23,9 +23,19 @@ E2E_SECRET = b"e2e-hash-secret-0123456789abcdef"
 OFFER_TTL_MS = 5000
 # Fields of D's returned params a router sends back to P for a reuse pull.
 REUSE_FIELDS = (
-    "do_remote_decode", "do_remote_prefill", "remote_block_ids", "remote_engine_id", "remote_request_id",
-    "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
-    "remote_blocks_expiry_time", "transfer_mode",
+    "do_remote_decode",
+    "do_remote_prefill",
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+    "dcp_size",
+    "pp_size",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    "transfer_mode",
 )
 
 
@@ -36,8 +46,12 @@ def random_tokens(rng: random.Random, count: int) -> list[int]:
 
 def completion(engine: Engine, prompt: list[int], max_tokens: int, params: dict[str, Any] | None) -> dict[str, Any]:
     body: dict[str, Any] = {
-        "model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-        "return_token_ids": True, "ignore_eos": True,
+        "model": "tiny",
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+        "ignore_eos": True,
     }
     if params is not None:
         body["kv_transfer_params"] = params
@@ -55,8 +69,9 @@ class TurnResult:
         return int(self.prefill_params.get("remote_prefill_cached_tokens") or 0)
 
 
-def prefill_params_for(prompt: list[int], reuse: dict[str, Any] | None,
-                       verified: list[int] | None = None, offer_ttl_ms: int = OFFER_TTL_MS) -> dict[str, Any]:
+def prefill_params_for(
+    prompt: list[int], reuse: dict[str, Any] | None, verified: list[int] | None = None, offer_ttl_ms: int = OFFER_TTL_MS
+) -> dict[str, Any]:
     """P's kv_transfer_params: plain, or pulling what ``reuse`` (D's params of an earlier turn) offers, with
     the prefix digest of ``verified`` (default: the prompt), as the gateway sends it for the tokens it verified."""
     if reuse is None:
@@ -72,9 +87,16 @@ def prefill_params_for(prompt: list[int], reuse: dict[str, Any] | None,
 
 
 def pd_turn(
-    prefill: Engine, decode: Engine, prompt: list[int], max_tokens: int, *,
-    reuse: dict[str, Any] | None = None, decode_extra: dict[str, Any] | None = None,
-    verified: list[int] | None = None, secret: bytes | None = None, offer_ttl_ms: int = OFFER_TTL_MS,
+    prefill: Engine,
+    decode: Engine,
+    prompt: list[int],
+    max_tokens: int,
+    *,
+    reuse: dict[str, Any] | None = None,
+    decode_extra: dict[str, Any] | None = None,
+    verified: list[int] | None = None,
+    secret: bytes | None = None,
+    offer_ttl_ms: int = OFFER_TTL_MS,
 ) -> TurnResult:
     """One disaggregated turn; ``reuse`` is D's params from an earlier turn (pull them back; see
     ``prefill_params_for``)."""

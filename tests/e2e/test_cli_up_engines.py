@@ -51,17 +51,31 @@ def _engine_groups(progress: str) -> set[int]:
     return {int(pid) for pid in re.findall(r"engine starting: \S+ \(pid (\d+),", progress)}
 
 
-def test_up_engines_answers_a_chat_turn_and_sigint_leaves_no_engine(
-    tmp_path: Path, engine_pool: EnginePool
-) -> None:
+def test_up_engines_answers_a_chat_turn_and_sigint_leaves_no_engine(tmp_path: Path, engine_pool: EnginePool) -> None:
     require("kvbridge_connector", CONNECTOR_HINT)
     engine_pool.close()  # this machine fits one pair of engines
     engines_dir = tmp_path / "kvbridge-engines"
     http_port = free_port()
     out, err = tmp_path / "stdout", tmp_path / "stderr"
-    command = [sys.executable, "-m", "kvbridge_services.cli", "up", "--engines", "--engines-dir", str(engines_dir),
-               "--engine-start-timeout", str(START_TIMEOUT_S), "--registry-port", "0", "--lease-port", "0",
-               "--gateway-http-port", str(http_port), "--gateway-grpc-port", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "kvbridge_services.cli",
+        "up",
+        "--engines",
+        "--engines-dir",
+        str(engines_dir),
+        "--engine-start-timeout",
+        str(START_TIMEOUT_S),
+        "--registry-port",
+        "0",
+        "--lease-port",
+        "0",
+        "--gateway-http-port",
+        str(http_port),
+        "--gateway-grpc-port",
+        "0",
+    ]
     with out.open("wb") as stdout, err.open("wb") as stderr:
         proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=REPO, start_new_session=True)
     groups: set[int] = set()
@@ -74,14 +88,23 @@ def test_up_engines_answers_a_chat_turn_and_sigint_leaves_no_engine(
         assert registry is not None
 
         # The connector registered both engines itself (nothing else registers in this stack).
-        listed = subprocess.run([sys.executable, "-m", "kvbridge_services.cli", "engines", "ls", "--json",
-                                 "--registry", registry.group(1)], capture_output=True, text=True, timeout=60)
+        listed = subprocess.run(
+            [sys.executable, "-m", "kvbridge_services.cli", "engines", "ls", "--json", "--registry", registry.group(1)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
         assert listed.returncode == 0, listed.stderr
         roles = sorted(e["role"] for e in json.loads(listed.stdout))
         assert roles == ["ENGINE_ROLE_DECODE", "ENGINE_ROLE_PREFILL"]
 
-        body = {"model": "tiny", "conversation_id": "cli-e2e", "max_tokens": 8, "temperature": 0,
-                "messages": [{"role": "user", "content": "w1 w2 w3 w4 w5"}]}
+        body = {
+            "model": "tiny",
+            "conversation_id": "cli-e2e",
+            "max_tokens": 8,
+            "temperature": 0,
+            "messages": [{"role": "user", "content": "w1 w2 w3 w4 w5"}],
+        }
         reply = httpx.post(f"http://127.0.0.1:{http_port}/v1/chat/completions", json=body, timeout=600)
         assert reply.status_code == 200, reply.text
         assert reply.json()["choices"][0]["finish_reason"] in ("stop", "length")

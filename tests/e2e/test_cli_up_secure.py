@@ -35,36 +35,63 @@ def test_up_engines_secure_with_one_keys_file_and_one_service_key(tmp_path: Path
 
     engine_pool.close()  # this machine fits one pair of engines
     keys = tmp_path / "keys.json"
-    keys.write_text(json.dumps({
-        TENANT_KEY: {"name": "acme-app", "role": "tenant", "tenant": "acme"},
-        SERVICE_KEY: {"name": "stack", "roles": ["gateway", "engine", "operator"]},
-    }))
+    keys.write_text(
+        json.dumps(
+            {
+                TENANT_KEY: {"name": "acme-app", "role": "tenant", "tenant": "acme"},
+                SERVICE_KEY: {"name": "stack", "roles": ["gateway", "engine", "operator"]},
+            }
+        )
+    )
     engines_dir = tmp_path / "kvbridge-engines"
     http_port = free_port()
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
     env.update(KVBRIDGE_API_KEYS_FILE=str(keys), KVBRIDGE_API_KEY=SERVICE_KEY)
     out, err = tmp_path / "stdout", tmp_path / "stderr"
-    command = [sys.executable, "-m", "kvbridge_services.cli", "up", "--engines", "--engines-dir", str(engines_dir),
-               "--engine-start-timeout", str(START_TIMEOUT_S), "--registry-port", "0", "--lease-port", "0",
-               "--gateway-http-port", str(http_port), "--gateway-grpc-port", "0"]
+    command = [
+        sys.executable,
+        "-m",
+        "kvbridge_services.cli",
+        "up",
+        "--engines",
+        "--engines-dir",
+        str(engines_dir),
+        "--engine-start-timeout",
+        str(START_TIMEOUT_S),
+        "--registry-port",
+        "0",
+        "--lease-port",
+        "0",
+        "--gateway-http-port",
+        str(http_port),
+        "--gateway-grpc-port",
+        "0",
+    ]
     with out.open("wb") as stdout, err.open("wb") as stderr:
         proc = subprocess.Popen(command, stdout=stdout, stderr=stderr, cwd=REPO, env=env, start_new_session=True)
     groups: set[int] = set()
     try:
         progress = wait_for_output(err, "stack is up", proc, START_TIMEOUT_S + 120)
         groups = _engine_groups(progress)
-        client = openai.OpenAI(base_url=f"http://127.0.0.1:{http_port}/v1", api_key=TENANT_KEY, timeout=600,
-                               max_retries=0)
+        client = openai.OpenAI(
+            base_url=f"http://127.0.0.1:{http_port}/v1", api_key=TENANT_KEY, timeout=600, max_retries=0
+        )
         messages = [{"role": "user", "content": " ".join(f"w{i}" for i in range(1, 200))}]
         verdicts = []
         for turn in range(3):
             raw = client.chat.completions.with_raw_response.create(
-                model="tiny", messages=messages, max_tokens=8, temperature=0,  # type: ignore[arg-type]
-                extra_body={"conversation_id": "secure-e2e"})
+                model="tiny",
+                messages=messages,
+                max_tokens=8,
+                temperature=0,  # type: ignore[arg-type]
+                extra_body={"conversation_id": "secure-e2e"},
+            )
             reply = raw.parse()
             verdicts.append(raw.headers["x-kvbridge-reuse"])
-            messages += [{"role": "assistant", "content": reply.choices[0].message.content or ""},
-                         {"role": "user", "content": f"and then w{turn} w{turn + 1} w{turn + 2}"}]
+            messages += [
+                {"role": "assistant", "content": reply.choices[0].message.content or ""},
+                {"role": "user", "content": f"and then w{turn} w{turn + 1} w{turn + 2}"},
+            ]
             time.sleep(2)  # D registers the turn's entry after the response
         assert verdicts[0].startswith("miss"), verdicts
         assert any(v.startswith("hit") for v in verdicts[1:]), verdicts

@@ -45,14 +45,18 @@ async def receiver() -> AsyncIterator[OtlpReceiver]:
 
 
 @pytest.fixture
-async def traced_pd(engine_pool: EnginePool, request: pytest.FixtureRequest,
-                    receiver: OtlpReceiver) -> AsyncIterator[tuple[PDEngines, ControlPlaneProcs]]:
+async def traced_pd(
+    engine_pool: EnginePool, request: pytest.FixtureRequest, receiver: OtlpReceiver
+) -> AsyncIterator[tuple[PDEngines, ControlPlaneProcs]]:
     """kvbridge engines exporting connector spans to ``receiver``; stopped afterwards (the port dies with it)."""
     engine_pool.close()  # before the control plane starts: a control plane started beside engines took minutes
     control_plane: ControlPlaneProcs = request.getfixturevalue("control_plane")
     prefill, decode = kvbridge_overrides(control_plane)
-    env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "200",
-           "KVBRIDGE_TELEMETRY_HASH_KEY_HEX": HASH_KEY_HEX}
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint,
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+        "KVBRIDGE_TELEMETRY_HASH_KEY_HEX": HASH_KEY_HEX,
+    }
     prefill["extra_env"] = dict(env, OTEL_SERVICE_NAME="kvbridge-connector-prefill")
     decode["extra_env"] = dict(env, OTEL_SERVICE_NAME="kvbridge-connector-decode")
     # Off the loop: the receiver keeps answering while the engines start.
@@ -68,7 +72,8 @@ def _fields(epoch: int) -> dict[str, Any]:
 
 
 async def test_turn_two_trace_shows_decode_registration_and_prefill_pull(
-    traced_pd: tuple[PDEngines, ControlPlaneProcs], receiver: OtlpReceiver,
+    traced_pd: tuple[PDEngines, ControlPlaneProcs],
+    receiver: OtlpReceiver,
 ) -> None:
     engines, control_plane = traced_pd
     prefill, decode = engines.prefill, engines.decode
@@ -93,14 +98,23 @@ async def test_turn_two_trace_shows_decode_registration_and_prefill_pull(
     for _attempt in range(2):
         with tracer.start_as_current_span("kvbridge.gateway.turn") as root:
             turn: SpanContext = root.get_span_context()
-            source = kvparams.PullSource(engine_id=entry.engine_id, request_id=entry.engine_request_id,
-                                         host="127.0.0.1", port=decode.side_channel_port,
-                                         block_groups=[list(g.ids) for g in entry.block_ids],
-                                         offer_window_s=5.0, looked_up_at=time.monotonic())
+            source = kvparams.PullSource(
+                engine_id=entry.engine_id,
+                request_id=entry.engine_request_id,
+                host="127.0.0.1",
+                port=decode.side_channel_port,
+                block_groups=[list(g.ids) for g in entry.block_ids],
+                offer_window_s=5.0,
+                looked_up_at=time.monotonic(),
+            )
             tokens = kvparams.reusable_tokens(entry.token_count, len(prompt), BLOCK_SIZE)
-            p_out = await asyncio.to_thread(completion, prefill, prompt, 1,
-                                            kvparams.reuse_prefill_params(source, tokens, BLOCK_SIZE,
-                                                                                prompt_ids=prompt))
+            p_out = await asyncio.to_thread(
+                completion,
+                prefill,
+                prompt,
+                1,
+                kvparams.reuse_prefill_params(source, tokens, BLOCK_SIZE, prompt_ids=prompt),
+            )
             d_params = kvparams.decode_params(p_out["kv_transfer_params"], **_fields(epoch + 1))
             d_out = await asyncio.to_thread(completion, decode, prompt, 24, d_params)
         epoch += 1

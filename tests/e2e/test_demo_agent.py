@@ -31,10 +31,20 @@ def test_demo_json_reports_reuse_verdicts_ttfts_and_a_png(tmp_path: Path, engine
     require("kvbridge_connector", CONNECTOR_HINT)
     engine_pool.close()  # this machine fits one pair of engines
     engines_dir, png = tmp_path / "engines", tmp_path / "ttft.png"
-    command = [sys.executable, "-m", "kvbridge_services.cli", "demo", "--json", "--engines-dir", str(engines_dir),
-               "--png", str(png)]
-    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True,
-                            start_new_session=True)
+    command = [
+        sys.executable,
+        "-m",
+        "kvbridge_services.cli",
+        "demo",
+        "--json",
+        "--engines-dir",
+        str(engines_dir),
+        "--png",
+        str(png),
+    ]
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, cwd=REPO, text=True, start_new_session=True
+    )
     out, err = "", ""
     try:
         try:

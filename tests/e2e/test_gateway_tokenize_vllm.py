@@ -27,8 +27,11 @@ HISTORY = [
 CHAT_BODIES: list[dict[str, Any]] = [
     {"messages": HISTORY},
     {"messages": HISTORY, "add_generation_prompt": False},
-    {"messages": [*HISTORY, {"role": "assistant", "content": "w9 w10"}], "add_generation_prompt": False,
-     "continue_final_message": True},
+    {
+        "messages": [*HISTORY, {"role": "assistant", "content": "w9 w10"}],
+        "add_generation_prompt": False,
+        "continue_final_message": True,
+    },
     {"messages": [{"role": "user", "content": [{"type": "text", "text": "w1"}, {"type": "text", "text": "w2"}]}]},
     {"messages": [{"role": "user", "content": "w3", "name": "alice"}]},
     {"messages": HISTORY, "add_special_tokens": True},

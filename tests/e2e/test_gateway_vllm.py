@@ -36,15 +36,30 @@ async def _gateway(pd: PDEngines, *, reuse: bool) -> AsyncIterator[GatewayApp]:
     await registry.start()
 
     def spec(e: object, eid: str, port: int, url: str) -> StaticEngine:
-        return StaticEngine(url=url, model=MODEL, engine_id=eid, kv_host="127.0.0.1", kv_port=port,
-                            block_size=BLOCK_SIZE, register_in_registry=True)
+        return StaticEngine(
+            url=url,
+            model=MODEL,
+            engine_id=eid,
+            kv_host="127.0.0.1",
+            kv_port=port,
+            block_size=BLOCK_SIZE,
+            register_in_registry=True,
+        )
 
     settings = GatewaySettings(
-        http_port=0, grpc_port=0, registry_address=registry.address, lease_address=lease.address,
-        hash_secret_hex="ab" * 16, default_block_size=BLOCK_SIZE, reuse_enabled=reuse, engines_from_registry=False,
-        health_timeout_s=10, control_timeout_s=10,
+        http_port=0,
+        grpc_port=0,
+        registry_address=registry.address,
+        lease_address=lease.address,
+        hash_secret_hex="ab" * 16,
+        default_block_size=BLOCK_SIZE,
+        reuse_enabled=reuse,
+        engines_from_registry=False,
+        health_timeout_s=10,
+        control_timeout_s=10,
         prefill_engines=[spec(pd.prefill, pd.prefill.engine_id, pd.prefill.side_channel_port, pd.prefill.url)],
-        decode_engines=[spec(pd.decode, pd.decode.engine_id, pd.decode.side_channel_port, pd.decode.url)])
+        decode_engines=[spec(pd.decode, pd.decode.engine_id, pd.decode.side_channel_port, pd.decode.url)],
+    )
     gw = GatewayApp(settings, auth=Authenticator({}))
     await gw.start()
     try:
@@ -57,11 +72,23 @@ async def _gateway(pd: PDEngines, *, reuse: bool) -> AsyncIterator[GatewayApp]:
 
 
 EDIT_AT = 170  # inside turn 1's 200 prompt tokens, past the first 128-token checkpoint span (not block-aligned)
-async def _complete(c: httpx.AsyncClient, gw: GatewayApp, prompt: list[int], conv: str, *,
-                    max_tokens: int = 16) -> tuple[str, list[int]]:
+
+
+async def _complete(
+    c: httpx.AsyncClient, gw: GatewayApp, prompt: list[int], conv: str, *, max_tokens: int = 16
+) -> tuple[str, list[int]]:
     """One greedy completion turn through the gateway; its reuse verdict and output token ids."""
-    r = await c.post("/v1/completions", json={"model": MODEL, "prompt": prompt, "max_tokens": max_tokens,
-                                              "temperature": 0, "conversation_id": conv, "return_token_ids": True})
+    r = await c.post(
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "conversation_id": conv,
+            "return_token_ids": True,
+        },
+    )
     assert r.status_code == 200, r.text
     await gw.core.router.drain()
     return r.headers["x-kvbridge-reuse"], r.json()["choices"][0]["token_ids"]
@@ -111,7 +138,8 @@ async def _edited_and_foreign(gw: GatewayApp) -> list[tuple[str, list[int]]]:
 
 
 async def test_edited_history_reuses_only_the_verified_prefix_and_a_foreign_prompt_nothing(
-        pd_engines: PDEngines) -> None:
+    pd_engines: PDEngines,
+) -> None:
     async for gw in _gateway(pd_engines, reuse=True):
         with_reuse = await _edited_and_foreign(gw)
     async for gw in _gateway(pd_engines, reuse=False):

@@ -99,8 +99,14 @@ def four_turns(kvbridge_pd: PDEngines, control_plane: ControlPlaneProcs, heartbe
     prompt = random_tokens(rng, 150)
     previous = None
     for epoch in range(1, 5):
-        turn = pd_turn(prefill, decode, prompt, 24, reuse=previous.decode_params if previous else None,
-                       decode_extra=kvbridge_fields(conversation, epoch))
+        turn = pd_turn(
+            prefill,
+            decode,
+            prompt,
+            24,
+            reuse=previous.decode_params if previous else None,
+            decode_extra=kvbridge_fields(conversation, epoch),
+        )
         entry = wait_for_entry(control_plane, conversation, epoch)
         heartbeater.lease_ids = {entry.lease_id}
         if epoch == 1:  # both engines registered themselves, with their NIXL side channels
@@ -182,8 +188,9 @@ def test_heartbeats_hold_blocks_past_twice_the_old_ttl_and_revoke_frees_them(
         usage_held = kv_cache_usage(decode)
         assert usage_held > 0
         with grpc.insecure_channel(control_plane.lease_target) as channel:
-            lease_pb2_grpc.LeaseServiceStub(channel).RevokeLease(lease_pb2.RevokeLeaseRequest(
-                lease_id=lease_id, reason=types_pb2.REVOKE_REASON_CLIENT_CLOSED), timeout=5)
+            lease_pb2_grpc.LeaseServiceStub(channel).RevokeLease(
+                lease_pb2.RevokeLeaseRequest(lease_id=lease_id, reason=types_pb2.REVOKE_REASON_CLIENT_CLOSED), timeout=5
+            )
     # D holds retained blocks by reference and goes idle between turns: it drops a released hold at its
     # first engine step after the free grace (kvbridge_free_grace_s, 10 s: a pull sent just before the revoke
     # may still be reading), the first moment anything could need the memory. Small requests make the steps.
@@ -206,9 +213,16 @@ def lookup(procs: ControlPlaneProcs, conversation: str, token_ids: list[int]) ->
     chain = hashchain.chain(bytes.fromhex(HASH_SECRET), TENANT, "tiny", "", BLOCK_SIZE, token_ids)
     with grpc.insecure_channel(procs.registry_target) as channel:
         stub = registry_pb2_grpc.RegistryServiceStub(channel)
-        return stub.LookupEntry(registry_pb2.LookupEntryRequest(
-            tenant=TENANT, model="tiny", conversation_key=conversation, block_hashes=chain, block_size=BLOCK_SIZE,
-        ), timeout=5)
+        return stub.LookupEntry(
+            registry_pb2.LookupEntryRequest(
+                tenant=TENANT,
+                model="tiny",
+                conversation_key=conversation,
+                block_hashes=chain,
+                block_size=BLOCK_SIZE,
+            ),
+            timeout=5,
+        )
 
 
 def test_prefill_declines_a_pull_verified_for_other_tokens(

@@ -16,9 +16,20 @@ from tests.fixtures.vllm_engines import BLOCK_SIZE, PDEngines
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 
 P_FIELDS = {
-    "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id", "remote_request_id",
-    "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size", "remote_num_tokens",
-    "remote_blocks_expiry_time", "transfer_mode", "remote_prefill_cached_tokens",
+    "do_remote_prefill",
+    "do_remote_decode",
+    "remote_block_ids",
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "tp_size",
+    "dcp_size",
+    "pp_size",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    "transfer_mode",
+    "remote_prefill_cached_tokens",
 }
 
 

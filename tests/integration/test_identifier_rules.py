@@ -37,9 +37,32 @@ TENANT_HEADER = "x-kvbridge-tenant"
 
 # Edge cases every kind is tried with, then seeded random strings (_generated: the same list every run).
 EDGES = [
-    "acme", "acme corp", " acme", "acme ", "", "a", "a" * 128, "a" * 129, "a" * 256, "a" * 257, "Qwen/Qwen3-0.6B",
-    "org/model@rev", "chat 42", "team-7.eu", "10.0.0.5:8100", "tab\there", "nl\nhere", "nul\0", "ünïcode", "a/b",
-    "a,b", "a;b", "x" * 64 + " " + "y" * 64, "~!@#$%^&*()", "\x7f", "emoji😀",
+    "acme",
+    "acme corp",
+    " acme",
+    "acme ",
+    "",
+    "a",
+    "a" * 128,
+    "a" * 129,
+    "a" * 256,
+    "a" * 257,
+    "Qwen/Qwen3-0.6B",
+    "org/model@rev",
+    "chat 42",
+    "team-7.eu",
+    "10.0.0.5:8100",
+    "tab\there",
+    "nl\nhere",
+    "nul\0",
+    "ünïcode",
+    "a/b",
+    "a,b",
+    "a;b",
+    "x" * 64 + " " + "y" * 64,
+    "~!@#$%^&*()",
+    "\x7f",
+    "emoji😀",
 ]
 
 
@@ -47,8 +70,12 @@ def _generated(n: int, seed: int) -> list[str]:
     """Seeded random strings: each from one of several alphabets (the name alphabet, printable ASCII, all of
     ASCII with controls, a little non-ASCII), with lengths clustered at the rules' bounds."""
     rnd = random.Random(seed)
-    alphabets = [string.ascii_letters + string.digits + "._:-", string.printable[:95], "".join(map(chr, range(128))),
-                 string.ascii_letters + " /@ü€😀"]
+    alphabets = [
+        string.ascii_letters + string.digits + "._:-",
+        string.printable[:95],
+        "".join(map(chr, range(128))),
+        string.ascii_letters + " /@ü€😀",
+    ]
     lengths = [1, 2, 5, 20, 127, 128, 129, 255, 256, 257]
     return ["".join(rnd.choice(rnd.choice(alphabets)) for _ in range(rnd.choice(lengths))) for _ in range(n)]
 
@@ -71,11 +98,21 @@ async def stack() -> AsyncIterator[Stack]:
     lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5), server, auth=auth)
     await lease.start()
     await wait_leader(lease)
-    registry = RegistryApp(store, settings=RegistrySettings(port=0, lease_service_target=lease.address),
-                           server_settings=server, auth=auth)
+    registry = RegistryApp(
+        store, settings=RegistrySettings(port=0, lease_service_target=lease.address), server_settings=server, auth=auth
+    )
     await registry.start()
-    gw = GatewayApp(GatewaySettings(host="127.0.0.1", http_port=0, grpc_port=0, registry_address="",
-                                    lease_address="", engines_from_registry=False), auth=auth)
+    gw = GatewayApp(
+        GatewaySettings(
+            host="127.0.0.1",
+            http_port=0,
+            grpc_port=0,
+            registry_address="",
+            lease_address="",
+            engines_from_registry=False,
+        ),
+        auth=auth,
+    )
     await gw.start()
     reg_ch = grpc.aio.insecure_channel(registry.address)
     lease_ch = grpc.aio.insecure_channel(lease.address)
@@ -119,13 +156,18 @@ def _header_safe(value: str) -> bool:
 
 
 def _lookup(tenant: str = "t", model: str = "m", conversation_key: str = "") -> registry_pb2.LookupEntryRequest:
-    return registry_pb2.LookupEntryRequest(tenant=tenant, model=model, conversation_key=conversation_key,
-                                           block_size=16)
+    return registry_pb2.LookupEntryRequest(tenant=tenant, model=model, conversation_key=conversation_key, block_size=16)
 
 
 def _grant(tenant: str = "t", model: str = "m", conversation_key: str = "c") -> lease_pb2.GrantLeaseRequest:
-    return lease_pb2.GrantLeaseRequest(kind=lease_pb2.LEASE_KIND_ENTRY, tenant=tenant, engine_id="d0", model=model,
-                                       conversation_key=conversation_key, ttl=Duration(seconds=30))
+    return lease_pb2.GrantLeaseRequest(
+        kind=lease_pb2.LEASE_KIND_ENTRY,
+        tenant=tenant,
+        engine_id="d0",
+        model=model,
+        conversation_key=conversation_key,
+        ttl=Duration(seconds=30),
+    )
 
 
 def _chat(model: str = "m", conversation_id: str | None = None) -> dict[str, object]:
@@ -170,9 +212,11 @@ async def test_conversation_key_is_accepted_and_refused_alike_everywhere(stack: 
         if not s:
             continue  # empty: no conversation (a content lookup) on the registry; refused by the lease manager
         expected = ids.CONVERSATION_KEY.valid(s)
-        assert await _grpc_verdict(stack.registry.LookupEntry, _lookup(conversation_key=s),
-                                   "conversation_key") is expected, s
-        assert await _grpc_verdict(stack.lease.GrantLease, _grant(conversation_key=s),
-                                   "conversation_key") is expected, s
+        assert (
+            await _grpc_verdict(stack.registry.LookupEntry, _lookup(conversation_key=s), "conversation_key") is expected
+        ), s
+        assert (
+            await _grpc_verdict(stack.lease.GrantLease, _grant(conversation_key=s), "conversation_key") is expected
+        ), s
         resp = await stack.http.post("/v1/chat/completions", json=_chat(conversation_id=s))
         assert _http_verdict(resp, "conversation_id") is expected, s

@@ -34,16 +34,23 @@ ACME_KEY = "key-acme"  # the client runs as tenant acme
 def node_binary() -> str:
     node = shutil.which("node")
     if node is None:
-        pytest.fail("node not found: the Node.js client example needs Node.js >= 20 (apt-get install nodejs npm)",
-                    pytrace=False)
+        pytest.fail(
+            "node not found: the Node.js client example needs Node.js >= 20 (apt-get install nodejs npm)", pytrace=False
+        )
     if not (CLIENT_DIR / "node_modules" / "@grpc" / "grpc-js").is_dir():
         pytest.fail("clients/node/node_modules missing: run scripts/install (npm ci in clients/node)", pytrace=False)
     return node
 
 
 async def run_client(node: str, *args: str) -> dict[str, Any]:
-    proc = await asyncio.create_subprocess_exec(node, str(CLIENT_DIR / "client.js"), *args, cwd=CLIENT_DIR,
-                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    proc = await asyncio.create_subprocess_exec(
+        node,
+        str(CLIENT_DIR / "client.js"),
+        *args,
+        cwd=CLIENT_DIR,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
     try:
         out, err = await asyncio.wait_for(proc.communicate(), 60)
     except TimeoutError:
@@ -60,17 +67,34 @@ async def register(stack: Stack, conv: str, chain: list[bytes]) -> registry_pb2.
     assert stack.registry is not None and stack.lease is not None
     md = (("authorization", f"Bearer {SERVICE_KEY}"),)
     async with grpc.aio.insecure_channel(stack.lease.address) as channel:
-        granted = await lease_pb2_grpc.LeaseServiceStub(channel).GrantLease(lease_pb2.GrantLeaseRequest(
-            kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="d0", model=MODEL, conversation_key=conv,
-            retained_tokens=len(chain) * BLOCK, ttl=duration_pb2.Duration(seconds=60)), metadata=md, timeout=5)
+        granted = await lease_pb2_grpc.LeaseServiceStub(channel).GrantLease(
+            lease_pb2.GrantLeaseRequest(
+                kind=lease_pb2.LEASE_KIND_ENTRY,
+                tenant="acme",
+                engine_id="d0",
+                model=MODEL,
+                conversation_key=conv,
+                retained_tokens=len(chain) * BLOCK,
+                ttl=duration_pb2.Duration(seconds=60),
+            ),
+            metadata=md,
+            timeout=5,
+        )
     entry = registry_pb2.Entry(
-        key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key=conv), engine_id="d0",
-        engine_request_id=f"req-{conv}", block_ids=[types_pb2.BlockIds(ids=list(range(len(chain))))],
-        block_size=BLOCK, token_count=len(chain) * BLOCK, block_hashes=chain, lease_id=granted.lease.lease_id,
-        epoch=1)
+        key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key=conv),
+        engine_id="d0",
+        engine_request_id=f"req-{conv}",
+        block_ids=[types_pb2.BlockIds(ids=list(range(len(chain))))],
+        block_size=BLOCK,
+        token_count=len(chain) * BLOCK,
+        block_hashes=chain,
+        lease_id=granted.lease.lease_id,
+        epoch=1,
+    )
     async with grpc.aio.insecure_channel(stack.registry.address) as channel:
         await registry_pb2_grpc.RegistryServiceStub(channel).RegisterEntry(
-            registry_pb2.RegisterEntryRequest(request_id=f"rq-{conv}", entry=entry), metadata=md, timeout=5)
+            registry_pb2.RegisterEntryRequest(request_id=f"rq-{conv}", entry=entry), metadata=md, timeout=5
+        )
     return entry
 
 
@@ -84,9 +108,24 @@ async def test_node_client_lookup_keepalive_and_error_info() -> None:
         await register(stack, "conv-a", chain)
         entry = await register(stack, "conv-b", chain)  # the same content under another conversation
         result = await run_client(
-            node, "--registry", stack.registry.address, "--lease", stack.lease.address, "--api-key", ACME_KEY,
-            "--tenant", "acme", "--model", MODEL, "--conversation", "conv-b",
-            "--block-size", str(BLOCK), "--hashes", ",".join(h.hex() for h in chain))
+            node,
+            "--registry",
+            stack.registry.address,
+            "--lease",
+            stack.lease.address,
+            "--api-key",
+            ACME_KEY,
+            "--tenant",
+            "acme",
+            "--model",
+            MODEL,
+            "--conversation",
+            "conv-b",
+            "--block-size",
+            str(BLOCK),
+            "--hashes",
+            ",".join(h.hex() for h in chain),
+        )
 
     lookup = result["lookup"]
     assert lookup["verdict"] == "LOOKUP_VERDICT_HIT"
@@ -94,12 +133,16 @@ async def test_node_client_lookup_keepalive_and_error_info() -> None:
     assert lookup["verified_tokens"] == len(tokens)
     assert lookup["engine_id"] == "d0"
     assert lookup["lease_id"] == str(entry.lease_id)  # a 62-bit id, exact
-    assert result["keepalive"] == [{"lease_id": str(entry.lease_id), "alive": True,
-                                    "error": "ERROR_REASON_UNSPECIFIED"}]
+    assert result["keepalive"] == [
+        {"lease_id": str(entry.lease_id), "alive": True, "error": "ERROR_REASON_UNSPECIFIED"}
+    ]
     error = result["error"]
     assert error["code"] == "INVALID_ARGUMENT"
-    assert error["info"] == {"reason": "INVALID_FIELD", "domain": "kvbridge.dev",
-                             "metadata": {"field": "block_hashes_packed"}}
+    assert error["info"] == {
+        "reason": "INVALID_FIELD",
+        "domain": "kvbridge.dev",
+        "metadata": {"field": "block_hashes_packed"},
+    }
 
 
 def test_shipped_google_rpc_protos_are_the_pinned_googleapis_ones() -> None:

@@ -41,13 +41,36 @@ class Target:
 
 
 TARGETS = [
-    Target("registry", "kvbridge.registry.v1.RegistryService", "LookupEntry", "kvbridge.registry.v1.LookupEntryRequest",
-           False, False, "kvbridge.registry.v1.Location", "kvbridge/registry/v1/registry.proto"),
-    Target("lease", "kvbridge.lease.v1.LeaseService", "KeepAlive", "kvbridge.lease.v1.KeepAliveRequest",
-           True, True, "kvbridge.lease.v1.LeaseStatus", "kvbridge/lease/v1/lease.proto"),
-    Target("gateway", "kvbridge.gateway.v1.GatewayService", "CreateChatCompletion",
-           "kvbridge.gateway.v1.CreateChatCompletionRequest", False, True, "kvbridge.gateway.v1.ChatMessage",
-           "kvbridge/gateway/v1/gateway.proto"),
+    Target(
+        "registry",
+        "kvbridge.registry.v1.RegistryService",
+        "LookupEntry",
+        "kvbridge.registry.v1.LookupEntryRequest",
+        False,
+        False,
+        "kvbridge.registry.v1.Location",
+        "kvbridge/registry/v1/registry.proto",
+    ),
+    Target(
+        "lease",
+        "kvbridge.lease.v1.LeaseService",
+        "KeepAlive",
+        "kvbridge.lease.v1.KeepAliveRequest",
+        True,
+        True,
+        "kvbridge.lease.v1.LeaseStatus",
+        "kvbridge/lease/v1/lease.proto",
+    ),
+    Target(
+        "gateway",
+        "kvbridge.gateway.v1.GatewayService",
+        "CreateChatCompletion",
+        "kvbridge.gateway.v1.CreateChatCompletionRequest",
+        False,
+        True,
+        "kvbridge.gateway.v1.ChatMessage",
+        "kvbridge/gateway/v1/gateway.proto",
+    ),
 ]
 
 
@@ -77,8 +100,9 @@ async def stack() -> AsyncIterator[Stack]:
 
 def address(stack: Stack, name: str) -> str:
     assert stack.registry is not None and stack.lease is not None
-    return {"registry": stack.registry.address, "lease": stack.lease.address,
-            "gateway": stack.gateway.grpc_address}[name]
+    return {"registry": stack.registry.address, "lease": stack.lease.address, "gateway": stack.gateway.grpc_address}[
+        name
+    ]
 
 
 async def in_thread(target: str, version: str, use: Callable[[ProtoReflectionDescriptorDatabase], T]) -> T:
@@ -92,6 +116,7 @@ async def in_thread(target: str, version: str, use: Callable[[ProtoReflectionDes
 @pytest.mark.parametrize("version", ["v1", "v1alpha"])
 async def test_reflection_lists_describes_and_resolves_on_every_service(stack: Stack, version: str) -> None:
     for t in TARGETS:
+
         def explore(db: ProtoReflectionDescriptorDatabase, t: Target = t) -> dict[str, Any]:
             pool = DescriptorPool(db)
             method = pool.FindServiceByName(t.service).FindMethodByName(t.method)
@@ -120,8 +145,13 @@ async def test_reflection_lists_describes_and_resolves_on_every_service(stack: S
         assert seen["error_info"] == ["reason", "domain", "metadata"]
         assert seen["v1_method"] == "grpc.reflection.v1.ServerReflectionRequest"
         assert seen["health_methods"] == ["Check", "List", "Watch"]
-    registry_fields = await in_thread(address(stack, "registry"), version, lambda db: [
-        f.name for f in DescriptorPool(db).FindMessageTypeByName("kvbridge.registry.v1.LookupEntryRequest").fields])
+    registry_fields = await in_thread(
+        address(stack, "registry"),
+        version,
+        lambda db: [
+            f.name for f in DescriptorPool(db).FindMessageTypeByName("kvbridge.registry.v1.LookupEntryRequest").fields
+        ],
+    )
     assert "conversation_key" in registry_fields and "block_hashes_packed" in registry_fields
 
 
@@ -154,7 +184,10 @@ async def test_a_raw_reflection_stream_carries_several_requests(stack: Stack) ->
 
         answers = [r async for r in call(requests(), timeout=10)]
     assert [a.WhichOneof("message_response") for a in answers] == [
-        "list_services_response", "file_descriptor_response", "error_response"]
+        "list_services_response",
+        "file_descriptor_response",
+        "error_response",
+    ]
     assert answers[2].error_response.error_code == grpc.StatusCode.NOT_FOUND.value[0]
 
 
@@ -165,8 +198,10 @@ async def test_health_list_reports_every_service_and_follows_changes(stack: Stac
             listed = await health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5)
         liveness = {"liveness": health_pb2.HealthCheckResponse.SERVING} if t.name == "lease" else {}  # every replica
         assert {name: s.status for name, s in listed.statuses.items()} == {
-            "": health_pb2.HealthCheckResponse.SERVING, t.service: health_pb2.HealthCheckResponse.SERVING,
-            **liveness}, t.name
+            "": health_pb2.HealthCheckResponse.SERVING,
+            t.service: health_pb2.HealthCheckResponse.SERVING,
+            **liveness,
+        }, t.name
     await stack.registry.server.health.set(TARGETS[0].service, health_pb2.HealthCheckResponse.NOT_SERVING)
     async with grpc.aio.insecure_channel(stack.registry.address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)

@@ -18,12 +18,18 @@ from kvbridge_services.stack import ServiceStack
 SECRET_HEX = "00112233445566778899aabbccddeeff"
 
 
-def _services(store: MemoryStore, gateway: GatewaySettings | None = None, *,
-              leader_timeout_s: float = 10.0) -> ServiceStack:
-    return ServiceStack(store, lease_policy=LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
-                        registry=RegistrySettings(port=0), gateway=gateway,
-                        server=ServerSettings(shutdown_grace_s=0.2), leader_timeout_s=leader_timeout_s,
-                        stop_grace_s=0.1)
+def _services(
+    store: MemoryStore, gateway: GatewaySettings | None = None, *, leader_timeout_s: float = 10.0
+) -> ServiceStack:
+    return ServiceStack(
+        store,
+        lease_policy=LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
+        registry=RegistrySettings(port=0),
+        gateway=gateway,
+        server=ServerSettings(shutdown_grace_s=0.2),
+        leader_timeout_s=leader_timeout_s,
+        stop_grace_s=0.1,
+    )
 
 
 def _port_free(address: str) -> bool:
@@ -53,8 +59,9 @@ async def test_a_gateway_port_taken_stops_the_registry_and_lease_manager() -> No
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        services = _services(store, GatewaySettings(host="127.0.0.1", http_port=0, grpc_port=port,
-                                                    hash_secret_hex=SECRET_HEX))
+        services = _services(
+            store, GatewaySettings(host="127.0.0.1", http_port=0, grpc_port=port, hash_secret_hex=SECRET_HEX)
+        )
         with pytest.raises(RuntimeError):
             await services.start()
     assert services.lease is not None and services.registry is not None and services.gateway is None
@@ -102,8 +109,7 @@ async def test_a_cancelled_start_stops_what_it_started() -> None:
 
 async def test_start_and_stop_in_order() -> None:
     store = MemoryStore()
-    services = _services(store, GatewaySettings(host="127.0.0.1", http_port=0, grpc_port=0,
-                                                hash_secret_hex=SECRET_HEX))
+    services = _services(store, GatewaySettings(host="127.0.0.1", http_port=0, grpc_port=0, hash_secret_hex=SECRET_HEX))
     async with services:
         assert services.lease is not None and services.registry is not None and services.gateway is not None
         assert services.registry.settings.lease_service_target == services.lease.address

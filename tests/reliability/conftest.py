@@ -53,10 +53,17 @@ KEYS_FILE = {
 # The key of each single role, for tests that call as exactly one role.
 ROLE_KEYS = {"tenant": ACME_KEY, "gateway": GATEWAY_KEY, "engine": ENGINE_KEY, "operator": OPERATOR_KEY}
 # gRPC codes a rejected request may get; INTERNAL / UNKNOWN never.
-CLEAN_CODES = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND, grpc.StatusCode.PERMISSION_DENIED,
-               grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.FAILED_PRECONDITION,
-               grpc.StatusCode.UNAUTHENTICATED, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.ALREADY_EXISTS,
-               grpc.StatusCode.ABORTED}
+CLEAN_CODES = {
+    grpc.StatusCode.INVALID_ARGUMENT,
+    grpc.StatusCode.NOT_FOUND,
+    grpc.StatusCode.PERMISSION_DENIED,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.FAILED_PRECONDITION,
+    grpc.StatusCode.UNAUTHENTICATED,
+    grpc.StatusCode.OUT_OF_RANGE,
+    grpc.StatusCode.ALREADY_EXISTS,
+    grpc.StatusCode.ABORTED,
+}
 
 
 def md(key: str | None) -> tuple[tuple[str, str], ...]:
@@ -100,29 +107,54 @@ class SecureStack:
         await self.gateway.core.router.drain()
 
     async def entry_lease(self, tenant: str, conv: str, key: str = SERVICE_KEY) -> int:
-        resp = await call(self.lease.GrantLease, lease_pb2.GrantLeaseRequest(
-            kind=lease_pb2.LEASE_KIND_ENTRY, tenant=tenant, engine_id="d0", model=MODEL, conversation_key=conv,
-            ttl=Duration(seconds=60)), key)
+        resp = await call(
+            self.lease.GrantLease,
+            lease_pb2.GrantLeaseRequest(
+                kind=lease_pb2.LEASE_KIND_ENTRY,
+                tenant=tenant,
+                engine_id="d0",
+                model=MODEL,
+                conversation_key=conv,
+                ttl=Duration(seconds=60),
+            ),
+            key,
+        )
         return int(resp.lease.lease_id)
 
-    async def register(self, tenant: str, conv: str, tokens: Sequence[int], *, key: str = SERVICE_KEY,
-                       epoch: int = 1, request_id: str = "") -> registry_pb2.RegisterEntryResponse:
+    async def register(
+        self,
+        tenant: str,
+        conv: str,
+        tokens: Sequence[int],
+        *,
+        key: str = SERVICE_KEY,
+        epoch: int = 1,
+        request_id: str = "",
+    ) -> registry_pb2.RegisterEntryResponse:
         lease_id = await self.entry_lease(tenant, conv)
         n_blocks = len(tokens) // BLOCK
         entry = registry_pb2.Entry(
-            key=registry_pb2.EntryKey(tenant=tenant, model=MODEL, conversation_key=conv), engine_id="d0",
-            engine_request_id=f"req-{conv}-{epoch}", block_ids=[types_pb2.BlockIds(ids=list(range(1, n_blocks + 1)))],
-            block_size=BLOCK, token_count=n_blocks * BLOCK, block_hashes=chain(tokens[:n_blocks * BLOCK], tenant),
-            lease_id=lease_id, epoch=epoch)
+            key=registry_pb2.EntryKey(tenant=tenant, model=MODEL, conversation_key=conv),
+            engine_id="d0",
+            engine_request_id=f"req-{conv}-{epoch}",
+            block_ids=[types_pb2.BlockIds(ids=list(range(1, n_blocks + 1)))],
+            block_size=BLOCK,
+            token_count=n_blocks * BLOCK,
+            block_hashes=chain(tokens[: n_blocks * BLOCK], tenant),
+            lease_id=lease_id,
+            epoch=epoch,
+        )
         req = registry_pb2.RegisterEntryRequest(request_id=request_id or f"rq-{tenant}-{conv}-{epoch}", entry=entry)
         result: registry_pb2.RegisterEntryResponse = await call(self.registry.RegisterEntry, req, key)
         return result
 
     async def entry_count(self) -> int:
-        resp = await call(self.registry.ListEntries, registry_pb2.ListEntriesRequest(tenant="acme", page_size=1000),
-                          OPERATOR_KEY)
-        other = await call(self.registry.ListEntries, registry_pb2.ListEntriesRequest(tenant="globex", page_size=1000),
-                           OPERATOR_KEY)
+        resp = await call(
+            self.registry.ListEntries, registry_pb2.ListEntriesRequest(tenant="acme", page_size=1000), OPERATOR_KEY
+        )
+        other = await call(
+            self.registry.ListEntries, registry_pb2.ListEntriesRequest(tenant="globex", page_size=1000), OPERATOR_KEY
+        )
         return len(resp.entries) + len(other.entries)
 
 
@@ -142,21 +174,63 @@ async def secure(tmp_path: Path) -> AsyncIterator[SecureStack]:
         for sim in (p, d):
             await held.enter_async_context(sim)
         settings = GatewaySettings(
-            host="127.0.0.1", http_port=0, grpc_port=0, control_api_key=SERVICE_KEY, hash_secret_hex=SECRET_HEX,
-            default_block_size=BLOCK, reuse_threshold_tokens=BLOCK,
-            prefill_engines=[StaticEngine(url=p.url, model=MODEL, engine_id="p0", kv_host="127.0.0.1",
-                                          kv_port=p.cfg.port, block_size=BLOCK, register_in_registry=True)],
-            decode_engines=[StaticEngine(url=d.url, model=MODEL, engine_id="d0", kv_host="127.0.0.1",
-                                         kv_port=d.cfg.port, block_size=BLOCK, register_in_registry=True)],
-            engines_from_registry=False, health_interval_s=0.5)
-        services = await held.enter_async_context(ServiceStack(
-            store, lease_policy=LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
-            registry=RegistrySettings(port=0, lease_service_api_key=SERVICE_KEY), gateway=settings,
-            server=ServerSettings(shutdown_grace_s=0.2), auth=auth, gateway_auth=auth, stop_grace_s=0.1))
+            host="127.0.0.1",
+            http_port=0,
+            grpc_port=0,
+            control_api_key=SERVICE_KEY,
+            hash_secret_hex=SECRET_HEX,
+            default_block_size=BLOCK,
+            reuse_threshold_tokens=BLOCK,
+            prefill_engines=[
+                StaticEngine(
+                    url=p.url,
+                    model=MODEL,
+                    engine_id="p0",
+                    kv_host="127.0.0.1",
+                    kv_port=p.cfg.port,
+                    block_size=BLOCK,
+                    register_in_registry=True,
+                )
+            ],
+            decode_engines=[
+                StaticEngine(
+                    url=d.url,
+                    model=MODEL,
+                    engine_id="d0",
+                    kv_host="127.0.0.1",
+                    kv_port=d.cfg.port,
+                    block_size=BLOCK,
+                    register_in_registry=True,
+                )
+            ],
+            engines_from_registry=False,
+            health_interval_s=0.5,
+        )
+        services = await held.enter_async_context(
+            ServiceStack(
+                store,
+                lease_policy=LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
+                registry=RegistrySettings(port=0, lease_service_api_key=SERVICE_KEY),
+                gateway=settings,
+                server=ServerSettings(shutdown_grace_s=0.2),
+                auth=auth,
+                gateway_auth=auth,
+                stop_grace_s=0.1,
+            )
+        )
         assert services.lease is not None and services.registry is not None and services.gateway is not None
         reg_ch = grpc.aio.insecure_channel(services.registry.address)
         lease_ch = grpc.aio.insecure_channel(services.lease.address)
         for ch in (reg_ch, lease_ch):
             held.push_async_callback(ch.close)
-        yield SecureStack(store, services.lease, services.registry, services.gateway, p, d, [reg_ch, lease_ch],
-                          registry_pb2_grpc.RegistryServiceStub(reg_ch), lease_pb2_grpc.LeaseServiceStub(lease_ch))
+        yield SecureStack(
+            store,
+            services.lease,
+            services.registry,
+            services.gateway,
+            p,
+            d,
+            [reg_ch, lease_ch],
+            registry_pb2_grpc.RegistryServiceStub(reg_ch),
+            lease_pb2_grpc.LeaseServiceStub(lease_ch),
+        )

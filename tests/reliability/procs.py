@@ -13,8 +13,14 @@ from tests.fixtures.control_plane_procs import _spawn, _stop, _wait_for_grpc
 
 def service_env(etcd_endpoints: str, **extra: str) -> dict[str, str]:
     """Environment of a service on etcd, loopback only, no API keys, no /metrics port."""
-    env = {**os.environ, "KVBRIDGE_ETCD_ENDPOINTS": etcd_endpoints, "KVBRIDGE_HOST": "127.0.0.1",
-           "KVBRIDGE_REGISTRY_METRICS_PORT": "0", "KVBRIDGE_LEASE_METRICS_PORT": "0", **extra}
+    env = {
+        **os.environ,
+        "KVBRIDGE_ETCD_ENDPOINTS": etcd_endpoints,
+        "KVBRIDGE_HOST": "127.0.0.1",
+        "KVBRIDGE_REGISTRY_METRICS_PORT": "0",
+        "KVBRIDGE_LEASE_METRICS_PORT": "0",
+        **extra,
+    }
     env.pop("KVBRIDGE_API_KEYS_FILE", None)
     return env
 
@@ -22,8 +28,9 @@ def service_env(etcd_endpoints: str, **extra: str) -> dict[str, str]:
 class ServiceProcess:
     """``python -m <module>`` listening on ``port`` (picked now, kept across restarts)."""
 
-    def __init__(self, module: str, env: dict[str, str], log_dir: Path, *, port_var: str,
-                 port: int | None = None, name: str = "") -> None:
+    def __init__(
+        self, module: str, env: dict[str, str], log_dir: Path, *, port_var: str, port: int | None = None, name: str = ""
+    ) -> None:
         self.module = module
         self.port = port or free_port()
         self.env = {**env, port_var: str(self.port)}
@@ -61,7 +68,14 @@ def registry_process(etcd_endpoints: str, lease_target: str, log_dir: Path) -> S
     return ServiceProcess("kvbridge_services.registry", env, log_dir, port_var="KVBRIDGE_REGISTRY_PORT")
 
 
-def lease_process(etcd_endpoints: str, log_dir: Path, *, port: int | None = None, name: str = "lease",
-                  **extra: str) -> ServiceProcess:
-    return ServiceProcess("kvbridge_services.lease", service_env(etcd_endpoints, **extra), log_dir,
-                          port_var="KVBRIDGE_LEASE_PORT", port=port, name=name)
+def lease_process(
+    etcd_endpoints: str, log_dir: Path, *, port: int | None = None, name: str = "lease", **extra: str
+) -> ServiceProcess:
+    return ServiceProcess(
+        "kvbridge_services.lease",
+        service_env(etcd_endpoints, **extra),
+        log_dir,
+        port_var="KVBRIDGE_LEASE_PORT",
+        port=port,
+        name=name,
+    )

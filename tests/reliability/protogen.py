@@ -9,15 +9,35 @@ from google.protobuf.message import Message
 from hypothesis import strategies as st
 
 _INT_RANGES = {
-    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
-    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1), FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
-    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1), FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
-    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1), FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1),
-    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1), FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_INT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SINT32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_SFIXED32: (-(2**31), 2**31 - 1),
+    FieldDescriptor.TYPE_INT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SINT64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_SFIXED64: (-(2**63), 2**63 - 1),
+    FieldDescriptor.TYPE_UINT32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_FIXED32: (0, 2**32 - 1),
+    FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
+    FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
 }
 # Plausible values mixed in so validation gets past its first check now and then.
-PLAUSIBLE_STRINGS = ["acme", "globex", "unknown-tenant", "sim-model", "d0", "p0", "c1", "conv-1", "", " ", "a/b",
-                     "../../etc", "%00", "\u202e", "é" * 129]
+PLAUSIBLE_STRINGS = [
+    "acme",
+    "globex",
+    "unknown-tenant",
+    "sim-model",
+    "d0",
+    "p0",
+    "c1",
+    "conv-1",
+    "",
+    " ",
+    "a/b",
+    "../../etc",
+    "%00",
+    "\u202e",
+    "é" * 129,
+]
 
 
 def hostile_text() -> st.SearchStrategy[str]:
@@ -43,8 +63,9 @@ def _scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
     if t == FieldDescriptor.TYPE_BOOL:
         return st.booleans()
     if t in (FieldDescriptor.TYPE_DOUBLE, FieldDescriptor.TYPE_FLOAT):
-        return st.one_of(st.floats(allow_nan=True, allow_infinity=True, width=32),
-                         st.sampled_from([-1.0, 0.0, 1e30, -1e30]))
+        return st.one_of(
+            st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([-1.0, 0.0, 1e30, -1e30])
+        )
     if t == FieldDescriptor.TYPE_ENUM:
         known = [v.number for v in field.enum_type.values]
         return st.one_of(st.sampled_from(known), _int(-(2**31), 2**31 - 1))

@@ -23,8 +23,15 @@ LONG = " ".join(f"w{i}" for i in range(100, 200))
 
 
 def _static(sim: SimServer) -> StaticEngine:
-    return StaticEngine(url=sim.url, model=MODEL, engine_id=sim.cfg.engine_id, kv_host="127.0.0.1",
-                        kv_port=sim.cfg.port, block_size=BLOCK, register_in_registry=True)
+    return StaticEngine(
+        url=sim.url,
+        model=MODEL,
+        engine_id=sim.cfg.engine_id,
+        kv_host="127.0.0.1",
+        kv_port=sim.cfg.port,
+        block_size=BLOCK,
+        register_in_registry=True,
+    )
 
 
 class Stack:
@@ -37,11 +44,15 @@ class Stack:
         self.overrides = gateway
 
     async def __aenter__(self) -> Stack:
-        self.prefill_sims = [SimServer(SimConfig(role="prefill", engine_id=f"p{i}", model=MODEL, block_size=BLOCK))
-                             for i in range(self.prefills)]
+        self.prefill_sims = [
+            SimServer(SimConfig(role="prefill", engine_id=f"p{i}", model=MODEL, block_size=BLOCK))
+            for i in range(self.prefills)
+        ]
         self.prefill = self.prefill_sims[0]
-        self.decode = [SimServer(SimConfig(role="decode", engine_id=f"d{i}", model=MODEL, block_size=BLOCK))
-                       for i in range(self.decodes)]
+        self.decode = [
+            SimServer(SimConfig(role="decode", engine_id=f"d{i}", model=MODEL, block_size=BLOCK))
+            for i in range(self.decodes)
+        ]
         self.stopped: set[int] = set()
         started: list[SimServer] = []
         try:
@@ -49,15 +60,30 @@ class Stack:
                 await sim.__aenter__()
                 started.append(sim)
             settings = GatewaySettings(
-                host="127.0.0.1", http_port=0, grpc_port=0, hash_secret_hex=SECRET_HEX, default_block_size=BLOCK,
-                reuse_threshold_tokens=BLOCK, control_timeout_s=0.5, health_interval_s=0.3, health_timeout_s=0.3,
+                host="127.0.0.1",
+                http_port=0,
+                grpc_port=0,
+                hash_secret_hex=SECRET_HEX,
+                default_block_size=BLOCK,
+                reuse_threshold_tokens=BLOCK,
+                control_timeout_s=0.5,
+                health_interval_s=0.3,
+                health_timeout_s=0.3,
                 prefill_engines=[_static(p) for p in self.prefill_sims],
-                decode_engines=[_static(d) for d in self.decode], engines_from_registry=False, **self.overrides)
+                decode_engines=[_static(d) for d in self.decode],
+                engines_from_registry=False,
+                **self.overrides,
+            )
             self.services = ServiceStack(
-                self.store, lease_policy=LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5,
-                                                     store_timeout_s=1.0),
-                registry=RegistrySettings(port=0), gateway=settings, server=ServerSettings(shutdown_grace_s=0.2),
-                registry_store_timeout_s=1.0, leader_timeout_s=20, stop_grace_s=0.1)
+                self.store,
+                lease_policy=LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5, store_timeout_s=1.0),
+                registry=RegistrySettings(port=0),
+                gateway=settings,
+                server=ServerSettings(shutdown_grace_s=0.2),
+                registry_store_timeout_s=1.0,
+                leader_timeout_s=20,
+                stop_grace_s=0.1,
+            )
             await self.services.start()
         except BaseException:
             for sim in reversed(started):
@@ -83,8 +109,10 @@ class Stack:
             await sim.__aexit__(None, None, None)
 
     async def turn(self, messages: list[dict[str, str]], conv: str) -> tuple[str, str]:
-        r = await self.client.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": messages, "max_tokens": 8, "conversation_id": conv})
+        r = await self.client.post(
+            "/v1/chat/completions",
+            json={"model": MODEL, "messages": messages, "max_tokens": 8, "conversation_id": conv},
+        )
         assert r.status_code == 200, r.text
         await self.gateway.core.router.drain()
         return str(r.json()["choices"][0]["message"]["content"]), r.headers["x-kvbridge-reuse"]
@@ -92,13 +120,15 @@ class Stack:
     async def reference(self, messages: list[dict[str, str]]) -> str:
         sim = next(d for i, d in enumerate(self.decode) if i not in self.stopped)
         async with httpx.AsyncClient() as c:
-            r = await c.post(sim.url + "/v1/chat/completions",
-                             json={"model": MODEL, "messages": messages, "max_tokens": 8})
+            r = await c.post(
+                sim.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8}
+            )
         return str(r.json()["choices"][0]["message"]["content"])
 
 
-async def conversation(stack: Stack, conv: str, turns: int, history: list[dict[str, str]] | None = None
-                        ) -> tuple[list[dict[str, str]], list[str], int]:
+async def conversation(
+    stack: Stack, conv: str, turns: int, history: list[dict[str, str]] | None = None
+) -> tuple[list[dict[str, str]], list[str], int]:
     """Runs turns; returns the history, the verdicts, and how many answers were wrong."""
     msgs = history or [{"role": "user", "content": LONG}]
     verdicts: list[str] = []

@@ -65,8 +65,10 @@ async def test_lease_rpcs_refuse_unauthenticated(secure: SecureStack, key: str |
         with pytest.raises(KvbridgeError) as info:
             await call(fn, req, key)
         _unauthenticated(info.value)
-    for stream in (s.KeepAlive(iter([lease_pb2.KeepAliveRequest(lease_ids=[1])]), metadata=md(key)),
-                   s.WatchLeases(lease_pb2.WatchLeasesRequest(), metadata=md(key))):
+    for stream in (
+        s.KeepAlive(iter([lease_pb2.KeepAliveRequest(lease_ids=[1])]), metadata=md(key)),
+        s.WatchLeases(lease_pb2.WatchLeasesRequest(), metadata=md(key)),
+    ):
         with pytest.raises(grpc.aio.AioRpcError) as raw:
             async for _ in stream:
                 pass
@@ -81,11 +83,13 @@ async def test_gateway_grpc_refuses_unauthenticated(secure: SecureStack, key: st
             await call(stub.ListModels, gateway_pb2.ListModelsRequest(), key)
         _unauthenticated(info.value)
         with pytest.raises(KvbridgeError) as info:
-            await call(stub.CloseConversation, gateway_pb2.CloseConversationRequest(model="m", conversation_id="c"),
-                       key)
+            await call(
+                stub.CloseConversation, gateway_pb2.CloseConversationRequest(model="m", conversation_id="c"), key
+            )
         _unauthenticated(info.value)
-        req = gateway_pb2.CreateChatCompletionRequest(model="sim-model", messages=[
-            gateway_pb2.ChatMessage(role="user", content="hi")])
+        req = gateway_pb2.CreateChatCompletionRequest(
+            model="sim-model", messages=[gateway_pb2.ChatMessage(role="user", content="hi")]
+        )
         with pytest.raises(grpc.aio.AioRpcError) as raw:
             async for _ in stub.CreateChatCompletion(req, metadata=md(key)):
                 pass
@@ -97,9 +101,11 @@ async def test_gateway_http_refuses_unauthenticated(secure: SecureStack, header:
     async with secure.http(key=None) as client:
         headers = {"authorization": header} if header is not None else {}
         body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
-        for method, path, payload in (("POST", "/v1/chat/completions", body),
-                                      ("POST", "/v1/completions", {"model": "sim-model", "prompt": "hi"}),
-                                      ("GET", "/v1/models", None)):
+        for method, path, payload in (
+            ("POST", "/v1/chat/completions", body),
+            ("POST", "/v1/completions", {"model": "sim-model", "prompt": "hi"}),
+            ("GET", "/v1/models", None),
+        ):
             resp = await client.request(method, path, json=payload, headers=headers)
             assert resp.status_code == 401, (path, resp.text)
             assert resp.json()["error"]["code"] == Reason.UNAUTHENTICATED.value
@@ -126,16 +132,30 @@ async def test_registry_mutual_tls(tmp_path: Path) -> None:
     for name in ("ca_pem", "server_cert", "server_key"):
         files[name] = tmp_path / f"{name}.pem"
         files[name].write_bytes(getattr(pki, name))
-    server = ServerSettings(shutdown_grace_s=0, tls_cert_file=files["server_cert"], tls_key_file=files["server_key"],
-                            tls_client_ca_file=files["ca_pem"])
+    server = ServerSettings(
+        shutdown_grace_s=0,
+        tls_cert_file=files["server_cert"],
+        tls_key_file=files["server_key"],
+        tls_client_ca_file=files["ca_pem"],
+    )
     store = MemoryStore()
-    app = RegistryApp(store, settings=RegistrySettings(port=0), server_settings=server,
-                      auth=Authenticator.from_file(write_keys(tmp_path / "keys.json")))
+    app = RegistryApp(
+        store,
+        settings=RegistrySettings(port=0),
+        server_settings=server,
+        auth=Authenticator.from_file(write_keys(tmp_path / "keys.json")),
+    )
     await app.start()
     try:
-        good = ClientOptions(api_key=SERVICE_KEY, root_certificates=pki.ca_pem,
-                             client_certificate_chain=pki.client_cert, client_private_key=pki.client_key,
-                             tls_server_name="localhost", max_attempts=1, timeout_s=3)
+        good = ClientOptions(
+            api_key=SERVICE_KEY,
+            root_certificates=pki.ca_pem,
+            client_certificate_chain=pki.client_cert,
+            client_private_key=pki.client_key,
+            tls_server_name="localhost",
+            max_attempts=1,
+            timeout_s=3,
+        )
         client = RegistryClient(app.address, good)
         try:
             assert list((await client.list_engines()).engines) == []
@@ -144,31 +164,47 @@ async def test_registry_mutual_tls(tmp_path: Path) -> None:
         ch = open_channel(app.address, good)
         try:
             resp = await registry_pb2_grpc.RegistryServiceStub(ch).ListEngines(
-                registry_pb2.ListEnginesRequest(), metadata=md(SERVICE_KEY), timeout=3)
+                registry_pb2.ListEnginesRequest(), metadata=md(SERVICE_KEY), timeout=3
+            )
             assert list(resp.engines) == []
         finally:
             await ch.close()
         # The right key is not enough without a certificate from the right CA.
-        for opts in (ClientOptions(api_key=SERVICE_KEY, root_certificates=pki.ca_pem, tls_server_name="localhost"),
-                     ClientOptions(api_key=SERVICE_KEY, root_certificates=pki.ca_pem, tls_server_name="localhost",
-                                   client_certificate_chain=pki.rogue_cert, client_private_key=pki.rogue_key),
-                     ClientOptions(api_key=SERVICE_KEY)):
+        for opts in (
+            ClientOptions(api_key=SERVICE_KEY, root_certificates=pki.ca_pem, tls_server_name="localhost"),
+            ClientOptions(
+                api_key=SERVICE_KEY,
+                root_certificates=pki.ca_pem,
+                tls_server_name="localhost",
+                client_certificate_chain=pki.rogue_cert,
+                client_private_key=pki.rogue_key,
+            ),
+            ClientOptions(api_key=SERVICE_KEY),
+        ):
             ch = open_channel(app.address, opts)
             try:
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await registry_pb2_grpc.RegistryServiceStub(ch).ListEngines(
-                        registry_pb2.ListEnginesRequest(), metadata=md(SERVICE_KEY), timeout=3)
+                        registry_pb2.ListEnginesRequest(), metadata=md(SERVICE_KEY), timeout=3
+                    )
                 assert info.value.code() is grpc.StatusCode.UNAVAILABLE
             finally:
                 await ch.close()
         # TLS and API keys are independent layers: a certified client still needs a valid key.
-        ch = open_channel(app.address, ClientOptions(root_certificates=pki.ca_pem, tls_server_name="localhost",
-                                                     client_certificate_chain=pki.client_cert,
-                                                     client_private_key=pki.client_key))
+        ch = open_channel(
+            app.address,
+            ClientOptions(
+                root_certificates=pki.ca_pem,
+                tls_server_name="localhost",
+                client_certificate_chain=pki.client_cert,
+                client_private_key=pki.client_key,
+            ),
+        )
         try:
             with pytest.raises(grpc.aio.AioRpcError) as info:
-                await registry_pb2_grpc.RegistryServiceStub(ch).ListEngines(registry_pb2.ListEnginesRequest(),
-                                                                            timeout=3)
+                await registry_pb2_grpc.RegistryServiceStub(ch).ListEngines(
+                    registry_pb2.ListEnginesRequest(), timeout=3
+                )
             assert info.value.code() is grpc.StatusCode.UNAUTHENTICATED
         finally:
             await ch.close()

@@ -51,9 +51,11 @@ def test_every_rpc_of_every_proto_has_a_row() -> None:
 
 
 def _target(stack: SecureStack, service: str) -> str:
-    return {"kvbridge.registry.v1.RegistryService": stack.registry_app.address,
-            "kvbridge.lease.v1.LeaseService": stack.lease_app.address,
-            "kvbridge.gateway.v1.GatewayService": stack.gateway.grpc_address}[service]
+    return {
+        "kvbridge.registry.v1.RegistryService": stack.registry_app.address,
+        "kvbridge.lease.v1.LeaseService": stack.lease_app.address,
+        "kvbridge.gateway.v1.GatewayService": stack.gateway.grpc_address,
+    }[service]
 
 
 async def _invoke(channel: grpc.aio.Channel, m: MethodDescriptor, key: str) -> grpc.StatusCode:
@@ -61,8 +63,10 @@ async def _invoke(channel: grpc.aio.Channel, m: MethodDescriptor, key: str) -> g
     path = f"/{m.containing_service.full_name}/{m.name}"
     request = message_factory.GetMessageClass(m.input_type)()
     response_cls = message_factory.GetMessageClass(m.output_type)
-    kwargs: dict[str, Any] = {"request_serializer": type(request).SerializeToString,
-                              "response_deserializer": response_cls.FromString}
+    kwargs: dict[str, Any] = {
+        "request_serializer": type(request).SerializeToString,
+        "response_deserializer": response_cls.FromString,
+    }
     try:
         if m.client_streaming:
             rpc = channel.stream_stream(path, **kwargs)(iter([request]), metadata=md(key), timeout=5)
@@ -98,8 +102,9 @@ async def test_matrix_every_rpc_times_every_role(secure: SecureStack) -> None:
             for role in Role:
                 code = await _invoke(channels[service], m, ROLE_KEYS[role.value])
                 if role in rule.roles:
-                    assert code not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED), \
+                    assert code not in (grpc.StatusCode.PERMISSION_DENIED, grpc.StatusCode.UNAUTHENTICATED), (
                         f"{name} as {role}: {code}, the table allows it"
+                    )
                 else:
                     assert code is grpc.StatusCode.PERMISSION_DENIED, f"{name} as {role}: {code}, the table denies it"
                 seen += 1
@@ -125,34 +130,69 @@ async def test_forged_location_attack_is_refused_and_the_lookup_is_no_hit(secure
         assert info.value.reason == Reason.TENANT_FORBIDDEN.value
         denied.append(info.value.metadata["method"])
 
-    engine = types_pb2.Engine(engine_id="evil", role=types_pb2.ENGINE_ROLE_DECODE, model=MODEL,
-                              http_url="http://127.0.0.1:1", kv_host="127.0.0.1", kv_port=1, block_size=BLOCK)
+    engine = types_pb2.Engine(
+        engine_id="evil",
+        role=types_pb2.ENGINE_ROLE_DECODE,
+        model=MODEL,
+        http_url="http://127.0.0.1:1",
+        kv_host="127.0.0.1",
+        kv_port=1,
+        block_size=BLOCK,
+    )
     await refused(secure.registry.RegisterEngine, registry_pb2.RegisterEngineRequest(engine=engine))
-    await refused(secure.lease.GrantLease, lease_pb2.GrantLeaseRequest(
-        kind=lease_pb2.LEASE_KIND_ENTRY, engine_id="d0", model=MODEL, conversation_key="mine",
-        ttl=Duration(seconds=60)))
-    await refused(secure.lease.GrantLease, lease_pb2.GrantLeaseRequest(
-        kind=lease_pb2.LEASE_KIND_NODE, engine_id="evil", ttl=Duration(seconds=60)))
+    await refused(
+        secure.lease.GrantLease,
+        lease_pb2.GrantLeaseRequest(
+            kind=lease_pb2.LEASE_KIND_ENTRY,
+            engine_id="d0",
+            model=MODEL,
+            conversation_key="mine",
+            ttl=Duration(seconds=60),
+        ),
+    )
+    await refused(
+        secure.lease.GrantLease,
+        lease_pb2.GrantLeaseRequest(kind=lease_pb2.LEASE_KIND_NODE, engine_id="evil", ttl=Duration(seconds=60)),
+    )
     forged = registry_pb2.Entry(
-        key=registry_pb2.EntryKey(model=MODEL, conversation_key="mine"), engine_id=v.engine_id,
-        engine_request_id=v.engine_request_id, block_ids=v.block_ids, block_size=BLOCK, token_count=len(TOKENS),
-        block_hashes=chain(TOKENS, "acme"), lease_id=v.lease_id, epoch=1)
+        key=registry_pb2.EntryKey(model=MODEL, conversation_key="mine"),
+        engine_id=v.engine_id,
+        engine_request_id=v.engine_request_id,
+        block_ids=v.block_ids,
+        block_size=BLOCK,
+        token_count=len(TOKENS),
+        block_hashes=chain(TOKENS, "acme"),
+        lease_id=v.lease_id,
+        epoch=1,
+    )
     await refused(secure.registry.RegisterEntry, registry_pb2.RegisterEntryRequest(request_id="forge-1", entry=forged))
-    assert denied == ["kvbridge.registry.v1.RegistryService/RegisterEngine",
-                      "kvbridge.lease.v1.LeaseService/GrantLease", "kvbridge.lease.v1.LeaseService/GrantLease",
-                      "kvbridge.registry.v1.RegistryService/RegisterEntry"]
-    look = await call(secure.registry.LookupEntry, registry_pb2.LookupEntryRequest(
-        model=MODEL, conversation_key="mine", block_hashes=chain(TOKENS, "acme"), block_size=BLOCK), ACME_KEY)
+    assert denied == [
+        "kvbridge.registry.v1.RegistryService/RegisterEngine",
+        "kvbridge.lease.v1.LeaseService/GrantLease",
+        "kvbridge.lease.v1.LeaseService/GrantLease",
+        "kvbridge.registry.v1.RegistryService/RegisterEntry",
+    ]
+    look = await call(
+        secure.registry.LookupEntry,
+        registry_pb2.LookupEntryRequest(
+            model=MODEL, conversation_key="mine", block_hashes=chain(TOKENS, "acme"), block_size=BLOCK
+        ),
+        ACME_KEY,
+    )
     assert look.verdict == registry_pb2.LOOKUP_VERDICT_NOT_FOUND and not look.HasField("location")
-    content = await call(secure.registry.LookupEntry, registry_pb2.LookupEntryRequest(
-        model=MODEL, block_hashes=chain(TOKENS, "acme"), block_size=BLOCK), ACME_KEY)
+    content = await call(
+        secure.registry.LookupEntry,
+        registry_pb2.LookupEntryRequest(model=MODEL, block_hashes=chain(TOKENS, "acme"), block_size=BLOCK),
+        ACME_KEY,
+    )
     assert content.verdict == registry_pb2.LOOKUP_VERDICT_NOT_FOUND
 
 
 async def test_tenant_lookups_are_redacted(secure: SecureStack) -> None:
     await secure.register("acme", "c-red", TOKENS)
-    req = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key="c-red",
-                                          block_hashes=chain(TOKENS, "acme"), block_size=BLOCK)
+    req = registry_pb2.LookupEntryRequest(
+        tenant="acme", model=MODEL, conversation_key="c-red", block_hashes=chain(TOKENS, "acme"), block_size=BLOCK
+    )
     full = await call(secure.registry.LookupEntry, req, GATEWAY_KEY)
     assert full.verdict == registry_pb2.LOOKUP_VERDICT_HIT
     assert full.location.block_ids and full.location.engine.kv_port and full.location.engine_request_id
@@ -169,18 +209,23 @@ async def test_a_tenant_learns_nothing_of_another_tenants_lease(secure: SecureSt
     """Lease ids are predictable: globex's live and ended lease ids look the same to acme as a never-granted one."""
     live = await secure.entry_lease("globex", "g-live")
     ended = await secure.entry_lease("globex", "g-ended")
-    await call(secure.lease.RevokeLease, lease_pb2.RevokeLeaseRequest(
-        lease_id=ended, reason=types_pb2.REVOKE_REASON_CLIENT_CLOSED), ROLE_KEYS["operator"])
+    await call(
+        secure.lease.RevokeLease,
+        lease_pb2.RevokeLeaseRequest(lease_id=ended, reason=types_pb2.REVOKE_REASON_CLIENT_CLOSED),
+        ROLE_KEYS["operator"],
+    )
     never = ended + 1000
-    call_ = secure.lease.KeepAlive(iter([lease_pb2.KeepAliveRequest(lease_ids=[live, ended, never])]),
-                                   metadata=md(ACME_KEY), timeout=5)
+    call_ = secure.lease.KeepAlive(
+        iter([lease_pb2.KeepAliveRequest(lease_ids=[live, ended, never])]), metadata=md(ACME_KEY), timeout=5
+    )
     resp = await call_.read()
     call_.cancel()
     views = [(s.alive, s.reason, s.error, s.HasField("deadline")) for s in resp.statuses]
     assert views == [(False, types_pb2.REVOKE_REASON_UNSPECIFIED, types_pb2.ERROR_REASON_LEASE_NOT_FOUND, False)] * 3
     # The owner's side still renews, and an engine still learns the end reason.
-    call_ = secure.lease.KeepAlive(iter([lease_pb2.KeepAliveRequest(lease_ids=[live, ended])]),
-                                   metadata=md(ROLE_KEYS["engine"]), timeout=5)
+    call_ = secure.lease.KeepAlive(
+        iter([lease_pb2.KeepAliveRequest(lease_ids=[live, ended])]), metadata=md(ROLE_KEYS["engine"]), timeout=5
+    )
     resp = await call_.read()
     call_.cancel()
     assert [s.alive for s in resp.statuses] == [True, False]

@@ -25,8 +25,9 @@ from kvbridge.types.v1 import types_pb2
 from .conftest import ACME_KEY, GLOBEX_KEY, MODEL, SERVICE_KEY, SecureStack, assert_clean, call, chain, md
 from .protogen import messages, raw_wire
 
-FUZZ = settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                        HealthCheck.too_slow])
+FUZZ = settings(
+    max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 KEYS = st.sampled_from([SERVICE_KEY, ACME_KEY, GLOBEX_KEY])
 SEED_TOKENS = list(range(10, 10 + 64))
 
@@ -43,19 +44,38 @@ class Rpc:
         return f"/{self.service}/{self.name}"
 
 
-REG, LEASE, GW = "kvbridge.registry.v1.RegistryService", "kvbridge.lease.v1.LeaseService", \
-    "kvbridge.gateway.v1.GatewayService"
-REGISTRY_RPCS = [Rpc(REG, n, getattr(registry_pb2, f"{n}Request"), "unary") for n in (
-    "RegisterEngine", "DeregisterEngine", "GetEngine", "ListEngines", "RegisterEntry", "LookupEntry", "GetEntry",
-    "ListEntries", "DeleteEntry")] + [Rpc(REG, "WatchEntries", registry_pb2.WatchEntriesRequest, "server_stream")]
-LEASE_RPCS = [Rpc(LEASE, n, getattr(lease_pb2, f"{n}Request"), "unary") for n in (
-    "GrantLease", "RevokeLease", "GetLease", "ListLeases")] + [
+REG, LEASE, GW = (
+    "kvbridge.registry.v1.RegistryService",
+    "kvbridge.lease.v1.LeaseService",
+    "kvbridge.gateway.v1.GatewayService",
+)
+REGISTRY_RPCS = [
+    Rpc(REG, n, getattr(registry_pb2, f"{n}Request"), "unary")
+    for n in (
+        "RegisterEngine",
+        "DeregisterEngine",
+        "GetEngine",
+        "ListEngines",
+        "RegisterEntry",
+        "LookupEntry",
+        "GetEntry",
+        "ListEntries",
+        "DeleteEntry",
+    )
+] + [Rpc(REG, "WatchEntries", registry_pb2.WatchEntriesRequest, "server_stream")]
+LEASE_RPCS = [
+    Rpc(LEASE, n, getattr(lease_pb2, f"{n}Request"), "unary")
+    for n in ("GrantLease", "RevokeLease", "GetLease", "ListLeases")
+] + [
     Rpc(LEASE, "WatchLeases", lease_pb2.WatchLeasesRequest, "server_stream"),
-    Rpc(LEASE, "KeepAlive", lease_pb2.KeepAliveRequest, "bidi")]
-GATEWAY_RPCS = [Rpc(GW, "ListModels", gateway_pb2.ListModelsRequest, "unary"),
-                Rpc(GW, "CloseConversation", gateway_pb2.CloseConversationRequest, "unary"),
-                Rpc(GW, "CreateChatCompletion", gateway_pb2.CreateChatCompletionRequest, "server_stream"),
-                Rpc(GW, "CreateCompletion", gateway_pb2.CreateCompletionRequest, "server_stream")]
+    Rpc(LEASE, "KeepAlive", lease_pb2.KeepAliveRequest, "bidi"),
+]
+GATEWAY_RPCS = [
+    Rpc(GW, "ListModels", gateway_pb2.ListModelsRequest, "unary"),
+    Rpc(GW, "CloseConversation", gateway_pb2.CloseConversationRequest, "unary"),
+    Rpc(GW, "CreateChatCompletion", gateway_pb2.CreateChatCompletionRequest, "server_stream"),
+    Rpc(GW, "CreateCompletion", gateway_pb2.CreateCompletionRequest, "server_stream"),
+]
 
 
 @dataclass
@@ -70,14 +90,17 @@ async def invoke(channel: grpc.aio.Channel, rpc: Rpc, payload: bytes, key: str) 
     try:
         if rpc.shape == "unary":
             await channel.unary_unary(rpc.path, request_serializer=ident, response_deserializer=ident)(
-                payload, metadata=md(key), timeout=10)
+                payload, metadata=md(key), timeout=10
+            )
             return Outcome(True)
         if rpc.shape == "server_stream":
             stream: Any = channel.unary_stream(rpc.path, request_serializer=ident, response_deserializer=ident)(
-                payload, metadata=md(key), timeout=10)
+                payload, metadata=md(key), timeout=10
+            )
         else:
             stream = channel.stream_stream(rpc.path, request_serializer=ident, response_deserializer=ident)(
-                iter([payload]), metadata=md(key), timeout=10)
+                iter([payload]), metadata=md(key), timeout=10
+            )
         try:
             async for _ in stream:
                 return Outcome(True)
@@ -105,12 +128,21 @@ async def assert_state_consistent(stack: SecureStack, epoch: int, registered: in
     stored, _ = await stack.store.range_prefix(stack.registry_app.keys.entries_prefix(None), limit=10_000)
     assert len(stored) == len(index.entries), "index and store disagree on the entry set"
     assert len(stored) <= 1 + registered, "a rejected registration left an entry behind"
-    got = await call(stack.registry.GetEntry, registry_pb2.GetEntryRequest(
-        key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key="c-seed")))
+    got = await call(
+        stack.registry.GetEntry,
+        registry_pb2.GetEntryRequest(key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key="c-seed")),
+    )
     assert got.entry.epoch == epoch
-    look = await call(stack.registry.LookupEntry, registry_pb2.LookupEntryRequest(
-        tenant="acme", model=MODEL, conversation_key="c-seed", block_hashes=chain(SEED_TOKENS, "acme"),
-        block_size=16))
+    look = await call(
+        stack.registry.LookupEntry,
+        registry_pb2.LookupEntryRequest(
+            tenant="acme",
+            model=MODEL,
+            conversation_key="c-seed",
+            block_hashes=chain(SEED_TOKENS, "acme"),
+            block_size=16,
+        ),
+    )
     # The service key may legitimately deregister the seed's engine "d0" (a plausible id the fuzzer tries);
     # then, and only then, the seed must be offered as ENGINE_GONE rather than as a hit.
     engines = await call(stack.registry.ListEngines, registry_pb2.ListEnginesRequest())
@@ -121,11 +153,15 @@ async def assert_state_consistent(stack: SecureStack, epoch: int, registered: in
 
 
 def _fuzz_test(rpcs: list[Rpc]) -> Any:
-    cases = st.sampled_from(rpcs).flatmap(lambda rpc: st.tuples(
-        st.just(rpc), st.one_of(messages(rpc.request).map(lambda m: m.SerializeToString()), raw_wire()), KEYS))
+    cases = st.sampled_from(rpcs).flatmap(
+        lambda rpc: st.tuples(
+            st.just(rpc), st.one_of(messages(rpc.request).map(lambda m: m.SerializeToString()), raw_wire()), KEYS
+        )
+    )
 
-    async def run(stack: SecureStack, channel: grpc.aio.Channel, case: tuple[Rpc, bytes, str],
-                  counts: dict[str, int]) -> None:
+    async def run(
+        stack: SecureStack, channel: grpc.aio.Channel, case: tuple[Rpc, bytes, str], counts: dict[str, int]
+    ) -> None:
         rpc, payload, key = case
         outcome = await invoke(channel, rpc, payload, key)
         check(outcome, rpc)
@@ -136,8 +172,7 @@ def _fuzz_test(rpcs: list[Rpc]) -> Any:
     return cases, run
 
 
-async def _fuzz(stack: SecureStack, target: str, rpcs: list[Rpc], data: st.DataObject,
-                counts: dict[str, int]) -> None:
+async def _fuzz(stack: SecureStack, target: str, rpcs: list[Rpc], data: st.DataObject, counts: dict[str, int]) -> None:
     cases, run = _fuzz_test(rpcs)
     async with grpc.aio.insecure_channel(target, options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
         await run(stack, ch, data.draw(cases), counts)
@@ -167,8 +202,9 @@ async def test_lease_rpcs_reject_hostile_requests(seeded: tuple[SecureStack, int
     assert stack.lease_app.is_leader
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                                                 HealthCheck.too_slow])
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 @given(data=st.data())
 async def test_gateway_rpcs_reject_hostile_requests(seeded: tuple[SecureStack, int], data: st.DataObject) -> None:
     stack, epoch = seeded
@@ -187,17 +223,46 @@ async def test_hundred_thousand_ids_in_one_call(secure: SecureStack) -> None:
     before = len(secure.registry_app.index.entries)
     cases: list[tuple[Any, Message]] = [
         (secure.lease.GetLease, lease_pb2.GetLeaseRequest(lease_id=2**64 - 1)),
-        (secure.registry.LookupEntry, registry_pb2.LookupEntryRequest(
-            tenant="acme", model=MODEL, conversation_key="c", block_hashes=[b"\x00" * 16] * HUGE, block_size=16)),
-        (secure.registry.RegisterEntry, registry_pb2.RegisterEntryRequest(request_id="r-huge", entry=registry_pb2.Entry(
-            key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key="c"), engine_id="d0",
-            engine_request_id="x", block_ids=[types_pb2.BlockIds(ids=list(range(HUGE)))], block_size=16,
-            token_count=HUGE * 16, block_hashes=[b"\x01" * 16] * HUGE, lease_id=1, epoch=1))),
-        (secure.registry.RegisterEntry, registry_pb2.RegisterEntryRequest(
-            request_id="r-groups", entry=registry_pb2.Entry(
-            key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key="c"), engine_id="d0",
-            engine_request_id="x", block_ids=[types_pb2.BlockIds(ids=[1])] * 5000, block_size=16, token_count=16,
-            block_hashes=[b"\x01" * 16], lease_id=1, epoch=1))),
+        (
+            secure.registry.LookupEntry,
+            registry_pb2.LookupEntryRequest(
+                tenant="acme", model=MODEL, conversation_key="c", block_hashes=[b"\x00" * 16] * HUGE, block_size=16
+            ),
+        ),
+        (
+            secure.registry.RegisterEntry,
+            registry_pb2.RegisterEntryRequest(
+                request_id="r-huge",
+                entry=registry_pb2.Entry(
+                    key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key="c"),
+                    engine_id="d0",
+                    engine_request_id="x",
+                    block_ids=[types_pb2.BlockIds(ids=list(range(HUGE)))],
+                    block_size=16,
+                    token_count=HUGE * 16,
+                    block_hashes=[b"\x01" * 16] * HUGE,
+                    lease_id=1,
+                    epoch=1,
+                ),
+            ),
+        ),
+        (
+            secure.registry.RegisterEntry,
+            registry_pb2.RegisterEntryRequest(
+                request_id="r-groups",
+                entry=registry_pb2.Entry(
+                    key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key="c"),
+                    engine_id="d0",
+                    engine_request_id="x",
+                    block_ids=[types_pb2.BlockIds(ids=[1])] * 5000,
+                    block_size=16,
+                    token_count=16,
+                    block_hashes=[b"\x01" * 16],
+                    lease_id=1,
+                    epoch=1,
+                ),
+            ),
+        ),
         (secure.registry.ListEntries, registry_pb2.ListEntriesRequest(tenant="acme", page_size=2**32 - 1)),
         (secure.lease.ListLeases, lease_pb2.ListLeasesRequest(page_size=2**32 - 1, page_token="x" * 5000)),
     ]
@@ -207,8 +272,9 @@ async def test_hundred_thousand_ids_in_one_call(secure: SecureStack) -> None:
         except KvbridgeError as err:
             assert_clean(err)
     # KeepAlive with 100k lease ids in one message: too many, refused with a reason.
-    stream = secure.lease.KeepAlive(iter([lease_pb2.KeepAliveRequest(lease_ids=list(range(1, HUGE + 1)))]),
-                                    metadata=md(SERVICE_KEY), timeout=10)
+    stream = secure.lease.KeepAlive(
+        iter([lease_pb2.KeepAliveRequest(lease_ids=list(range(1, HUGE + 1)))]), metadata=md(SERVICE_KEY), timeout=10
+    )
     with pytest.raises(grpc.aio.AioRpcError) as info:
         async for _ in stream:
             pass
@@ -219,10 +285,12 @@ async def test_hundred_thousand_ids_in_one_call(secure: SecureStack) -> None:
 
 async def test_oversized_message_is_refused(secure: SecureStack) -> None:
     """Past the 4 MiB cap gRPC itself refuses the message (RESOURCE_EXHAUSTED, before any handler runs)."""
-    big = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key="c",
-                                          block_hashes=[b"\x00" * 64] * 80_000)
-    async with grpc.aio.insecure_channel(secure.registry_app.address,
-                                         options=[("grpc.max_send_message_length", 64 << 20)]) as ch:
+    big = registry_pb2.LookupEntryRequest(
+        tenant="acme", model=MODEL, conversation_key="c", block_hashes=[b"\x00" * 64] * 80_000
+    )
+    async with grpc.aio.insecure_channel(
+        secure.registry_app.address, options=[("grpc.max_send_message_length", 64 << 20)]
+    ) as ch:
         fn = ch.unary_unary(f"/{REG}/LookupEntry", request_serializer=bytes, response_deserializer=bytes)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             await fn(big.SerializeToString(), metadata=md(SERVICE_KEY), timeout=10)
@@ -235,8 +303,11 @@ async def test_oversized_message_is_refused(secure: SecureStack) -> None:
 async def test_invalid_utf8_gets_invalid_argument(secure: SecureStack, field: int) -> None:
     from .protogen import invalid_utf8_string_field
 
-    for target, rpc in ((secure.registry_app.address, REGISTRY_RPCS[5]), (secure.lease_app.address, LEASE_RPCS[0]),
-                        (secure.gateway.grpc_address, GATEWAY_RPCS[1])):
+    for target, rpc in (
+        (secure.registry_app.address, REGISTRY_RPCS[5]),
+        (secure.lease_app.address, LEASE_RPCS[0]),
+        (secure.gateway.grpc_address, GATEWAY_RPCS[1]),
+    ):
         async with grpc.aio.insecure_channel(target) as ch:
             outcome = await invoke(ch, rpc, invalid_utf8_string_field(field), SERVICE_KEY)
         assert outcome.error is not None and outcome.error.code is grpc.StatusCode.INVALID_ARGUMENT, rpc.name
@@ -245,13 +316,24 @@ async def test_invalid_utf8_gets_invalid_argument(secure: SecureStack, field: in
 
 async def test_unknown_tenant_is_harmless(secure: SecureStack) -> None:
     """A service principal naming a tenant nobody registered gets NOT_FOUND-style answers, not errors."""
-    look = await call(secure.registry.LookupEntry, registry_pb2.LookupEntryRequest(
-        tenant="no-such-tenant", model=MODEL, conversation_key="c1", block_hashes=chain(SEED_TOKENS, "x"),
-        block_size=16))
+    look = await call(
+        secure.registry.LookupEntry,
+        registry_pb2.LookupEntryRequest(
+            tenant="no-such-tenant",
+            model=MODEL,
+            conversation_key="c1",
+            block_hashes=chain(SEED_TOKENS, "x"),
+            block_size=16,
+        ),
+    )
     assert look.verdict == registry_pb2.LOOKUP_VERDICT_NOT_FOUND
     with pytest.raises(KvbridgeError) as info:
-        await call(secure.registry.GetEntry, registry_pb2.GetEntryRequest(
-            key=registry_pb2.EntryKey(tenant="no-such-tenant", model=MODEL, conversation_key="c1")))
+        await call(
+            secure.registry.GetEntry,
+            registry_pb2.GetEntryRequest(
+                key=registry_pb2.EntryKey(tenant="no-such-tenant", model=MODEL, conversation_key="c1")
+            ),
+        )
     assert info.value.reason == Reason.ENTRY_NOT_FOUND.value
     # A tenant principal naming another tenant: PERMISSION_DENIED.
     with pytest.raises(KvbridgeError) as info:

@@ -16,19 +16,35 @@ from hypothesis import strategies as st
 
 from .conftest import ACME_KEY, GLOBEX_KEY, MODEL, SERVICE_KEY, SecureStack
 
-HTTP_FUZZ = settings(max_examples=150, deadline=None,
-                     suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+HTTP_FUZZ = settings(
+    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow]
+)
 
-json_scalars = st.one_of(st.none(), st.booleans(), st.integers(-(2**70), 2**70),
-                         st.sampled_from([-1, 0, 1, 2, 16, 2**31, 2**63, -(2**63)]),
-                         st.floats(allow_nan=False, allow_infinity=False), st.text(max_size=30),
-                         st.sampled_from([MODEL, "user", "", "x" * 300, "\u0000", "😀"]))
-json_values = st.recursive(json_scalars, lambda inner: st.one_of(
-    st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4)), max_leaves=12)
+json_scalars = st.one_of(
+    st.none(),
+    st.booleans(),
+    st.integers(-(2**70), 2**70),
+    st.sampled_from([-1, 0, 1, 2, 16, 2**31, 2**63, -(2**63)]),
+    st.floats(allow_nan=False, allow_infinity=False),
+    st.text(max_size=30),
+    st.sampled_from([MODEL, "user", "", "x" * 300, "\u0000", "😀"]),
+)
+json_values = st.recursive(
+    json_scalars,
+    lambda inner: st.one_of(st.lists(inner, max_size=4), st.dictionaries(st.text(max_size=10), inner, max_size=4)),
+    max_leaves=12,
+)
 messages_values = st.one_of(
     json_values,
-    st.lists(st.fixed_dictionaries({"role": st.sampled_from(["user", "assistant", "system", "tool", "bogus", 7]),
-                                    "content": st.one_of(st.text(max_size=60), json_values)}), max_size=5),
+    st.lists(
+        st.fixed_dictionaries(
+            {
+                "role": st.sampled_from(["user", "assistant", "system", "tool", "bogus", 7]),
+                "content": st.one_of(st.text(max_size=60), json_values),
+            }
+        ),
+        max_size=5,
+    ),
 )
 FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "model": st.one_of(st.just(MODEL), json_values),
@@ -44,24 +60,47 @@ FIELDS: dict[str, st.SearchStrategy[Any]] = {
     "conversation_id": st.one_of(st.text(max_size=300), json_values),
     "session_id": json_values,
     "cache_salt": st.one_of(st.text(max_size=300), json_values),
-    "kv_transfer_params": st.one_of(json_values, st.fixed_dictionaries({
-        "do_remote_prefill": st.booleans(), "remote_host": st.sampled_from(["169.254.169.254", "10.0.0.1", "x"]),
-        "remote_port": st.integers(-1, 70000), "remote_block_ids": json_values})),
+    "kv_transfer_params": st.one_of(
+        json_values,
+        st.fixed_dictionaries(
+            {
+                "do_remote_prefill": st.booleans(),
+                "remote_host": st.sampled_from(["169.254.169.254", "10.0.0.1", "x"]),
+                "remote_port": st.integers(-1, 70000),
+                "remote_block_ids": json_values,
+            }
+        ),
+    ),
     "return_token_ids": json_values,
 }
 bodies = st.fixed_dictionaries({}, optional=FIELDS)
 raw_bodies = st.one_of(
     st.binary(max_size=80),
-    st.sampled_from([b"", b"{", b"[]", b"null", b"\"str\"", b"{\"model\": \"\xff\xfe\"}", b"\xef\xbb\xbf{}",
-                     b"{\"model\": 1e999}", b"{\"a\":" * 5000, b"{\"model\": \"sim-model\", \"messages\": [" +
-                     b"{\"role\":\"user\",\"content\":\"x\"}," * 3000 + b"{\"role\":\"user\"}]}"]),
+    st.sampled_from(
+        [
+            b"",
+            b"{",
+            b"[]",
+            b"null",
+            b'"str"',
+            b'{"model": "\xff\xfe"}',
+            b"\xef\xbb\xbf{}",
+            b'{"model": 1e999}',
+            b'{"a":' * 5000,
+            b'{"model": "sim-model", "messages": [' + b'{"role":"user","content":"x"},' * 3000 + b'{"role":"user"}]}',
+        ]
+    ),
 )
-headers = st.fixed_dictionaries({}, optional={
-    "x-session-id": st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=300)
-    .map(lambda s: s.strip() or "x"),
-    "x-kvbridge-tenant": st.sampled_from(["globex", "acme", "unknown", "x" * 200]),
-    "content-type": st.sampled_from(["text/plain", "application/json", "multipart/form-data"]),
-})
+headers = st.fixed_dictionaries(
+    {},
+    optional={
+        "x-session-id": st.text(alphabet=st.characters(min_codepoint=32, max_codepoint=126), max_size=300).map(
+            lambda s: s.strip() or "x"
+        ),
+        "x-kvbridge-tenant": st.sampled_from(["globex", "acme", "unknown", "x" * 200]),
+        "content-type": st.sampled_from(["text/plain", "application/json", "multipart/form-data"]),
+    },
+)
 PATHS = ["/v1/chat/completions", "/v1/completions"]
 
 
@@ -82,10 +121,15 @@ def assert_clean_http(resp: httpx.Response) -> None:
 
 
 @HTTP_FUZZ
-@given(path=st.sampled_from(PATHS), body=st.one_of(bodies.map(lambda b: json.dumps(b).encode()), raw_bodies),
-       hdrs=headers, key=st.sampled_from([ACME_KEY, GLOBEX_KEY, SERVICE_KEY]))
-async def test_completions_reject_hostile_bodies(secure: SecureStack, path: str, body: bytes,
-                                                 hdrs: dict[str, str], key: str) -> None:
+@given(
+    path=st.sampled_from(PATHS),
+    body=st.one_of(bodies.map(lambda b: json.dumps(b).encode()), raw_bodies),
+    hdrs=headers,
+    key=st.sampled_from([ACME_KEY, GLOBEX_KEY, SERVICE_KEY]),
+)
+async def test_completions_reject_hostile_bodies(
+    secure: SecureStack, path: str, body: bytes, hdrs: dict[str, str], key: str
+) -> None:
     async with secure.http(key) as client:
         resp = await _send(client, path, body, hdrs)
     assert_clean_http(resp)

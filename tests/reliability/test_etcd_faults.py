@@ -68,22 +68,40 @@ async def services(etcd_cluster: EtcdCluster, tmp_path: Path) -> AsyncIterator[S
         lease.start()
         registry.start()
         async with grpc.aio.insecure_channel(lease.target) as lch, grpc.aio.insecure_channel(registry.target) as rch:
-            svc = Services(lease, registry, lease_pb2_grpc.LeaseServiceStub(lch),
-                           registry_pb2_grpc.RegistryServiceStub(rch))
-            node = await _grant_when_leader(svc.leases, lease_pb2.GrantLeaseRequest(
-                kind=lease_pb2.LEASE_KIND_NODE, engine_id="d0", ttl=Duration(seconds=600)))
-            await svc.entries.RegisterEngine(registry_pb2.RegisterEngineRequest(engine=types_pb2.Engine(
-                engine_id="d0", role=types_pb2.ENGINE_ROLE_DECODE, model=MODEL, http_url="http://127.0.0.1:9",
-                kv_host="127.0.0.1", kv_port=9, dp_size=1, tp_size=1, block_size=BLOCK, kv_group_count=1,
-                node_lease_id=node.lease.lease_id)), timeout=10)
+            svc = Services(
+                lease, registry, lease_pb2_grpc.LeaseServiceStub(lch), registry_pb2_grpc.RegistryServiceStub(rch)
+            )
+            node = await _grant_when_leader(
+                svc.leases,
+                lease_pb2.GrantLeaseRequest(kind=lease_pb2.LEASE_KIND_NODE, engine_id="d0", ttl=Duration(seconds=600)),
+            )
+            await svc.entries.RegisterEngine(
+                registry_pb2.RegisterEngineRequest(
+                    engine=types_pb2.Engine(
+                        engine_id="d0",
+                        role=types_pb2.ENGINE_ROLE_DECODE,
+                        model=MODEL,
+                        http_url="http://127.0.0.1:9",
+                        kv_host="127.0.0.1",
+                        kv_port=9,
+                        dp_size=1,
+                        tp_size=1,
+                        block_size=BLOCK,
+                        kv_group_count=1,
+                        node_lease_id=node.lease.lease_id,
+                    )
+                ),
+                timeout=10,
+            )
             yield svc
     finally:
         registry.stop()
         lease.stop()
 
 
-async def _grant_when_leader(stub: lease_pb2_grpc.LeaseServiceStub,
-                             req: lease_pb2.GrantLeaseRequest) -> lease_pb2.GrantLeaseResponse:
+async def _grant_when_leader(
+    stub: lease_pb2_grpc.LeaseServiceStub, req: lease_pb2.GrantLeaseRequest
+) -> lease_pb2.GrantLeaseResponse:
     async with asyncio.timeout(60):
         while True:
             try:
@@ -102,16 +120,36 @@ async def _writer(svc: Services, w: int, load: Load, stop: asyncio.Event) -> Non
         key = registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key=conv)
         started = time.monotonic()
         try:
-            lease = await svc.leases.GrantLease(lease_pb2.GrantLeaseRequest(
-                kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="d0", model=MODEL, conversation_key=conv,
-                ttl=Duration(seconds=600), request_id=f"g-{conv}"), timeout=10)
+            lease = await svc.leases.GrantLease(
+                lease_pb2.GrantLeaseRequest(
+                    kind=lease_pb2.LEASE_KIND_ENTRY,
+                    tenant="acme",
+                    engine_id="d0",
+                    model=MODEL,
+                    conversation_key=conv,
+                    ttl=Duration(seconds=600),
+                    request_id=f"g-{conv}",
+                ),
+                timeout=10,
+            )
             load.leases.append(lease.lease.lease_id)
-            await svc.entries.RegisterEntry(registry_pb2.RegisterEntryRequest(
-                request_id=f"rq-{conv}", entry=registry_pb2.Entry(
-                    key=key, engine_id="d0", engine_request_id=f"r-{conv}",
-                    block_ids=[types_pb2.BlockIds(ids=[1, 2, 3, 4])], block_size=BLOCK, token_count=4 * BLOCK,
-                    block_hashes=chain(TOKENS, "acme"),
-                    lease_id=lease.lease.lease_id, epoch=1)), timeout=10)
+            await svc.entries.RegisterEntry(
+                registry_pb2.RegisterEntryRequest(
+                    request_id=f"rq-{conv}",
+                    entry=registry_pb2.Entry(
+                        key=key,
+                        engine_id="d0",
+                        engine_request_id=f"r-{conv}",
+                        block_ids=[types_pb2.BlockIds(ids=[1, 2, 3, 4])],
+                        block_size=BLOCK,
+                        token_count=4 * BLOCK,
+                        block_hashes=chain(TOKENS, "acme"),
+                        lease_id=lease.lease.lease_id,
+                        epoch=1,
+                    ),
+                ),
+                timeout=10,
+            )
             load.entries.append(conv)
             await svc.entries.GetEntry(registry_pb2.GetEntryRequest(key=key), timeout=10)
             load.successes.append((started, time.monotonic()))
@@ -148,8 +186,12 @@ async def _missing(svc: Services, load: Load) -> tuple[list[str], list[int]]:
     lost_entries, lost_leases = [], []
     for conv in load.entries:
         try:
-            await svc.entries.GetEntry(registry_pb2.GetEntryRequest(
-                key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key=conv)), timeout=10)
+            await svc.entries.GetEntry(
+                registry_pb2.GetEntryRequest(
+                    key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key=conv)
+                ),
+                timeout=10,
+            )
         except grpc.aio.AioRpcError:
             lost_entries.append(conv)
     for lease_id in load.leases:
@@ -200,11 +242,15 @@ async def test_etcd_leader_kill_and_member_down_under_load(services: Services, e
 
     lost_entries, lost_leases = await _missing(services, load)
     errors_member = {k: v - errors_leader.get(k, 0) for k, v in load.errors.items() if v - errors_leader.get(k, 0)}
-    print(f"\netcd leader kill -9: registrations before={before} after fault phase={after_leader}; "
-          f"first success {leader_recovery:.2f}s after the kill; client errors {errors_leader}")
+    print(
+        f"\netcd leader kill -9: registrations before={before} after fault phase={after_leader}; "
+        f"first success {leader_recovery:.2f}s after the kill; client errors {errors_leader}"
+    )
     print(f"etcd follower down 5 s: first success {member_recovery:.2f}s after the stop; client errors {errors_member}")
-    print(f"totals: leases acknowledged={len(load.leases)} lost={len(lost_leases)}; registrations acknowledged="
-          f"{len(load.entries)} lost={len(lost_entries)}; lease renewals={load.renewals}")
+    print(
+        f"totals: leases acknowledged={len(load.leases)} lost={len(lost_leases)}; registrations acknowledged="
+        f"{len(load.entries)} lost={len(lost_entries)}; lease renewals={load.renewals}"
+    )
     assert set(load.errors) <= ALLOWED, load.errors  # never INTERNAL / UNKNOWN / anything unclean
     assert lost_entries == [] and lost_leases == []
     assert len(load.entries) > after_leader > before > 0  # work continued through both faults

@@ -39,8 +39,13 @@ pytestmark = [pytest.mark.etcd]
 def tls_etcd(tmp_path: Path) -> Iterator[tuple[EtcdServer, Pki, dict[str, Path]]]:
     pki = make_pki()
     files = pki.write(tmp_path)
-    tls = EtcdTlsFiles(server_cert=files["server_cert"], server_key=files["server_key"],
-                       trusted_ca=files["ca_pem"], client_cert=files["client_cert"], client_key=files["client_key"])
+    tls = EtcdTlsFiles(
+        server_cert=files["server_cert"],
+        server_key=files["server_key"],
+        trusted_ca=files["ca_pem"],
+        client_cert=files["client_cert"],
+        client_key=files["client_key"],
+    )
     server = EtcdServer(base_dir=tmp_path / "etcd", tls=tls)
     try:
         server.start()
@@ -50,23 +55,36 @@ def tls_etcd(tmp_path: Path) -> Iterator[tuple[EtcdServer, Pki, dict[str, Path]]
 
 
 def _env(etcd: EtcdServer, files: dict[str, Path], **extra: str) -> dict[str, str]:
-    env = {**os.environ, "KVBRIDGE_ETCD_ENDPOINTS": etcd.endpoint, "KVBRIDGE_HOST": "127.0.0.1",
-           "KVBRIDGE_ETCD_CA_FILE": str(files["ca_pem"]), "KVBRIDGE_ETCD_CERT_FILE": str(files["client_cert"]),
-           "KVBRIDGE_ETCD_KEY_FILE": str(files["client_key"]), "KVBRIDGE_REGISTRY_METRICS_PORT": "0",
-           "KVBRIDGE_LEASE_METRICS_PORT": "0", **extra}
+    env = {
+        **os.environ,
+        "KVBRIDGE_ETCD_ENDPOINTS": etcd.endpoint,
+        "KVBRIDGE_HOST": "127.0.0.1",
+        "KVBRIDGE_ETCD_CA_FILE": str(files["ca_pem"]),
+        "KVBRIDGE_ETCD_CERT_FILE": str(files["client_cert"]),
+        "KVBRIDGE_ETCD_KEY_FILE": str(files["client_key"]),
+        "KVBRIDGE_REGISTRY_METRICS_PORT": "0",
+        "KVBRIDGE_LEASE_METRICS_PORT": "0",
+        **extra,
+    }
     env.pop("KVBRIDGE_API_KEYS_FILE", None)
     return env
 
 
-async def test_services_work_over_mtls_etcd(tls_etcd: tuple[EtcdServer, Pki, dict[str, Path]],
-                                            tmp_path: Path) -> None:
+async def test_services_work_over_mtls_etcd(tls_etcd: tuple[EtcdServer, Pki, dict[str, Path]], tmp_path: Path) -> None:
     etcd, pki, files = tls_etcd
     lease_port, registry_port = free_port(), free_port()
     lease_target, registry_target = f"127.0.0.1:{lease_port}", f"127.0.0.1:{registry_port}"
-    env = _env(etcd, files, KVBRIDGE_LEASE_PORT=str(lease_port), KVBRIDGE_REGISTRY_PORT=str(registry_port),
-               KVBRIDGE_REGISTRY_LEASE_SERVICE_TARGET=lease_target)
-    procs = [_spawn("kvbridge_services.lease", env, tmp_path / "lease.log"),
-             _spawn("kvbridge_services.registry", env, tmp_path / "registry.log")]
+    env = _env(
+        etcd,
+        files,
+        KVBRIDGE_LEASE_PORT=str(lease_port),
+        KVBRIDGE_REGISTRY_PORT=str(registry_port),
+        KVBRIDGE_REGISTRY_LEASE_SERVICE_TARGET=lease_target,
+    )
+    procs = [
+        _spawn("kvbridge_services.lease", env, tmp_path / "lease.log"),
+        _spawn("kvbridge_services.registry", env, tmp_path / "registry.log"),
+    ]
     try:
         _wait_for_grpc(lease_target, procs[0], tmp_path / "lease.log", timeout_s=60)
         _wait_for_grpc(registry_target, procs[1], tmp_path / "registry.log", timeout_s=60)
@@ -76,23 +94,56 @@ async def test_services_work_over_mtls_etcd(tls_etcd: tuple[EtcdServer, Pki, dic
             async with asyncio.timeout(60):  # the lease manager answers once it holds leadership (in etcd)
                 while node is None:
                     try:
-                        node = await leases.GrantLease(lease_pb2.GrantLeaseRequest(
-                            kind=lease_pb2.LEASE_KIND_NODE, engine_id="d0", ttl=Duration(seconds=60)), timeout=5)
+                        node = await leases.GrantLease(
+                            lease_pb2.GrantLeaseRequest(
+                                kind=lease_pb2.LEASE_KIND_NODE, engine_id="d0", ttl=Duration(seconds=60)
+                            ),
+                            timeout=5,
+                        )
                     except grpc.aio.AioRpcError as exc:
                         assert exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.FAILED_PRECONDITION), exc
                         await asyncio.sleep(0.2)
-            await registry.RegisterEngine(registry_pb2.RegisterEngineRequest(engine=types_pb2.Engine(
-                engine_id="d0", role=types_pb2.ENGINE_ROLE_DECODE, model=MODEL, http_url="http://127.0.0.1:9",
-                kv_host="127.0.0.1", kv_port=9, dp_size=1, tp_size=1, block_size=BLOCK, kv_group_count=1,
-                node_lease_id=node.lease.lease_id)), timeout=10)
-            lease = await leases.GrantLease(lease_pb2.GrantLeaseRequest(
-                kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="d0", model=MODEL,
-                conversation_key="c-tls", ttl=Duration(seconds=60)), timeout=10)
+            await registry.RegisterEngine(
+                registry_pb2.RegisterEngineRequest(
+                    engine=types_pb2.Engine(
+                        engine_id="d0",
+                        role=types_pb2.ENGINE_ROLE_DECODE,
+                        model=MODEL,
+                        http_url="http://127.0.0.1:9",
+                        kv_host="127.0.0.1",
+                        kv_port=9,
+                        dp_size=1,
+                        tp_size=1,
+                        block_size=BLOCK,
+                        kv_group_count=1,
+                        node_lease_id=node.lease.lease_id,
+                    )
+                ),
+                timeout=10,
+            )
+            lease = await leases.GrantLease(
+                lease_pb2.GrantLeaseRequest(
+                    kind=lease_pb2.LEASE_KIND_ENTRY,
+                    tenant="acme",
+                    engine_id="d0",
+                    model=MODEL,
+                    conversation_key="c-tls",
+                    ttl=Duration(seconds=60),
+                ),
+                timeout=10,
+            )
             key = registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key="c-tls")
             entry = registry_pb2.Entry(
-                key=key, engine_id="d0", engine_request_id="r-tls", block_ids=[types_pb2.BlockIds(ids=[1, 2])],
-                block_size=BLOCK, token_count=2 * BLOCK, block_hashes=chain(list(range(2 * BLOCK)), "acme"),
-                lease_id=lease.lease.lease_id, epoch=1)
+                key=key,
+                engine_id="d0",
+                engine_request_id="r-tls",
+                block_ids=[types_pb2.BlockIds(ids=[1, 2])],
+                block_size=BLOCK,
+                token_count=2 * BLOCK,
+                block_hashes=chain(list(range(2 * BLOCK)), "acme"),
+                lease_id=lease.lease.lease_id,
+                epoch=1,
+            )
             await registry.RegisterEntry(registry_pb2.RegisterEntryRequest(request_id="rq", entry=entry), timeout=10)
             got = await registry.GetEntry(registry_pb2.GetEntryRequest(key=key), timeout=10)
             assert got.entry.lease_id == lease.lease.lease_id
@@ -110,12 +161,15 @@ async def test_services_work_over_mtls_etcd(tls_etcd: tuple[EtcdServer, Pki, dic
 
 @pytest.mark.parametrize("who", ["no client cert", "cert from another CA", "plaintext", "wrong CA"])
 async def test_etcd_refuses_clients_without_a_trusted_cert(
-        tls_etcd: tuple[EtcdServer, Pki, dict[str, Path]], who: str) -> None:
+    tls_etcd: tuple[EtcdServer, Pki, dict[str, Path]], who: str
+) -> None:
     etcd, pki, _ = tls_etcd
-    tls = {"no client cert": EtcdTls(pki.ca_pem),
-           "cert from another CA": EtcdTls(pki.ca_pem, pki.rogue_cert, pki.rogue_key),
-           "plaintext": None,
-           "wrong CA": EtcdTls(pki.rogue_ca_pem, pki.client_cert, pki.client_key)}[who]
+    tls = {
+        "no client cert": EtcdTls(pki.ca_pem),
+        "cert from another CA": EtcdTls(pki.ca_pem, pki.rogue_cert, pki.rogue_key),
+        "plaintext": None,
+        "wrong CA": EtcdTls(pki.rogue_ca_pem, pki.client_cert, pki.client_key),
+    }[who]
     store = EtcdStore([etcd.endpoint], timeout=2, tls=tls)
     try:
         with pytest.raises(StoreUnavailable) as info:
@@ -127,12 +181,19 @@ async def test_etcd_refuses_clients_without_a_trusted_cert(
 
 
 @pytest.mark.parametrize("service", ["registry", "lease"])
-def test_service_with_wrong_ca_fails_clearly_at_start(tls_etcd: tuple[EtcdServer, Pki, dict[str, Path]],
-                                                      tmp_path: Path, service: str) -> None:
+def test_service_with_wrong_ca_fails_clearly_at_start(
+    tls_etcd: tuple[EtcdServer, Pki, dict[str, Path]], tmp_path: Path, service: str
+) -> None:
     etcd, _, files = tls_etcd
     port = str(free_port())
-    env = _env(etcd, files, KVBRIDGE_REGISTRY_PORT=port, KVBRIDGE_LEASE_PORT=port,
-               KVBRIDGE_ETCD_CA_FILE=str(files["rogue_ca_pem"]), KVBRIDGE_ETCD_TIMEOUT_S="2")
+    env = _env(
+        etcd,
+        files,
+        KVBRIDGE_REGISTRY_PORT=port,
+        KVBRIDGE_LEASE_PORT=port,
+        KVBRIDGE_ETCD_CA_FILE=str(files["rogue_ca_pem"]),
+        KVBRIDGE_ETCD_TIMEOUT_S="2",
+    )
     log = tmp_path / f"{service}.log"
     proc = _spawn(f"kvbridge_services.{service}", env, log)
     try:

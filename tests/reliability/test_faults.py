@@ -52,18 +52,35 @@ async def killable_registry(etcd_server: EtcdServer, tmp_path: Path) -> AsyncIte
 
 
 async def test_registry_kill9_under_load_loses_nothing_acknowledged(
-        killable_registry: tuple[ServiceProcess, str]) -> None:
+    killable_registry: tuple[ServiceProcess, str],
+) -> None:
     reg, lease_target = killable_registry
     lease_ch = grpc.aio.insecure_channel(lease_target)
     leases = lease_pb2_grpc.LeaseServiceStub(lease_ch)
-    node = await leases.GrantLease(lease_pb2.GrantLeaseRequest(kind=lease_pb2.LEASE_KIND_NODE, engine_id="d0",
-                                                               ttl=Duration(seconds=120)), timeout=10)
+    node = await leases.GrantLease(
+        lease_pb2.GrantLeaseRequest(kind=lease_pb2.LEASE_KIND_NODE, engine_id="d0", ttl=Duration(seconds=120)),
+        timeout=10,
+    )
     reg_ch = grpc.aio.insecure_channel(reg.target)
     registry = registry_pb2_grpc.RegistryServiceStub(reg_ch)
-    await registry.RegisterEngine(registry_pb2.RegisterEngineRequest(engine=types_pb2.Engine(
-        engine_id="d0", role=types_pb2.ENGINE_ROLE_DECODE, model=MODEL, http_url="http://127.0.0.1:9",
-        kv_host="127.0.0.1", kv_port=9, dp_size=1, tp_size=1, block_size=BLOCK, kv_group_count=1,
-        node_lease_id=node.lease.lease_id)), timeout=10)
+    await registry.RegisterEngine(
+        registry_pb2.RegisterEngineRequest(
+            engine=types_pb2.Engine(
+                engine_id="d0",
+                role=types_pb2.ENGINE_ROLE_DECODE,
+                model=MODEL,
+                http_url="http://127.0.0.1:9",
+                kv_host="127.0.0.1",
+                kv_port=9,
+                dp_size=1,
+                tp_size=1,
+                block_size=BLOCK,
+                kv_group_count=1,
+                node_lease_id=node.lease.lease_id,
+            )
+        ),
+        timeout=10,
+    )
     tokens = list(range(20, 20 + 4 * BLOCK))
     acked: list[str] = []
     errors: dict[str, int] = {}
@@ -75,15 +92,34 @@ async def test_registry_kill9_under_load_loses_nothing_acknowledged(
             conv = f"w{w}-{i}"
             i += 1
             try:
-                lease = await leases.GrantLease(lease_pb2.GrantLeaseRequest(
-                    kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="d0", model=MODEL,
-                    conversation_key=conv, ttl=Duration(seconds=300)), timeout=5)
-                await registry.RegisterEntry(registry_pb2.RegisterEntryRequest(
-                    request_id=f"rq-{conv}", entry=registry_pb2.Entry(
-                        key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key=conv),
-                        engine_id="d0", engine_request_id=f"r-{conv}", block_ids=[types_pb2.BlockIds(ids=[1, 2, 3, 4])],
-                        block_size=BLOCK, token_count=4 * BLOCK, block_hashes=chain(tokens, "acme"),
-                        lease_id=lease.lease.lease_id, epoch=1)), timeout=2)
+                lease = await leases.GrantLease(
+                    lease_pb2.GrantLeaseRequest(
+                        kind=lease_pb2.LEASE_KIND_ENTRY,
+                        tenant="acme",
+                        engine_id="d0",
+                        model=MODEL,
+                        conversation_key=conv,
+                        ttl=Duration(seconds=300),
+                    ),
+                    timeout=5,
+                )
+                await registry.RegisterEntry(
+                    registry_pb2.RegisterEntryRequest(
+                        request_id=f"rq-{conv}",
+                        entry=registry_pb2.Entry(
+                            key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key=conv),
+                            engine_id="d0",
+                            engine_request_id=f"r-{conv}",
+                            block_ids=[types_pb2.BlockIds(ids=[1, 2, 3, 4])],
+                            block_size=BLOCK,
+                            token_count=4 * BLOCK,
+                            block_hashes=chain(tokens, "acme"),
+                            lease_id=lease.lease.lease_id,
+                            epoch=1,
+                        ),
+                    ),
+                    timeout=2,
+                )
                 acked.append(conv)
             except grpc.aio.AioRpcError as exc:
                 errors[exc.code().name] = errors.get(exc.code().name, 0) + 1
@@ -106,8 +142,12 @@ async def test_registry_kill9_under_load_loses_nothing_acknowledged(
     lost = []
     for conv in acked:
         try:
-            await registry.GetEntry(registry_pb2.GetEntryRequest(
-                key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key=conv)), timeout=5)
+            await registry.GetEntry(
+                registry_pb2.GetEntryRequest(
+                    key=registry_pb2.EntryKey(tenant="acme", model=MODEL, conversation_key=conv)
+                ),
+                timeout=5,
+            )
         except grpc.aio.AioRpcError as exc:
             lost.append((conv, from_rpc_error(exc).reason))
     print(f"registry kill -9: acknowledged={len(acked)} lost={len(lost)} client errors={errors}")
@@ -165,10 +205,11 @@ async def test_etcd_quorum_lost_then_restored(etcd_cluster: EtcdCluster) -> None
                 _, verdicts, w = await conversation(stack, f"c-after-{int(time.monotonic() * 1000)}", 2)
                 outage_wrong += w
                 recovered = verdicts[-1].startswith("hit;")
-            print(f"quorum lost: {outage_turns} turns in {outage_s:.1f}s, wrong answers={outage_wrong}, "
-                  f"recovered={recovered}")
+            print(
+                f"quorum lost: {outage_turns} turns in {outage_s:.1f}s, wrong answers={outage_wrong}, "
+                f"recovered={recovered}"
+            )
             assert outage_wrong == 0
             assert recovered
     finally:
         await store.close()
-

@@ -45,8 +45,15 @@ class GatewayRig:
 
 
 def _engine(sim: SimServer) -> dict[str, object]:
-    return {"url": sim.url, "model": MODEL, "engine_id": sim.cfg.engine_id, "kv_host": "127.0.0.1",
-            "kv_port": sim.cfg.port, "block_size": BLOCK, "register_in_registry": True}
+    return {
+        "url": sim.url,
+        "model": MODEL,
+        "engine_id": sim.cfg.engine_id,
+        "kv_host": "127.0.0.1",
+        "kv_port": sim.cfg.port,
+        "block_size": BLOCK,
+        "register_in_registry": True,
+    }
 
 
 @pytest.fixture
@@ -54,17 +61,23 @@ async def rig(etcd_server: EtcdServer, tmp_path: Path) -> AsyncIterator[GatewayR
     lease = lease_process(etcd_server.endpoint, tmp_path)
     registry = registry_process(etcd_server.endpoint, lease.target, tmp_path)
     p = SimServer(SimConfig(role="prefill", engine_id="p0", model=MODEL, block_size=BLOCK))
-    d = SimServer(SimConfig(role="decode", engine_id="d0", model=MODEL, block_size=BLOCK,
-                            decode_us_per_token=TOKEN_S * 1e6))
+    d = SimServer(
+        SimConfig(role="decode", engine_id="d0", model=MODEL, block_size=BLOCK, decode_us_per_token=TOKEN_S * 1e6)
+    )
     http_port = free_port()
-    env = service_env(etcd_server.endpoint, KVBRIDGE_GATEWAY_HTTP_PORT=str(http_port),
-                      KVBRIDGE_GATEWAY_REGISTRY_ADDRESS=registry.target, KVBRIDGE_GATEWAY_LEASE_ADDRESS=lease.target,
-                      KVBRIDGE_GATEWAY_HASH_SECRET_HEX=SECRET_HEX, KVBRIDGE_GATEWAY_DEFAULT_BLOCK_SIZE=str(BLOCK),
-                      KVBRIDGE_GATEWAY_REUSE_THRESHOLD_TOKENS=str(BLOCK),
-                      KVBRIDGE_GATEWAY_ENGINES_FROM_REGISTRY="false",
-                      KVBRIDGE_GATEWAY_ENTRY_LEASE_TTL_S=str(ENTRY_TTL_S),
-                      KVBRIDGE_GATEWAY_PREFILL_ENGINES=json.dumps([_engine(p)]),
-                      KVBRIDGE_GATEWAY_DECODE_ENGINES=json.dumps([_engine(d)]))
+    env = service_env(
+        etcd_server.endpoint,
+        KVBRIDGE_GATEWAY_HTTP_PORT=str(http_port),
+        KVBRIDGE_GATEWAY_REGISTRY_ADDRESS=registry.target,
+        KVBRIDGE_GATEWAY_LEASE_ADDRESS=lease.target,
+        KVBRIDGE_GATEWAY_HASH_SECRET_HEX=SECRET_HEX,
+        KVBRIDGE_GATEWAY_DEFAULT_BLOCK_SIZE=str(BLOCK),
+        KVBRIDGE_GATEWAY_REUSE_THRESHOLD_TOKENS=str(BLOCK),
+        KVBRIDGE_GATEWAY_ENGINES_FROM_REGISTRY="false",
+        KVBRIDGE_GATEWAY_ENTRY_LEASE_TTL_S=str(ENTRY_TTL_S),
+        KVBRIDGE_GATEWAY_PREFILL_ENGINES=json.dumps([_engine(p)]),
+        KVBRIDGE_GATEWAY_DECODE_ENGINES=json.dumps([_engine(d)]),
+    )
     gateway = ServiceProcess("kvbridge_services.gateway", env, tmp_path, port_var="KVBRIDGE_GATEWAY_GRPC_PORT")
     await p.__aenter__()
     await d.__aenter__()
@@ -73,8 +86,14 @@ async def rig(etcd_server: EtcdServer, tmp_path: Path) -> AsyncIterator[GatewayR
         registry.start()
         gateway.start()
         async with grpc.aio.insecure_channel(registry.target) as rch, grpc.aio.insecure_channel(lease.target) as lch:
-            yield GatewayRig(gateway, f"http://127.0.0.1:{http_port}", p, d,
-                             registry_pb2_grpc.RegistryServiceStub(rch), lease_pb2_grpc.LeaseServiceStub(lch))
+            yield GatewayRig(
+                gateway,
+                f"http://127.0.0.1:{http_port}",
+                p,
+                d,
+                registry_pb2_grpc.RegistryServiceStub(rch),
+                lease_pb2_grpc.LeaseServiceStub(lch),
+            )
     finally:
         gateway.stop()
         registry.stop()
@@ -86,8 +105,10 @@ async def rig(etcd_server: EtcdServer, tmp_path: Path) -> AsyncIterator[GatewayR
 async def _turn(http: httpx.AsyncClient, msgs: list[dict[str, str]], conv: str) -> tuple[str, str]:
     async with asyncio.timeout(60):  # the gateway may still be registering its engines after a start
         while True:
-            r = await http.post("/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 6,
-                                                              "conversation_id": conv})
+            r = await http.post(
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": msgs, "max_tokens": 6, "conversation_id": conv},
+            )
             if r.status_code != 503:
                 break
             await asyncio.sleep(0.3)
@@ -121,9 +142,11 @@ async def test_gateway_kill9_mid_stream(rig: GatewayRig) -> None:
         error: str | None = None
         killed_at = 0.0
         try:
-            async with http.stream("POST", "/v1/chat/completions", json={
-                    "model": MODEL, "messages": msgs, "max_tokens": 40, "conversation_id": conv,
-                    "stream": True}) as r:
+            async with http.stream(
+                "POST",
+                "/v1/chat/completions",
+                json={"model": MODEL, "messages": msgs, "max_tokens": 40, "conversation_id": conv, "stream": True},
+            ) as r:
                 assert r.status_code == 200
                 async for line in r.aiter_lines():
                     if line.startswith("data: "):
@@ -134,23 +157,28 @@ async def test_gateway_kill9_mid_stream(rig: GatewayRig) -> None:
         except httpx.HTTPError as exc:
             error = type(exc).__name__
         ended_after = time.monotonic() - killed_at
-        print(f"\ngateway kill -9 mid-stream: {len(frames)} frames, then {error or 'a clean end'} "
-              f"{ended_after:.2f}s after the kill")
+        print(
+            f"\ngateway kill -9 mid-stream: {len(frames)} frames, then {error or 'a clean end'} "
+            f"{ended_after:.2f}s after the kill"
+        )
         assert killed_at and error is not None, frames  # the stream broke: an error, not a (truncated) success
         assert "data: [DONE]" not in frames
         assert ended_after < 10
 
         await asyncio.sleep(ENTRY_TTL_S + 3.0)  # every entry lease the dead gateway held has lapsed
         entries_after, dangling = await _dangling(rig)
-        print(f"registry after the entry TTL: {entries_before} entries before the kill, {entries_after} after; "
-              f"entries naming an ended lease: {dangling}")
+        print(
+            f"registry after the entry TTL: {entries_before} entries before the kill, {entries_after} after; "
+            f"entries naming an ended lease: {dangling}"
+        )
         assert dangling == [] and entries_before >= 1
 
         rig.gateway.start()  # same ports
         answer, verdict = await _turn(http, msgs, conv)
         async with httpx.AsyncClient() as direct:
-            ref = await direct.post(rig.decode.url + "/v1/chat/completions",
-                                    json={"model": MODEL, "messages": msgs, "max_tokens": 6})
+            ref = await direct.post(
+                rig.decode.url + "/v1/chat/completions", json={"model": MODEL, "messages": msgs, "max_tokens": 6}
+            )
         expected = ref.json()["choices"][0]["message"]["content"]
         print(f"restarted gateway: next turn {verdict}, answer correct={answer == expected}")
         assert answer == expected

@@ -70,21 +70,34 @@ async def test_lease_leader_kill9_follower_takes_over(replicas: list[ServiceProc
     # (its NOT_LEADER names the leader and the SDK redirects there, before the leader dies; after the kill the
     # client and the Heartbeater fall back from that dead address to the configured target).
     order = [leader, follower] if first_contact == "leader" else [follower, leader]
-    client = LeaseClient(f"ipv4:{order[0].target},{order[1].target}",
-                         ClientOptions(timeout_s=2, max_attempts=30, backoff_max_s=0.5))
+    client = LeaseClient(
+        f"ipv4:{order[0].target},{order[1].target}", ClientOptions(timeout_s=2, max_attempts=30, backoff_max_s=0.5)
+    )
     lost: list[int] = []
     beat = Heartbeater(client, interval_s=0.5, on_lost=lambda s: lost.append(s.lease_id))
     try:
         acked = []
         for i in range(20):
-            resp = await client.grant(kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="d0",
-                                      model="sim-model", conversation_key=f"c{i}", ttl_s=RENEWED_TTL_S,
-                                      request_id=f"rq-{i}")
+            resp = await client.grant(
+                kind=lease_pb2.LEASE_KIND_ENTRY,
+                tenant="acme",
+                engine_id="d0",
+                model="sim-model",
+                conversation_key=f"c{i}",
+                ttl_s=RENEWED_TTL_S,
+                request_id=f"rq-{i}",
+            )
             acked.append(resp.lease.lease_id)
             beat.add_lease(resp.lease.lease_id)
         beat.start()
-        orphan = await client.grant(kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="d0",
-                                    model="sim-model", conversation_key="orphan", ttl_s=ORPHAN_TTL_S)
+        orphan = await client.grant(
+            kind=lease_pb2.LEASE_KIND_ENTRY,
+            tenant="acme",
+            engine_id="d0",
+            model="sim-model",
+            conversation_key="orphan",
+            ttl_s=ORPHAN_TTL_S,
+        )
         await asyncio.sleep(1.0)
         streams_before = beat.streams_opened
 
@@ -96,10 +109,12 @@ async def test_lease_leader_kill9_follower_takes_over(replicas: list[ServiceProc
         orphan_late_s = gone_at - (killed_at - 1.0 + ORPHAN_TTL_S)  # vs. its deadline before the failover
         await asyncio.sleep(max(0.0, killed_at + 3 * RENEWED_TTL_S - time.monotonic()))  # past every TTL
         alive = [(await client.get(lease_id)).lease_id for lease_id in acked]
-        print(f"\nlease-manager leader kill -9: failover {failover_s:.2f}s (leader TTL {LEADER_TTL_S}s); "
-              f"acknowledged leases alive {len(alive)}/{len(acked)}; KeepAlive streams opened "
-              f"{beat.streams_opened} (before the kill {streams_before}); unrenewed {ORPHAN_TTL_S:.0f}s lease "
-              f"expired {gone_at - killed_at:.2f}s after the kill ({orphan_late_s:+.2f}s vs its original deadline)")
+        print(
+            f"\nlease-manager leader kill -9: failover {failover_s:.2f}s (leader TTL {LEADER_TTL_S}s); "
+            f"acknowledged leases alive {len(alive)}/{len(acked)}; KeepAlive streams opened "
+            f"{beat.streams_opened} (before the kill {streams_before}); unrenewed {ORPHAN_TTL_S:.0f}s lease "
+            f"expired {gone_at - killed_at:.2f}s after the kill ({orphan_late_s:+.2f}s vs its original deadline)"
+        )
         assert alive == acked and lost == []
         assert beat.streams_opened > streams_before  # the stream broke with the leader and was re-opened
         assert gone_at - served_at <= ORPHAN_TTL_S + 2.0  # at most one TTL after the takeover (+ slack)

@@ -25,13 +25,20 @@ from .pki import make_pki
 def _tls(tmp_path: Path) -> tuple[ServerSettings, PeerTlsSettings, PeerTlsSettings, ClientOptions]:
     pki = make_pki()
     files = pki.write(tmp_path)
-    server = ServerSettings(tls_cert_file=files["server_cert"], tls_key_file=files["server_key"],
-                            tls_client_ca_file=files["ca_pem"])
-    peer = PeerTlsSettings(ca_file=files["ca_pem"], cert_file=files["client_cert"], key_file=files["client_key"],
-                           server_name="localhost")
+    server = ServerSettings(
+        tls_cert_file=files["server_cert"], tls_key_file=files["server_key"], tls_client_ca_file=files["ca_pem"]
+    )
+    peer = PeerTlsSettings(
+        ca_file=files["ca_pem"], cert_file=files["client_cert"], key_file=files["client_key"], server_name="localhost"
+    )
     no_cert = PeerTlsSettings(ca_file=files["ca_pem"], server_name="localhost")
-    sdk = ClientOptions(root_certificates=pki.ca_pem, client_certificate_chain=pki.client_cert,
-                        client_private_key=pki.client_key, tls_server_name="localhost", timeout_s=3)
+    sdk = ClientOptions(
+        root_certificates=pki.ca_pem,
+        client_certificate_chain=pki.client_cert,
+        client_private_key=pki.client_key,
+        tls_server_name="localhost",
+        timeout_s=3,
+    )
     return server, peer, no_cert, sdk
 
 

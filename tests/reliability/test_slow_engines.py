@@ -62,8 +62,10 @@ async def test_hung_prefill_engine_turns_end_within_the_deadline() -> None:
             else:
                 outcomes.append((r.status_code, _error_code(r), took))
         stalled = (await httpx.AsyncClient().get(hung.url + "/sim/stats")).json()["stalled"]
-        print(f"\nhung prefill (1 of 2 P, deadline {DEADLINE_S}s): outcomes {outcomes}; the hung one stalled {stalled} "
-              f"requests; wrong answers {wrong}")
+        print(
+            f"\nhung prefill (1 of 2 P, deadline {DEADLINE_S}s): outcomes {outcomes}; the hung one stalled {stalled} "
+            f"requests; wrong answers {wrong}"
+        )
         assert stalled > 0  # the hung engine was really tried
         # ... and then ejected: it answers /health, but after a timeout it gets no new turns for a while.
         assert stalled <= 2, f"{stalled} requests went to the hung prefill engine"
@@ -78,8 +80,13 @@ async def test_hung_prefill_engine_turns_end_within_the_deadline() -> None:
 async def _leases_and_entry(stack: Stack, conv: str) -> tuple[int, bool]:
     leases = await call(stack.lease_stub.ListLeases, lease_pb2.ListLeasesRequest(page_size=1000), None)
     try:
-        await call(stack.registry_stub.GetEntry, registry_pb2.GetEntryRequest(key=registry_pb2.EntryKey(
-            tenant="default", model=MODEL, conversation_key=conv)), None)
+        await call(
+            stack.registry_stub.GetEntry,
+            registry_pb2.GetEntryRequest(
+                key=registry_pb2.EntryKey(tenant="default", model=MODEL, conversation_key=conv)
+            ),
+            None,
+        )
         has_entry = True
     except NotFound:
         has_entry = False
@@ -95,8 +102,9 @@ async def test_hung_decode_engine_gives_a_clean_timeout(stream: bool) -> None:
         stack.decode[0].cfg.stall_s, stack.decode[0].cfg.stall_after_tokens = 120.0, 2  # stuck after 2 tokens
         started = time.monotonic()
         if stream:
-            async with stack.client.stream("POST", "/v1/chat/completions",
-                                           json=_body(msgs, "c-hung-d", stream=True)) as r:
+            async with stack.client.stream(
+                "POST", "/v1/chat/completions", json=_body(msgs, "c-hung-d", stream=True)
+            ) as r:
                 status = r.status_code
                 frames = [line async for line in r.aiter_lines() if line.startswith("data: ")]
             took = time.monotonic() - started
@@ -133,13 +141,16 @@ async def test_slow_decode_engine_does_not_block_other_conversations() -> None:
         # c-slow's next turn reuses its KV on the slow engine; six new conversations start meanwhile.
         slow_task = asyncio.create_task(timed(msgs, "c-slow"))
         await asyncio.sleep(0.2)
-        others = await asyncio.gather(*(timed([{"role": "user", "content": f"{LONG} q{i}"}], f"c-new-{i}")
-                                        for i in range(6)))
+        others = await asyncio.gather(
+            *(timed([{"role": "user", "content": f"{LONG} q{i}"}], f"c-new-{i}") for i in range(6))
+        )
         slow_took, slow_verdict, slow_done_at = await slow_task
         stalled = slow.engine.stats.stalled
-        print(f"\nslow decode (1 of 2 D, {slow_s}s per answer): its conversation's turn took {slow_took:.2f}s "
-              f"({slow_verdict}); 6 new conversations took {sorted(round(t, 2) for t, _, _ in others)} s; "
-              f"{stalled} turns stalled on the slow engine")
+        print(
+            f"\nslow decode (1 of 2 D, {slow_s}s per answer): its conversation's turn took {slow_took:.2f}s "
+            f"({slow_verdict}); 6 new conversations took {sorted(round(t, 2) for t, _, _ in others)} s; "
+            f"{stalled} turns stalled on the slow engine"
+        )
         assert slow_verdict.startswith("hit") and slow_took >= slow_s  # really served by the slow engine
         quick = [done for took, _, done in others if took < slow_s / 2]
         assert len(quick) >= 6 - (stalled - 1), others  # every new turn not on the slow engine was quick ...
@@ -152,5 +163,6 @@ async def _turn(stack: Stack, msgs: list[dict[str, str]], conv: str) -> tuple[li
     assert r.status_code == 200, r.text
     answer = str(r.json()["choices"][0]["message"]["content"])
     await stack.gateway.core.router.drain()
-    return [*msgs, {"role": "assistant", "content": answer}, {"role": "user", "content": "more"}], \
-        r.headers["x-kvbridge-reuse"]
+    return [*msgs, {"role": "assistant", "content": answer}, {"role": "user", "content": "more"}], r.headers[
+        "x-kvbridge-reuse"
+    ]

@@ -30,14 +30,28 @@ async def _observe(stack: SecureStack, conv: str) -> list[Any]:
     """Everything globex can observe about ``conv``: response bytes, or (code, reason, details, trailers)."""
     reg = stack.registry
     probes: list[tuple[Any, Any]] = [
-        (reg.LookupEntry, registry_pb2.LookupEntryRequest(model=MODEL, conversation_key=conv,
-                                                          block_hashes=chain(TOKENS, "acme"), block_size=BLOCK)),
-        (reg.LookupEntry, registry_pb2.LookupEntryRequest(model=MODEL, conversation_key=conv,
-                                                          block_hashes=chain(TOKENS, "globex"), block_size=BLOCK)),
-        (reg.LookupEntry, registry_pb2.LookupEntryRequest(model=MODEL, block_hashes=chain(TOKENS, "globex"),
-                                                          block_size=BLOCK)),
-        (reg.LookupEntry, registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key=conv,
-                                                          block_hashes=chain(TOKENS, "acme"), block_size=BLOCK)),
+        (
+            reg.LookupEntry,
+            registry_pb2.LookupEntryRequest(
+                model=MODEL, conversation_key=conv, block_hashes=chain(TOKENS, "acme"), block_size=BLOCK
+            ),
+        ),
+        (
+            reg.LookupEntry,
+            registry_pb2.LookupEntryRequest(
+                model=MODEL, conversation_key=conv, block_hashes=chain(TOKENS, "globex"), block_size=BLOCK
+            ),
+        ),
+        (
+            reg.LookupEntry,
+            registry_pb2.LookupEntryRequest(model=MODEL, block_hashes=chain(TOKENS, "globex"), block_size=BLOCK),
+        ),
+        (
+            reg.LookupEntry,
+            registry_pb2.LookupEntryRequest(
+                tenant="acme", model=MODEL, conversation_key=conv, block_hashes=chain(TOKENS, "acme"), block_size=BLOCK
+            ),
+        ),
         (reg.GetEntry, registry_pb2.GetEntryRequest(key=_key("", conv))),
         (reg.GetEntry, registry_pb2.GetEntryRequest(key=_key("acme", conv))),
         (reg.DeleteEntry, registry_pb2.DeleteEntryRequest(key=_key("", conv))),
@@ -68,21 +82,31 @@ async def test_no_oracle_in_responses(secure: SecureStack) -> None:
 async def test_by_key_every_rpc(secure: SecureStack) -> None:
     await secure.register("acme", "c1", TOKENS)
     reg = secure.registry
-    look = await call(reg.LookupEntry, registry_pb2.LookupEntryRequest(
-        model=MODEL, conversation_key="c1", block_hashes=chain(TOKENS, "acme"), block_size=BLOCK), GLOBEX_KEY)
+    look = await call(
+        reg.LookupEntry,
+        registry_pb2.LookupEntryRequest(
+            model=MODEL, conversation_key="c1", block_hashes=chain(TOKENS, "acme"), block_size=BLOCK
+        ),
+        GLOBEX_KEY,
+    )
     assert look.verdict == registry_pb2.LOOKUP_VERDICT_NOT_FOUND and not look.HasField("location")
     # Naming another tenant in a lookup: the servicer refuses (the credentials bind the tenant).
     with pytest.raises(KvbridgeError) as info:
-        await call(reg.LookupEntry, registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key="c1",
-                                                                    block_size=BLOCK), GLOBEX_KEY)
+        await call(
+            reg.LookupEntry,
+            registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key="c1", block_size=BLOCK),
+            GLOBEX_KEY,
+        )
     assert info.value.reason == Reason.TENANT_FORBIDDEN.value and info.value.metadata.get("field") == "tenant"
     # Reading, listing, deleting and watching entries are not tenant RPCs at all (the authorization table),
     # whichever tenant the request names.
-    for fn, req in ((reg.GetEntry, registry_pb2.GetEntryRequest(key=_key("acme", "c1"))),
-                    (reg.GetEntry, registry_pb2.GetEntryRequest(key=_key("", "c1"))),
-                    (reg.DeleteEntry, registry_pb2.DeleteEntryRequest(key=_key("acme", "c1"))),
-                    (reg.ListEntries, registry_pb2.ListEntriesRequest(tenant="acme")),
-                    (reg.ListEntries, registry_pb2.ListEntriesRequest())):
+    for fn, req in (
+        (reg.GetEntry, registry_pb2.GetEntryRequest(key=_key("acme", "c1"))),
+        (reg.GetEntry, registry_pb2.GetEntryRequest(key=_key("", "c1"))),
+        (reg.DeleteEntry, registry_pb2.DeleteEntryRequest(key=_key("acme", "c1"))),
+        (reg.ListEntries, registry_pb2.ListEntriesRequest(tenant="acme")),
+        (reg.ListEntries, registry_pb2.ListEntriesRequest()),
+    ):
         with pytest.raises(KvbridgeError) as info:
             await call(fn, req, GLOBEX_KEY)
         assert info.value.reason == Reason.TENANT_FORBIDDEN.value and "method" in info.value.metadata
@@ -92,9 +116,11 @@ async def test_by_key_every_rpc(secure: SecureStack) -> None:
                 pass
         assert raw.value.code() is grpc.StatusCode.PERMISSION_DENIED
     # Acme's entry is intact, and a gateway-role watch scoped to globex never carries acme's entries.
-    stream = reg.WatchEntries(registry_pb2.WatchEntriesRequest(tenant="globex",
-                                                               progress_interval=Duration(nanos=300_000_000)),
-                              metadata=md(GATEWAY_KEY), timeout=5)
+    stream = reg.WatchEntries(
+        registry_pb2.WatchEntriesRequest(tenant="globex", progress_interval=Duration(nanos=300_000_000)),
+        metadata=md(GATEWAY_KEY),
+        timeout=5,
+    )
     messages = 0
     async for msg in stream:
         assert all(ev.entry.key.tenant != "acme" for ev in msg.events)
@@ -112,26 +138,34 @@ async def test_by_prefix_content(secure: SecureStack) -> None:
     """B computes A's exact token prefix (content-addressed lookup, no key): B's chain is scoped by B's tenant."""
     await secure.register("acme", "c1", TOKENS)
     for hashes in (chain(TOKENS, "globex"), chain(TOKENS, "acme")):
-        look = await call(secure.registry.LookupEntry, registry_pb2.LookupEntryRequest(
-            model=MODEL, block_hashes=hashes, block_size=BLOCK), GLOBEX_KEY)
+        look = await call(
+            secure.registry.LookupEntry,
+            registry_pb2.LookupEntryRequest(model=MODEL, block_hashes=hashes, block_size=BLOCK),
+            GLOBEX_KEY,
+        )
         assert look.verdict == registry_pb2.LOOKUP_VERDICT_NOT_FOUND, look
     # Control: A's own content lookup does find it, so the negative above is not vacuous.
-    look = await call(secure.registry.LookupEntry, registry_pb2.LookupEntryRequest(
-        model=MODEL, block_hashes=chain(TOKENS, "acme"), block_size=BLOCK), ACME_KEY)
+    look = await call(
+        secure.registry.LookupEntry,
+        registry_pb2.LookupEntryRequest(model=MODEL, block_hashes=chain(TOKENS, "acme"), block_size=BLOCK),
+        ACME_KEY,
+    )
     assert look.verdict == registry_pb2.LOOKUP_VERDICT_HIT
 
 
 async def _chat(client: httpx.AsyncClient, messages: list[dict[str, str]], conv: str) -> tuple[str, str]:
-    r = await client.post("/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8,
-                                                       "conversation_id": conv})
+    r = await client.post(
+        "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8, "conversation_id": conv}
+    )
     assert r.status_code == 200, r.text
     return str(r.json()["choices"][0]["message"]["content"]), r.headers["x-kvbridge-reuse"]
 
 
 async def _reference(stack: SecureStack, messages: list[dict[str, str]]) -> str:
     async with httpx.AsyncClient() as c:
-        r = await c.post(stack.decode.url + "/v1/chat/completions",
-                         json={"model": MODEL, "messages": messages, "max_tokens": 8})
+        r = await c.post(
+            stack.decode.url + "/v1/chat/completions", json={"model": MODEL, "messages": messages, "max_tokens": 8}
+        )
     return str(r.json()["choices"][0]["message"]["content"])
 
 

@@ -106,9 +106,12 @@ class HfText:
     def chat(self, body: dict[str, Any]) -> list[int]:
         try:
             text = self.tok.apply_chat_template(
-                body["messages"], tokenize=False, add_generation_prompt=body.get("add_generation_prompt", True),
+                body["messages"],
+                tokenize=False,
+                add_generation_prompt=body.get("add_generation_prompt", True),
                 continue_final_message=body.get("continue_final_message", False),
-                **(body.get("chat_template_kwargs") or {}))
+                **(body.get("chat_template_kwargs") or {}),
+            )
         except Exception as exc:  # a template error is the client's (HTTP 400), as in vLLM
             raise ApiError(400, f"chat template: {exc}") from exc
         return self.text(str(text), bool(body.get("add_special_tokens", False)))
@@ -269,8 +272,14 @@ class Engine:
             raise KVError("fewer remote blocks than tokens")
         url = f"http://{params['remote_host']}:{params['remote_port']}/sim/nixl/read"
         try:
-            resp = await self.http.post(url, json={"request_id": params["remote_request_id"], "block_ids": ids[:need],
-                                                   "engine_id": params.get("remote_engine_id")})
+            resp = await self.http.post(
+                url,
+                json={
+                    "request_id": params["remote_request_id"],
+                    "block_ids": ids[:need],
+                    "engine_id": params.get("remote_engine_id"),
+                },
+            )
         except httpx.HTTPError as exc:
             raise KVError(f"remote read failed: {exc}") from exc
         if resp.status_code != 200:
@@ -304,8 +313,10 @@ class Engine:
         if params.get("do_remote_prefill") and params.get("remote_block_ids"):
             n = min(int(params.get("remote_num_tokens") or len(prompt)), len(prompt))
             return await self._pull_or_recompute(prompt, params, n)
-        if params.get("do_remote_decode") and params.get("remote_block_ids") and all(
-            k in params for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port")
+        if (
+            params.get("do_remote_decode")
+            and params.get("remote_block_ids")
+            and all(k in params for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port"))
         ):
             n = min(int(params.get("remote_num_tokens") or 0), len(prompt))
             if n <= 0 or (self.cfg.kv_recompute_threshold and n < self.cfg.kv_recompute_threshold):
@@ -321,7 +332,7 @@ class Engine:
                 return prompt, 0
             raise ApiError(500, f"KV load failed: {exc}") from exc
         self.stats.remote_pulled_tokens += len(pulled)
-        return pulled + prompt[len(pulled):], len(pulled)
+        return pulled + prompt[len(pulled) :], len(pulled)
 
     def finish_params(self, kv: list[int], is_p: bool, request_id: str, computed: int) -> dict[str, Any] | None:
         """What request_finished returns: P's params for D, or D's retained blocks (bidirectional)."""
@@ -370,12 +381,19 @@ class Engine:
         is_p = bool(params and params.get("do_remote_decode"))
         kv, pulled = await self.compute_kv(prompt, params)
         request_id = f"{'cmpl' if not chat else 'chatcmpl'}-{uuid.uuid4().hex}"
-        head = {"request_id": request_id, "prompt": prompt, "pulled": pulled, "is_p": is_p,
-                "max_tokens": max_tokens, "params": params}
+        head = {
+            "request_id": request_id,
+            "prompt": prompt,
+            "pulled": pulled,
+            "is_p": is_p,
+            "max_tokens": max_tokens,
+            "params": params,
+        }
         return head, self._generate(kv, prompt, pulled, max_tokens, head)
 
-    async def _generate(self, kv: list[int], prompt: list[int], pulled: int, max_tokens: int,
-                        head: dict[str, Any]) -> AsyncIterator[dict[str, Any]]:
+    async def _generate(
+        self, kv: list[int], prompt: list[int], pulled: int, max_tokens: int, head: dict[str, Any]
+    ) -> AsyncIterator[dict[str, Any]]:
         self.stats.running += 1
         try:
             await asyncio.sleep((len(prompt) - pulled) * self.cfg.prefill_us_per_token / 1e6)
@@ -392,8 +410,9 @@ class Engine:
                 seq.append(tok)
                 yield {"token": tok, "last": i == max_tokens - 1}
             computed = len(seq) - 1 if not head["is_p"] else len(prompt)
-            head["final_params"] = self.finish_params(seq, head["is_p"], head["request_id"], computed) \
-                if head["params"] else None
+            head["final_params"] = (
+                self.finish_params(seq, head["is_p"], head["request_id"], computed) if head["params"] else None
+            )
         finally:
             self.stats.running -= 1
 
@@ -407,6 +426,7 @@ async def _collect(steps: AsyncIterator[dict[str, Any]]) -> list[int]:
 
 async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, list[int]]) -> list[int] | None:
     """``work``'s result, or None after cancelling it when the client disconnects first."""
+
     async def disconnected() -> None:
         while (await request.receive())["type"] != "http.disconnect":
             pass
@@ -425,8 +445,10 @@ async def _unless_disconnected(request: Request, work: Coroutine[Any, Any, list[
 
 
 def _error(status: int, message: str) -> JSONResponse:
-    return JSONResponse({"error": {"message": message, "type": "BadRequestError" if status < 500 else "InternalError",
-                                   "code": status}}, status_code=status)
+    return JSONResponse(
+        {"error": {"message": message, "type": "BadRequestError" if status < 500 else "InternalError", "code": status}},
+        status_code=status,
+    )
 
 
 def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
@@ -452,8 +474,10 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         obj = "chat.completion" if chat else "text_completion"
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_sse(head, steps, chat, created, want_ids, include_usage, body["model"],
-                                          engine.detok), media_type="text/event-stream")
+            return StreamingResponse(
+                _sse(head, steps, chat, created, want_ids, include_usage, body["model"], engine.detok),
+                media_type="text/event-stream",
+            )
         tokens = await _unless_disconnected(request, _collect(steps))
         if tokens is None:  # like vLLM's with_cancellation: the client left, the request is aborted
             engine.stats.cancelled += 1
@@ -467,11 +491,17 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         if want_ids:
             choice["token_ids"] = tokens
         resp: dict[str, Any] = {
-            "id": head["request_id"], "object": obj, "created": created, "model": body["model"],
+            "id": head["request_id"],
+            "object": obj,
+            "created": created,
+            "model": body["model"],
             "choices": [choice],
-            "usage": {"prompt_tokens": len(head["prompt"]), "completion_tokens": len(tokens),
-                      "total_tokens": len(head["prompt"]) + len(tokens),
-                      "prompt_tokens_details": {"cached_tokens": head["pulled"]}},
+            "usage": {
+                "prompt_tokens": len(head["prompt"]),
+                "completion_tokens": len(tokens),
+                "total_tokens": len(head["prompt"]) + len(tokens),
+                "prompt_tokens_details": {"cached_tokens": head["pulled"]},
+            },
             "kv_transfer_params": head.get("final_params"),
         }
         if want_ids:
@@ -515,11 +545,32 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         return JSONResponse({"count": len(ids), "max_model_len": cfg.max_model_len, "tokens": ids})
 
     async def models(_: Request) -> Response:
-        return JSONResponse({"object": "list", "data": [
-            {"id": cfg.model, "object": "model", "created": 0, "owned_by": "engine-sim",
-             "max_model_len": cfg.max_model_len, "parent": None},
-            *({"id": name, "object": "model", "created": 0, "owned_by": "engine-sim",
-               "max_model_len": cfg.max_model_len, "parent": cfg.model} for name in cfg.lora_adapters)]})
+        return JSONResponse(
+            {
+                "object": "list",
+                "data": [
+                    {
+                        "id": cfg.model,
+                        "object": "model",
+                        "created": 0,
+                        "owned_by": "engine-sim",
+                        "max_model_len": cfg.max_model_len,
+                        "parent": None,
+                    },
+                    *(
+                        {
+                            "id": name,
+                            "object": "model",
+                            "created": 0,
+                            "owned_by": "engine-sim",
+                            "max_model_len": cfg.max_model_len,
+                            "parent": cfg.model,
+                        }
+                        for name in cfg.lora_adapters
+                    ),
+                ],
+            }
+        )
 
     async def health(_: Request) -> Response:
         return Response(status_code=200)
@@ -527,9 +578,12 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
     async def metrics(_: Request) -> Response:
         labels = f'engine="0",model_name="{cfg.model}"'
         lines = [
-            "# TYPE vllm:kv_cache_usage_perc gauge", f"vllm:kv_cache_usage_perc{{{labels}}} {engine.kv.usage()}",
-            "# TYPE vllm:num_requests_running gauge", f"vllm:num_requests_running{{{labels}}} {engine.stats.running}",
-            "# TYPE vllm:num_requests_waiting gauge", f"vllm:num_requests_waiting{{{labels}}} 0",
+            "# TYPE vllm:kv_cache_usage_perc gauge",
+            f"vllm:kv_cache_usage_perc{{{labels}}} {engine.kv.usage()}",
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} {engine.stats.running}",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels}}} 0",
             "# TYPE sim:remote_pulled_tokens_total counter",
             f"sim:remote_pulled_tokens_total{{{labels}}} {engine.stats.remote_pulled_tokens}",
         ]
@@ -550,13 +604,21 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
 
     async def stats(_: Request) -> Response:
         s = engine.stats
-        return JSONResponse({"engine_id": engine.engine_id, "requests": s.requests,
-                             "remote_pulled_tokens": s.remote_pulled_tokens, "running": s.running,
-                             "stalled": s.stalled, "cancelled": s.cancelled, "held_requests": sorted(engine.kv.held),
-                             "unsafe_reads": engine.kv.unsafe_reads,
-                             "last_kv_transfer_params": s.last_kv_transfer_params,
-                             "kv_transfer_params_seen": s.kv_transfer_params_seen,
-                             "bodies_seen": s.bodies_seen})
+        return JSONResponse(
+            {
+                "engine_id": engine.engine_id,
+                "requests": s.requests,
+                "remote_pulled_tokens": s.remote_pulled_tokens,
+                "running": s.running,
+                "stalled": s.stalled,
+                "cancelled": s.cancelled,
+                "held_requests": sorted(engine.kv.held),
+                "unsafe_reads": engine.kv.unsafe_reads,
+                "last_kv_transfer_params": s.last_kv_transfer_params,
+                "kv_transfer_params_seen": s.kv_transfer_params_seen,
+                "bodies_seen": s.bodies_seen,
+            }
+        )
 
     async def control(request: Request) -> Response:
         body = await request.json()
@@ -592,9 +654,16 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
     return Starlette(routes=routes), engine
 
 
-async def _sse(head: dict[str, Any], steps: AsyncIterator[dict[str, Any]], chat: bool, created: int,
-               want_ids: bool, include_usage: bool, model: str,
-               detok: Callable[[int], str] = detokenize) -> AsyncIterator[bytes]:
+async def _sse(
+    head: dict[str, Any],
+    steps: AsyncIterator[dict[str, Any]],
+    chat: bool,
+    created: int,
+    want_ids: bool,
+    include_usage: bool,
+    model: str,
+    detok: Callable[[int], str] = detokenize,
+) -> AsyncIterator[bytes]:
     obj = "chat.completion.chunk" if chat else "text_completion"
     n = 0
 
@@ -602,9 +671,13 @@ async def _sse(head: dict[str, Any], steps: AsyncIterator[dict[str, Any]], chat:
         return f"data: {json.dumps(payload)}\n\n".encode()
 
     if chat:
-        first: dict[str, Any] = {"id": head["request_id"], "object": obj, "created": created, "model": model,
-                                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
-                                              "finish_reason": None}]}
+        first: dict[str, Any] = {
+            "id": head["request_id"],
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}],
+        }
         if want_ids:
             first["prompt_token_ids"] = head["prompt"]
         yield frame(first)
@@ -619,12 +692,22 @@ async def _sse(head: dict[str, Any], steps: AsyncIterator[dict[str, Any]], chat:
                 choice["prompt_token_ids"] = head["prompt"]
         if want_ids:
             choice["token_ids"] = [step["token"]]
-        yield frame({"id": head["request_id"], "object": obj, "created": created, "model": model,
-                     "choices": [choice]})
+        yield frame({"id": head["request_id"], "object": obj, "created": created, "model": model, "choices": [choice]})
     if include_usage:
-        yield frame({"id": head["request_id"], "object": obj, "created": created, "model": model, "choices": [],
-                     "usage": {"prompt_tokens": len(head["prompt"]), "completion_tokens": n,
-                               "total_tokens": len(head["prompt"]) + n}})
+        yield frame(
+            {
+                "id": head["request_id"],
+                "object": obj,
+                "created": created,
+                "model": model,
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": len(head["prompt"]),
+                    "completion_tokens": n,
+                    "total_tokens": len(head["prompt"]) + n,
+                },
+            }
+        )
     yield b"data: [DONE]\n\n"
 
 
@@ -645,8 +728,9 @@ class SimServer:
             cfg.port = free_port()
         self.cfg = cfg
         self.app, self.engine = build_app(cfg)
-        self._server = uvicorn.Server(uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning",
-                                                     lifespan="off"))
+        self._server = uvicorn.Server(
+            uvicorn.Config(self.app, host=cfg.host, port=cfg.port, log_level="warning", lifespan="off")
+        )
         self._task: asyncio.Task[None] | None = None
 
     @property
@@ -671,9 +755,10 @@ class SimServer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(prog="python -m tests.tools.engine_sim",
-                                     description="vLLM OpenAI-server stand-in speaking the P/D kv_transfer_params "
-                                                 "protocol (a test tool).")
+    parser = argparse.ArgumentParser(
+        prog="python -m tests.tools.engine_sim",
+        description="vLLM OpenAI-server stand-in speaking the P/D kv_transfer_params protocol (a test tool).",
+    )
     parser.add_argument("--role", choices=["prefill", "decode", "both"], default="decode")
     parser.add_argument("--port", type=int, default=8000)
     parser.add_argument("--host", default="127.0.0.1")
@@ -681,27 +766,50 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--engine-id", default="")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--total-blocks", type=int, default=4096)
-    parser.add_argument("--max-model-len", type=int, default=SimConfig.max_model_len,
-                        help="longest prompt + max_tokens accepted (vLLM's --max-model-len)")
+    parser.add_argument(
+        "--max-model-len",
+        type=int,
+        default=SimConfig.max_model_len,
+        help="longest prompt + max_tokens accepted (vLLM's --max-model-len)",
+    )
     parser.add_argument("--vocab", type=int, default=512)
     parser.add_argument("--decoder-kv-blocks-ttl", type=float, default=480.0)
     parser.add_argument("--kv-recompute-threshold", type=int, default=0)
     parser.add_argument("--kv-load-failure-policy", choices=["fail", "recompute"], default="fail")
     parser.add_argument("--prefill-us-per-token", type=float, default=0.0)
     parser.add_argument("--decode-us-per-token", type=float, default=0.0)
-    parser.add_argument("--stall-s", type=float, default=0.0,
-                        help="slow/hung engine: pause each generation this long (0: never)")
-    parser.add_argument("--stall-after-tokens", type=int, default=0,
-                        help="where the pause happens: after this many output tokens (0: before the first)")
-    parser.add_argument("--hf-tokenizer", default="",
-                        help="directory with HF tokenizer files: tokenize and render chat prompts with it")
+    parser.add_argument(
+        "--stall-s", type=float, default=0.0, help="slow/hung engine: pause each generation this long (0: never)"
+    )
+    parser.add_argument(
+        "--stall-after-tokens",
+        type=int,
+        default=0,
+        help="where the pause happens: after this many output tokens (0: before the first)",
+    )
+    parser.add_argument(
+        "--hf-tokenizer", default="", help="directory with HF tokenizer files: tokenize and render chat prompts with it"
+    )
     a = parser.parse_args(argv)
-    cfg = SimConfig(role=a.role, model=a.model, engine_id=a.engine_id, host=a.host, port=a.port,
-                    block_size=a.block_size, total_blocks=a.total_blocks, max_model_len=a.max_model_len, vocab=a.vocab,
-                    decoder_kv_blocks_ttl=a.decoder_kv_blocks_ttl, kv_recompute_threshold=a.kv_recompute_threshold,
-                    kv_load_failure_policy=a.kv_load_failure_policy, prefill_us_per_token=a.prefill_us_per_token,
-                    decode_us_per_token=a.decode_us_per_token, stall_s=a.stall_s,
-                    stall_after_tokens=a.stall_after_tokens, hf_tokenizer=a.hf_tokenizer)
+    cfg = SimConfig(
+        role=a.role,
+        model=a.model,
+        engine_id=a.engine_id,
+        host=a.host,
+        port=a.port,
+        block_size=a.block_size,
+        total_blocks=a.total_blocks,
+        max_model_len=a.max_model_len,
+        vocab=a.vocab,
+        decoder_kv_blocks_ttl=a.decoder_kv_blocks_ttl,
+        kv_recompute_threshold=a.kv_recompute_threshold,
+        kv_load_failure_policy=a.kv_load_failure_policy,
+        prefill_us_per_token=a.prefill_us_per_token,
+        decode_us_per_token=a.decode_us_per_token,
+        stall_s=a.stall_s,
+        stall_after_tokens=a.stall_after_tokens,
+        hf_tokenizer=a.hf_tokenizer,
+    )
     app, _ = build_app(cfg)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 

@@ -57,10 +57,16 @@ def backoff_delays(options: ClientOptions) -> Iterator[float]:
         delay = min(delay * 2, options.backoff_max_s)
 
 
-def tls_channel(target: str, *, root_certificates: bytes | None, private_key: bytes | None = None,
-                certificate_chain: bytes | None = None, server_name: str | None = None,
-                options: Sequence[tuple[str, Any]] = (),
-                interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None) -> grpc.aio.Channel:
+def tls_channel(
+    target: str,
+    *,
+    root_certificates: bytes | None,
+    private_key: bytes | None = None,
+    certificate_chain: bytes | None = None,
+    server_name: str | None = None,
+    options: Sequence[tuple[str, Any]] = (),
+    interceptors: Sequence[grpc.aio.ClientInterceptor] | None = None,
+) -> grpc.aio.Channel:
     """Plaintext without root certificates; TLS with them; mutual TLS with a client certificate and key too.
 
     One place for every kvbridge gRPC client: the SDK, the services' calls to each other, the connector.
@@ -68,8 +74,9 @@ def tls_channel(target: str, *, root_certificates: bytes | None, private_key: by
     opts = list(options)
     if root_certificates is None:
         return grpc.aio.insecure_channel(target, options=opts, interceptors=interceptors)
-    creds = grpc.ssl_channel_credentials(root_certificates=root_certificates, private_key=private_key,
-                                         certificate_chain=certificate_chain)
+    creds = grpc.ssl_channel_credentials(
+        root_certificates=root_certificates, private_key=private_key, certificate_chain=certificate_chain
+    )
     if server_name:
         opts.append(("grpc.ssl_target_name_override", server_name))
     return grpc.aio.secure_channel(target, creds, options=opts, interceptors=interceptors)
@@ -80,12 +87,18 @@ def open_channel(target: str, options: ClientOptions) -> grpc.aio.Channel:
         raise ValueError("client_certificate_chain and client_private_key must be given together")
     if options.root_certificates is None and options.client_certificate_chain is not None:
         raise ValueError("a client certificate needs root_certificates (TLS)")
-    return tls_channel(target, root_certificates=options.root_certificates,
-                       private_key=options.client_private_key,
-                       certificate_chain=options.client_certificate_chain, server_name=options.tls_server_name,
-                       options=[("grpc.max_receive_message_length", options.max_message_bytes),
-                                ("grpc.max_send_message_length", options.max_message_bytes),
-                                ("grpc.keepalive_time_ms", 30_000)])
+    return tls_channel(
+        target,
+        root_certificates=options.root_certificates,
+        private_key=options.client_private_key,
+        certificate_chain=options.client_certificate_chain,
+        server_name=options.tls_server_name,
+        options=[
+            ("grpc.max_receive_message_length", options.max_message_bytes),
+            ("grpc.max_send_message_length", options.max_message_bytes),
+            ("grpc.keepalive_time_ms", 30_000),
+        ],
+    )
 
 
 # Codes of an attempt that got no answer from the server (with no ErrorInfo: the transport failed).
@@ -100,8 +113,13 @@ class BaseClient:
     replica, or a list of them) and follows the next NOT_LEADER from there.
     """
 
-    def __init__(self, target: str, options: ClientOptions | None = None, *,
-                 channel_factory: Callable[[str], grpc.aio.Channel] | None = None) -> None:
+    def __init__(
+        self,
+        target: str,
+        options: ClientOptions | None = None,
+        *,
+        channel_factory: Callable[[str], grpc.aio.Channel] | None = None,
+    ) -> None:
         """``channel_factory``: opens the channel to a target (the configured one, then each redirect's), for
         callers that build their own (kvbridge services: peer TLS settings, tracing interceptors); default
         ``open_channel`` with ``options``."""
@@ -183,7 +201,8 @@ class BaseClient:
         while True:
             tried = self.target
             call = getattr(self._stub(), method)(
-                request, timeout=timeout_s or opts.stream_timeout_s, metadata=opts.metadata())
+                request, timeout=timeout_s or opts.stream_timeout_s, metadata=opts.metadata()
+            )
             received = False
             try:
                 async for message in call:

@@ -84,9 +84,18 @@ class Conversation:
     its history so far (the gateway reuses KV only for a prompt that extends the previous one).
     """
 
-    def __init__(self, gateway: GatewayClient, *, model: str, key: str | None, system: str | None,
-                 history: Iterable[Mapping[str, str]], sampling: Sampling | None, cache_salt: str,
-                 leases: ConversationLeases | None) -> None:
+    def __init__(
+        self,
+        gateway: GatewayClient,
+        *,
+        model: str,
+        key: str | None,
+        system: str | None,
+        history: Iterable[Mapping[str, str]],
+        sampling: Sampling | None,
+        cache_salt: str,
+        leases: ConversationLeases | None,
+    ) -> None:
         self._gateway = gateway
         self.model = model
         self.key = key or new_conversation_key()
@@ -115,23 +124,46 @@ class Conversation:
             message["tool_call_id"] = tool_call_id
         return [*self.messages, message]
 
-    async def send(self, content: str, *, role: str = "user", name: str = "", tool_call_id: str = "",
-                   sampling: Sampling | None = None) -> Completion:
+    async def send(
+        self,
+        content: str,
+        *,
+        role: str = "user",
+        name: str = "",
+        tool_call_id: str = "",
+        sampling: Sampling | None = None,
+    ) -> Completion:
         """Sends the history plus this message; on success both it and the reply join the history."""
         messages = self._turn(content, role, name, tool_call_id)
-        result = await self._gateway.chat(messages, model=self.model, conversation_id=self.key,
-                                          sampling=sampling or self.sampling, cache_salt=self.cache_salt)
+        result = await self._gateway.chat(
+            messages,
+            model=self.model,
+            conversation_id=self.key,
+            sampling=sampling or self.sampling,
+            cache_salt=self.cache_salt,
+        )
         self.messages = [*messages, {"role": "assistant", "content": result.text}]
         return result
 
-    async def stream(self, content: str, *, role: str = "user", name: str = "", tool_call_id: str = "",
-                     sampling: Sampling | None = None) -> AsyncGenerator[pb.CreateChatCompletionResponse, None]:
+    async def stream(
+        self,
+        content: str,
+        *,
+        role: str = "user",
+        name: str = "",
+        tool_call_id: str = "",
+        sampling: Sampling | None = None,
+    ) -> AsyncGenerator[pb.CreateChatCompletionResponse, None]:
         """Like :meth:`send`, chunk by chunk; the history is updated once the whole reply arrived."""
         messages = self._turn(content, role, name, tool_call_id)
         text = ""
-        async for chunk in self._gateway.stream_chat(messages, model=self.model, conversation_id=self.key,
-                                                     sampling=sampling or self.sampling,
-                                                     cache_salt=self.cache_salt):
+        async for chunk in self._gateway.stream_chat(
+            messages,
+            model=self.model,
+            conversation_id=self.key,
+            sampling=sampling or self.sampling,
+            cache_salt=self.cache_salt,
+        ):
             text += chunk.delta_content
             yield chunk
         self.messages = [*messages, {"role": "assistant", "content": text}]

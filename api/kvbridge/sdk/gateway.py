@@ -71,15 +71,27 @@ class Completion:
 def chat_message(message: Message) -> pb.ChatMessage:
     if isinstance(message, pb.ChatMessage):
         return message
-    return pb.ChatMessage(role=message.get("role", ""), content=message.get("content", ""),
-                          name=message.get("name", ""), tool_call_id=message.get("tool_call_id", ""))
+    return pb.ChatMessage(
+        role=message.get("role", ""),
+        content=message.get("content", ""),
+        name=message.get("name", ""),
+        tool_call_id=message.get("tool_call_id", ""),
+    )
 
 
 def _as_dict(message: Message) -> dict[str, str]:
     if isinstance(message, Mapping):
         return dict(message)
-    return {k: v for k, v in (("role", message.role), ("content", message.content), ("name", message.name),
-                              ("tool_call_id", message.tool_call_id)) if v or k == "content"}
+    return {
+        k: v
+        for k, v in (
+            ("role", message.role),
+            ("content", message.content),
+            ("name", message.name),
+            ("tool_call_id", message.tool_call_id),
+        )
+        if v or k == "content"
+    }
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -137,20 +149,38 @@ class GatewayClient(BaseClient):
         """The answer's chunks as the decode engine produces them (the first carries ``reuse``, the last
         ``finish_reason`` and ``usage``). Retried on UNAVAILABLE only before the first chunk."""
         req = pb.CreateChatCompletionRequest(
-            model=model, messages=[chat_message(m) for m in messages], conversation_id=conversation_id,
-            sampling=(sampling or Sampling()).to_proto(), cache_salt=cache_salt)
+            model=model,
+            messages=[chat_message(m) for m in messages],
+            conversation_id=conversation_id,
+            sampling=(sampling or Sampling()).to_proto(),
+            cache_salt=cache_salt,
+        )
         if engine_timeout_s is not None:
             req.timeout.CopyFrom(_duration(engine_timeout_s))
         return self._server_stream("CreateChatCompletion", req, timeout_s=timeout_s)
 
-    async def chat(self, messages: Sequence[Message], *, model: str, conversation_id: str = "",
-                   sampling: Sampling | None = None, cache_salt: str = "", engine_timeout_s: float | None = None,
-                   timeout_s: float | None = None) -> Completion:
+    async def chat(
+        self,
+        messages: Sequence[Message],
+        *,
+        model: str,
+        conversation_id: str = "",
+        sampling: Sampling | None = None,
+        cache_salt: str = "",
+        engine_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> Completion:
         """The whole answer (see :meth:`stream_chat`)."""
         out = Completion()
-        async for chunk in self.stream_chat(messages, model=model, conversation_id=conversation_id,
-                                            sampling=sampling, cache_salt=cache_salt,
-                                            engine_timeout_s=engine_timeout_s, timeout_s=timeout_s):
+        async for chunk in self.stream_chat(
+            messages,
+            model=model,
+            conversation_id=conversation_id,
+            sampling=sampling,
+            cache_salt=cache_salt,
+            engine_timeout_s=engine_timeout_s,
+            timeout_s=timeout_s,
+        ):
             out.add(chunk)
         return out
 
@@ -167,8 +197,12 @@ class GatewayClient(BaseClient):
         timeout_s: float | None = None,
     ) -> AsyncGenerator[pb.CreateCompletionResponse, None]:
         """A text completion of ``prompt`` (text, or exact token ids), chunk by chunk."""
-        req = pb.CreateCompletionRequest(model=model, conversation_id=conversation_id,
-                                         sampling=(sampling or Sampling()).to_proto(), cache_salt=cache_salt)
+        req = pb.CreateCompletionRequest(
+            model=model,
+            conversation_id=conversation_id,
+            sampling=(sampling or Sampling()).to_proto(),
+            cache_salt=cache_salt,
+        )
         if isinstance(prompt, str):
             req.prompt = prompt
         else:
@@ -177,14 +211,28 @@ class GatewayClient(BaseClient):
             req.timeout.CopyFrom(_duration(engine_timeout_s))
         return self._server_stream("CreateCompletion", req, timeout_s=timeout_s)
 
-    async def complete(self, prompt: str | Sequence[int], *, model: str, conversation_id: str = "",
-                       sampling: Sampling | None = None, cache_salt: str = "",
-                       engine_timeout_s: float | None = None, timeout_s: float | None = None) -> Completion:
+    async def complete(
+        self,
+        prompt: str | Sequence[int],
+        *,
+        model: str,
+        conversation_id: str = "",
+        sampling: Sampling | None = None,
+        cache_salt: str = "",
+        engine_timeout_s: float | None = None,
+        timeout_s: float | None = None,
+    ) -> Completion:
         """The whole completion (see :meth:`stream_complete`)."""
         out = Completion()
-        async for chunk in self.stream_complete(prompt, model=model, conversation_id=conversation_id,
-                                                sampling=sampling, cache_salt=cache_salt,
-                                                engine_timeout_s=engine_timeout_s, timeout_s=timeout_s):
+        async for chunk in self.stream_complete(
+            prompt,
+            model=model,
+            conversation_id=conversation_id,
+            sampling=sampling,
+            cache_salt=cache_salt,
+            engine_timeout_s=engine_timeout_s,
+            timeout_s=timeout_s,
+        ):
             out.add(chunk)
         return out
 
@@ -199,17 +247,32 @@ class GatewayClient(BaseClient):
         resp: pb.CloseConversationResponse = await self._unary("CloseConversation", req)
         return resp.released
 
-    def conversation(self, *, model: str, key: str | None = None, system: str | None = None,
-                     history: Iterable[Message] = (), sampling: Sampling | None = None,
-                     cache_salt: str = "") -> Conversation:
+    def conversation(
+        self,
+        *,
+        model: str,
+        key: str | None = None,
+        system: str | None = None,
+        history: Iterable[Message] = (),
+        sampling: Sampling | None = None,
+        cache_salt: str = "",
+    ) -> Conversation:
         """A :class:`Conversation` on this client (a new unguessable key unless ``key`` is given;
         ``history``: the messages of an existing conversation being resumed, after ``system``).
 
         Use it as ``async with``: while open, its lease is renewed (needs ``lease_target``); on exit
         the gateway releases its KV.
         """
-        return Conversation(self, model=model, key=key, system=system, history=[_as_dict(m) for m in history],
-                            sampling=sampling, cache_salt=cache_salt, leases=self._leases)
+        return Conversation(
+            self,
+            model=model,
+            key=key,
+            system=system,
+            history=[_as_dict(m) for m in history],
+            sampling=sampling,
+            cache_salt=cache_salt,
+            leases=self._leases,
+        )
 
     async def close(self) -> None:
         if self._leases is not None:

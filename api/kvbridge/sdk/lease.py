@@ -117,8 +117,7 @@ class LeaseClient(BaseClient):
             tried = self.target
             # The request as an iterable, not call.write(): a write racing the stream's end raises
             # InvalidStateError and hides the status; this way every failure is the RpcError.
-            call = self._lease.KeepAlive(iter([req]), metadata=self.options.metadata(),
-                                         timeout=self.options.timeout_s)
+            call = self._lease.KeepAlive(iter([req]), metadata=self.options.metadata(), timeout=self.options.timeout_s)
             try:
                 resp = await call.read()
             except grpc.RpcError as exc:
@@ -245,8 +244,13 @@ class Heartbeater:
                 # Reconnects to the leader a NOT_LEADER names, or falls back from a dead redirected one.
                 self._client._follow(failure, tried, unreachable)
             if failure is not None:
-                log.warning("lease keep-alive stream to %s failed (%s); retrying in %.1fs via %s",
-                            tried, failure, backoff, self._client.target)
+                log.warning(
+                    "lease keep-alive stream to %s failed (%s); retrying in %.1fs via %s",
+                    tried,
+                    failure,
+                    backoff,
+                    self._client.target,
+                )
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 5.0)
 
@@ -296,8 +300,9 @@ class Heartbeater:
                     key = ("", c.model, c.conversation_key)
                 if status.error:
                     # Refused (malformed, or another tenant's): it will never renew, so stop sending it.
-                    log.warning("lease keep-alive refused conversation %r: %s", c.conversation_key,
-                                reason_name(status.error))
+                    log.warning(
+                        "lease keep-alive refused conversation %r: %s", c.conversation_key, reason_name(status.error)
+                    )
                     self.remove_conversation(*key)
                     if self._on_lost is not None:
                         self._on_lost(status)

@@ -22,9 +22,7 @@ class RegistryClient(BaseClient):
         return self._registry
 
     async def register_engine(self, engine: types_pb2.Engine) -> types_pb2.Engine:
-        resp: pb.RegisterEngineResponse = await self._unary(
-            "RegisterEngine", pb.RegisterEngineRequest(engine=engine)
-        )
+        resp: pb.RegisterEngineResponse = await self._unary("RegisterEngine", pb.RegisterEngineRequest(engine=engine))
         return resp.engine
 
     async def deregister_engine(self, engine_id: str) -> None:
@@ -82,6 +80,7 @@ class RegistryClient(BaseClient):
     ) -> pb.Entry:
         key = pb.EntryKey(tenant=tenant, model=model, conversation_key=conversation_key)
         resp: pb.DeleteEntryResponse = await self._unary(
-            "DeleteEntry", pb.DeleteEntryRequest(key=key, reason=reason)  # type: ignore[arg-type]
+            "DeleteEntry",
+            pb.DeleteEntryRequest(key=key, reason=reason),  # type: ignore[arg-type]
         )
         return resp.entry

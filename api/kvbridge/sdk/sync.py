@@ -167,10 +167,19 @@ class LeaseClient(SyncClient[aio_lease.LeaseClient]):
 class GatewayClient(SyncClient[aio_gateway.GatewayClient]):
     __doc__ = aio_gateway.GatewayClient.__doc__
 
-    def __init__(self, target: str, options: ClientOptions | None = None, *, lease_target: str | None = None,
-                 heartbeat_interval_s: float = 5.0) -> None:
-        super().__init__(lambda: aio_gateway.GatewayClient(
-            target, options, lease_target=lease_target, heartbeat_interval_s=heartbeat_interval_s))
+    def __init__(
+        self,
+        target: str,
+        options: ClientOptions | None = None,
+        *,
+        lease_target: str | None = None,
+        heartbeat_interval_s: float = 5.0,
+    ) -> None:
+        super().__init__(
+            lambda: aio_gateway.GatewayClient(
+                target, options, lease_target=lease_target, heartbeat_interval_s=heartbeat_interval_s
+            )
+        )
 
     chat = _blocking(aio_gateway.GatewayClient.chat)
     stream_chat = _iterating(aio_gateway.GatewayClient.stream_chat)
@@ -179,12 +188,23 @@ class GatewayClient(SyncClient[aio_gateway.GatewayClient]):
     list_models = _blocking(aio_gateway.GatewayClient.list_models)
     close_conversation = _blocking(aio_gateway.GatewayClient.close_conversation)
 
-    def conversation(self, *, model: str, key: str | None = None, system: str | None = None,
-                     history: Iterable[Message] = (), sampling: Sampling | None = None,
-                     cache_salt: str = "") -> Conversation:
+    def conversation(
+        self,
+        *,
+        model: str,
+        key: str | None = None,
+        system: str | None = None,
+        history: Iterable[Message] = (),
+        sampling: Sampling | None = None,
+        cache_salt: str = "",
+    ) -> Conversation:
         """A blocking :class:`Conversation` (see :meth:`kvbridge.sdk.GatewayClient.conversation`)."""
-        return Conversation(self._runner, self._aio.conversation(
-            model=model, key=key, system=system, history=history, sampling=sampling, cache_salt=cache_salt))
+        return Conversation(
+            self._runner,
+            self._aio.conversation(
+                model=model, key=key, system=system, history=history, sampling=sampling, cache_salt=cache_salt
+            ),
+        )
 
 
 class Conversation:
@@ -206,13 +226,28 @@ class Conversation:
     def messages(self) -> list[dict[str, str]]:
         return self.aio.messages
 
-    def send(self, content: str, *, role: str = "user", name: str = "", tool_call_id: str = "",
-             sampling: Sampling | None = None) -> Completion:
-        return self._runner.run(self.aio.send(content, role=role, name=name, tool_call_id=tool_call_id,
-                                              sampling=sampling))
+    def send(
+        self,
+        content: str,
+        *,
+        role: str = "user",
+        name: str = "",
+        tool_call_id: str = "",
+        sampling: Sampling | None = None,
+    ) -> Completion:
+        return self._runner.run(
+            self.aio.send(content, role=role, name=name, tool_call_id=tool_call_id, sampling=sampling)
+        )
 
-    def stream(self, content: str, *, role: str = "user", name: str = "", tool_call_id: str = "",
-               sampling: Sampling | None = None) -> Generator[gateway_pb2.CreateChatCompletionResponse, None, None]:
+    def stream(
+        self,
+        content: str,
+        *,
+        role: str = "user",
+        name: str = "",
+        tool_call_id: str = "",
+        sampling: Sampling | None = None,
+    ) -> Generator[gateway_pb2.CreateChatCompletionResponse, None, None]:
         async def start() -> AsyncIterator[gateway_pb2.CreateChatCompletionResponse]:
             return self.aio.stream(content, role=role, name=name, tool_call_id=tool_call_id, sampling=sampling)
 

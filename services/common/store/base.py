@@ -153,9 +153,7 @@ class Store(abc.ABC):
         ``limit`` (0: all), and the store revision they were read at."""
 
     @abc.abstractmethod
-    async def put(
-        self, key: bytes, value: bytes, *, lease: int = 0, timeout: float = DEFAULT_TIMEOUT_S
-    ) -> int:
+    async def put(self, key: bytes, value: bytes, *, lease: int = 0, timeout: float = DEFAULT_TIMEOUT_S) -> int:
         """Returns the revision of the write."""
 
     @abc.abstractmethod

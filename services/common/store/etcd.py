@@ -176,9 +176,11 @@ class EtcdStore(Store):
             raise StoreUnavailable("store is closed")
         if self._channel is None:
             tls = self._tls
-            self._channel = (self._manager.get_channel() if tls is None else
-                             self._manager.get_channel(ca_cert=tls.ca_pem, cert_key=tls.key_pem,
-                                                       cert_chain=tls.cert_pem))
+            self._channel = (
+                self._manager.get_channel()
+                if tls is None
+                else self._manager.get_channel(ca_cert=tls.ca_pem, cert_key=tls.key_pem, cert_chain=tls.cert_pem)
+            )
             # We retry ourselves, within the caller's deadline.
             self._kv_svc = KVService(self._channel, max_attempts=1)
             self._lease_svc = LeaseService(self._channel, max_attempts=1)
@@ -225,8 +227,10 @@ class EtcdStore(Store):
             await asyncio.sleep(min(backoff, max(deadline - loop.time(), 0)))
             backoff = min(backoff * 2, _MAX_BACKOFF_S)
         if last is not None and _tls_failure(last):
-            raise EtcdTlsError(f"etcd {name}: TLS handshake with etcd failed (check KVBRIDGE_ETCD_CA_FILE, "
-                                   f"KVBRIDGE_ETCD_CERT_FILE, KVBRIDGE_ETCD_KEY_FILE): {last}") from last
+            raise EtcdTlsError(
+                f"etcd {name}: TLS handshake with etcd failed (check KVBRIDGE_ETCD_CA_FILE, "
+                f"KVBRIDGE_ETCD_CERT_FILE, KVBRIDGE_ETCD_KEY_FILE): {last}"
+            ) from last
         raise StoreUnavailable(f"etcd {name}: no answer within {timeout:.3g}s ({last or 'deadline'})") from last
 
     @staticmethod

@@ -21,8 +21,15 @@ REPO = Path(__file__).resolve().parents[3]
 
 
 def _run(*args: str, timeout: float = 120, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "kvbridge_services.cli", *args], capture_output=True, text=True,
-                          timeout=timeout, check=False, env=env, cwd=REPO)
+    return subprocess.run(
+        [sys.executable, "-m", "kvbridge_services.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+        env=env,
+        cwd=REPO,
+    )
 
 
 def test_bench_help_lists_every_bench_script_with_a_description() -> None:
@@ -67,8 +74,7 @@ def test_bench_without_a_source_checkout_says_so(tmp_path: Path) -> None:
 def test_up_help_documents_engines() -> None:
     result = _run("up", "--help", timeout=30)
     assert result.returncode == 0
-    for text in ("--engines", "--engines-dir", "--engine-start-timeout", "prefill", "decode", "Ctrl-C",
-                 "exit codes"):
+    for text in ("--engines", "--engines-dir", "--engine-start-timeout", "prefill", "decode", "Ctrl-C", "exit codes"):
         assert text in result.stdout, text
 
 
@@ -85,20 +91,50 @@ def test_up_serves_until_ctrl_c_or_sigterm_then_exits_0(tmp_path: Path, stop_sig
     out, err = tmp_path / "stdout", tmp_path / "stderr"
     with out.open("wb") as stdout, err.open("wb") as stderr:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge_services.cli", "up", "--registry-port", "0", "--lease-port", "0",
-             "--gateway-http-port", str(http_port), "--gateway-grpc-port", "0"],
-            stdout=stdout, stderr=stderr, cwd=REPO)
+            [
+                sys.executable,
+                "-m",
+                "kvbridge_services.cli",
+                "up",
+                "--registry-port",
+                "0",
+                "--lease-port",
+                "0",
+                "--gateway-http-port",
+                str(http_port),
+                "--gateway-grpc-port",
+                "0",
+            ],
+            stdout=stdout,
+            stderr=stderr,
+            cwd=REPO,
+        )
     try:
         wait_for_output(err, "stack is up", proc, 120)
         printed = out.read_text()
         assert f"gateway: http://127.0.0.1:{http_port}" in printed
         addresses = dict(re.findall(r"^(registry|lease manager): (\S+)$", printed, re.MULTILINE))
         assert httpx.get(f"http://127.0.0.1:{http_port}/healthz", timeout=10).status_code == 200
-        status = _run("status", "--registry", addresses["registry"], "--lease", addresses["lease manager"],
-                      "--tenant", "acme", "--json", timeout=60)
+        status = _run(
+            "status",
+            "--registry",
+            addresses["registry"],
+            "--lease",
+            addresses["lease manager"],
+            "--tenant",
+            "acme",
+            "--json",
+            timeout=60,
+        )
         assert status.returncode == 0, status.stderr
-        assert json.loads(status.stdout) == {"registry": addresses["registry"], "lease": addresses["lease manager"],
-                                             "engines": 0, "tenant": "acme", "entries": 0, "leases": 0}
+        assert json.loads(status.stdout) == {
+            "registry": addresses["registry"],
+            "lease": addresses["lease manager"],
+            "engines": 0,
+            "tenant": "acme",
+            "entries": 0,
+            "leases": 0,
+        }
         proc.send_signal(stop_signal)
         assert proc.wait(timeout=60) == 0, err.read_text()
         assert "stopped" in err.read_text()

@@ -32,8 +32,7 @@ def _poll_until_done(watch: HealthWatch, timeout_s: float) -> None:
 def test_health_watch_reports_progress_then_healthy(tmp_path: Path) -> None:
     (tmp_path / "health").write_text("ok")  # http.server answers GET /health with 200
     port = free_port()
-    engine = _engine(tmp_path, "decode", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"],
-                     port)
+    engine = _engine(tmp_path, "decode", [sys.executable, "-m", "http.server", str(port), "--bind", "127.0.0.1"], port)
     messages: list[str] = []
     try:
         watch = HealthWatch([engine], 60, progress=messages.append, report_every_s=0)
@@ -51,8 +50,7 @@ def test_health_watch_raises_with_the_log_tail_when_an_engine_exits(tmp_path: Pa
 
 
 def test_health_watch_times_out_naming_the_engine(tmp_path: Path) -> None:
-    engine = _engine(tmp_path, "decode", [sys.executable, "-c", "import time; print('still loading'); "
-                                                                 "time.sleep(60)"])
+    engine = _engine(tmp_path, "decode", [sys.executable, "-c", "import time; print('still loading'); time.sleep(60)"])
     try:
         watch = HealthWatch([engine], 0.01, progress=lambda _m: None)
         time.sleep(0.05)
@@ -64,8 +62,10 @@ def test_health_watch_times_out_naming_the_engine(tmp_path: Path) -> None:
 
 def test_stop_engine_kills_the_whole_group_even_children_that_ignore_sigterm(tmp_path: Path) -> None:
     # A parent with a child that ignores SIGTERM (an engine core stuck in a kernel): SIGKILL after the grace.
-    child = "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('child', flush=True); " \
-            "time.sleep(300)"
+    child = (
+        "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); print('child', flush=True); "
+        "time.sleep(300)"
+    )
     parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(300)"
     engine = _engine(tmp_path, "decode", [sys.executable, "-c", parent])
     deadline = time.monotonic() + 30

@@ -12,9 +12,26 @@ from pathlib import Path
 
 def _up(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("KVBRIDGE_")}
-    return subprocess.run([sys.executable, "-m", "kvbridge_services.cli", "up", "--registry-port", "0",
-                           "--lease-port", "0", "--gateway-http-port", "0", "--gateway-grpc-port", "0"],
-                          capture_output=True, text=True, timeout=120, env={**clean, **env})
+    return subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "kvbridge_services.cli",
+            "up",
+            "--registry-port",
+            "0",
+            "--lease-port",
+            "0",
+            "--gateway-http-port",
+            "0",
+            "--gateway-grpc-port",
+            "0",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**clean, **env},
+    )
 
 
 def test_up_without_keys_refuses_a_public_address() -> None:

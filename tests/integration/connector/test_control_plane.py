@@ -35,15 +35,30 @@ def procs(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlPlaneProc
 
 def engine(engine_id: str) -> types_pb2.Engine:
     return types_pb2.Engine(
-        engine_id=engine_id, role=types_pb2.ENGINE_ROLE_DECODE, model="tiny", kv_host="127.0.0.1", kv_port=5555,
-        block_size=32, kv_group_count=1, total_kv_blocks=1000, dp_size=1, tp_size=1, pp_size=1, dcp_size=1,
+        engine_id=engine_id,
+        role=types_pb2.ENGINE_ROLE_DECODE,
+        model="tiny",
+        kv_host="127.0.0.1",
+        kv_port=5555,
+        block_size=32,
+        kv_group_count=1,
+        total_kv_blocks=1000,
+        dp_size=1,
+        tp_size=1,
+        pp_size=1,
+        dcp_size=1,
     )
 
 
 @pytest.fixture
 def plane(procs: ControlPlaneProcs, request: pytest.FixtureRequest) -> Iterator[cp.ControlPlane]:
-    settings = ConnectorSettings(registry_target=procs.registry_target, lease_target=procs.lease_target,
-                                 hash_secret=SECRET, entry_lease_ttl_s=30, node_lease_ttl_s=3)
+    settings = ConnectorSettings(
+        registry_target=procs.registry_target,
+        lease_target=procs.lease_target,
+        hash_secret=SECRET,
+        entry_lease_ttl_s=30,
+        node_lease_ttl_s=3,
+    )
     running = cp.ControlPlane(settings, engine(f"decode-{request.node.name[:40]}".replace("_", "-")))
     running.start()
     yield running
@@ -83,13 +98,19 @@ def test_connects_registers_engine_and_entry_then_follows_revocation(
         assert entry.engine_incarnation == registered.engine.node_lease_id  # bound to this process
         # The registry verifies the chain we registered: a prompt extending the tokens hits.
         chain = hashchain.chain(SECRET, "acme", "tiny", "", 32, [*TOKENS, 1, 2, 3])
-        hit = registry.LookupEntry(registry_pb2.LookupEntryRequest(
-            tenant="acme", model="tiny", conversation_key="conv-1", block_hashes=chain, block_size=32), timeout=5)
+        hit = registry.LookupEntry(
+            registry_pb2.LookupEntryRequest(
+                tenant="acme", model="tiny", conversation_key="conv-1", block_hashes=chain, block_size=32
+            ),
+            timeout=5,
+        )
         assert hit.verdict == registry_pb2.LOOKUP_VERDICT_HIT and hit.verified_tokens == 96
 
     with grpc.insecure_channel(procs.lease_target) as channel:
-        lease_pb2_grpc.LeaseServiceStub(channel).RevokeLease(lease_pb2.RevokeLeaseRequest(
-            lease_id=bound.lease_id, reason=types_pb2.REVOKE_REASON_CLIENT_CLOSED), timeout=5)
+        lease_pb2_grpc.LeaseServiceStub(channel).RevokeLease(
+            lease_pb2.RevokeLeaseRequest(lease_id=bound.lease_id, reason=types_pb2.REVOKE_REASON_CLIENT_CLOSED),
+            timeout=5,
+        )
     events = wait_events(plane, lambda ev: any(isinstance(e, cp.LeaseEnded) for e in ev))
     ended = next(e for e in events if isinstance(e, cp.LeaseEnded))
     assert ended.lease_id == bound.lease_id and ended.reason == "REVOKE_REASON_CLIENT_CLOSED"
@@ -99,8 +120,11 @@ def test_revoke_command_ends_the_lease(plane: cp.ControlPlane) -> None:
     wait_events(plane, lambda ev: any(isinstance(e, cp.Connection) and e.up for e in ev))
     conv = ConversationRef(tenant="acme", model="tiny", conversation_key="conv-2", epoch=1)
     plane.submit(cp.RegisterEntry("req-2", conv, ((1,),), TOKENS[:32], ""))
-    bound = next(e for e in wait_events(plane, lambda ev: any(isinstance(e, cp.LeaseBound) for e in ev))
-                 if isinstance(e, cp.LeaseBound))
+    bound = next(
+        e
+        for e in wait_events(plane, lambda ev: any(isinstance(e, cp.LeaseBound) for e in ev))
+        if isinstance(e, cp.LeaseBound)
+    )
     plane.submit(cp.RevokeLease(bound.lease_id, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE"))
     # Confirmed twice: by the acknowledged revoke, and by the watch's ENDED event (the retention table takes
     # the first and ignores the second).
@@ -110,16 +134,24 @@ def test_revoke_command_ends_the_lease(plane: cp.ControlPlane) -> None:
 
 
 def test_a_restart_under_the_same_engine_id_ends_the_previous_process_entries(procs: ControlPlaneProcs) -> None:
-    settings = ConnectorSettings(registry_target=procs.registry_target, lease_target=procs.lease_target,
-                                 hash_secret=SECRET, entry_lease_ttl_s=30, node_lease_ttl_s=30)
+    settings = ConnectorSettings(
+        registry_target=procs.registry_target,
+        lease_target=procs.lease_target,
+        hash_secret=SECRET,
+        entry_lease_ttl_s=30,
+        node_lease_ttl_s=30,
+    )
     conv = ConversationRef(tenant="acme", model="tiny", conversation_key="conv-restart", epoch=1)
     first = cp.ControlPlane(settings, engine("decode-restarted"))
     first.start()
     try:
         wait_events(first, lambda ev: any(isinstance(e, cp.Connection) and e.up for e in ev))
         first.submit(cp.RegisterEntry("req-r1", conv, ((4, 5, 6),), TOKENS[:96], ""))
-        bound = next(e for e in wait_events(first, lambda ev: any(isinstance(e, cp.LeaseBound) for e in ev))
-                     if isinstance(e, cp.LeaseBound))
+        bound = next(
+            e
+            for e in wait_events(first, lambda ev: any(isinstance(e, cp.LeaseBound) for e in ev))
+            if isinstance(e, cp.LeaseBound)
+        )
     finally:
         first.stop()  # the process dies; its node lease (30 s) outlives it
     second = cp.ControlPlane(settings, engine("decode-restarted"))  # a new process under the same id
@@ -127,15 +159,20 @@ def test_a_restart_under_the_same_engine_id_ends_the_previous_process_entries(pr
     try:
         wait_events(second, lambda ev: any(isinstance(e, cp.Connection) and e.up for e in ev))
         chain = hashchain.chain(SECRET, "acme", "tiny", "", 32, list(TOKENS[:96]))
-        with grpc.insecure_channel(procs.registry_target) as channel, \
-                grpc.insecure_channel(procs.lease_target) as lease_channel:
+        with (
+            grpc.insecure_channel(procs.registry_target) as channel,
+            grpc.insecure_channel(procs.lease_target) as lease_channel,
+        ):
             registry = registry_pb2_grpc.RegistryServiceStub(channel)
             leases = lease_pb2_grpc.LeaseServiceStub(lease_channel)
             deadline = time.monotonic() + 20
             while True:  # the old entry: never a hit; deleted, and its lease revoked through the lease manager
-                got = registry.LookupEntry(registry_pb2.LookupEntryRequest(
-                    tenant="acme", model="tiny", conversation_key="conv-restart", block_hashes=chain,
-                    block_size=32), timeout=5)
+                got = registry.LookupEntry(
+                    registry_pb2.LookupEntryRequest(
+                        tenant="acme", model="tiny", conversation_key="conv-restart", block_hashes=chain, block_size=32
+                    ),
+                    timeout=5,
+                )
                 assert got.verdict != registry_pb2.LOOKUP_VERDICT_HIT
                 try:
                     leases.GetLease(lease_pb2.GetLeaseRequest(lease_id=bound.lease_id), timeout=5)
@@ -149,8 +186,9 @@ def test_a_restart_under_the_same_engine_id_ends_the_previous_process_entries(pr
 
 
 def test_unreachable_control_plane_never_blocks_submit() -> None:
-    settings = ConnectorSettings(registry_target="127.0.0.1:9", lease_target="127.0.0.1:9", hash_secret=SECRET,
-                                 rpc_deadline_s=0.2, queue_size=16)
+    settings = ConnectorSettings(
+        registry_target="127.0.0.1:9", lease_target="127.0.0.1:9", hash_secret=SECRET, rpc_deadline_s=0.2, queue_size=16
+    )
     plane = cp.ControlPlane(settings, engine("decode-unreachable"))
     plane.start()
     try:

@@ -75,8 +75,11 @@ async def test_the_renewer_reopens_its_stream_after_the_lease_manager_restarts()
             await stack.lease.stop()
             renewer.touch("acme", MODEL, "c1")  # written into a dead stream or refused: best effort
             await asyncio.sleep(0.5)
-            restarted = LeaseApp(stack.lease.store, LeasePolicy(port=port, leader_ttl_s=2, leader_refresh_s=0.5),
-                                 ServerSettings(shutdown_grace_s=0.2))
+            restarted = LeaseApp(
+                stack.lease.store,
+                LeasePolicy(port=port, leader_ttl_s=2, leader_refresh_s=0.5),
+                ServerSettings(shutdown_grace_s=0.2),
+            )
             await restarted.start()
             try:
                 async with asyncio.timeout(20):
@@ -100,9 +103,15 @@ async def test_closing_right_after_a_turn_also_releases_what_that_turn_is_regist
             return await grant(**kwargs)  # type: ignore[arg-type]
 
         control.grant_lease = slow_grant  # type: ignore[method-assign]
-        r = await stack.client.post("/v1/chat/completions", json={
-            "model": MODEL, "messages": [{"role": "user", "content": LONG}], "max_tokens": 8,
-            "conversation_id": "closing"})
+        r = await stack.client.post(
+            "/v1/chat/completions",
+            json={
+                "model": MODEL,
+                "messages": [{"role": "user", "content": LONG}],
+                "max_tokens": 8,
+                "conversation_id": "closing",
+            },
+        )
         assert r.status_code == 200, r.text
         async with GatewayClient(stack.gateway.grpc_address, ClientOptions(api_key="key-acme")) as gw:
             assert await gw.close_conversation(model=MODEL, conversation_id="closing")

@@ -16,8 +16,7 @@ TENANT = "acme"
 
 
 def lookups(stack: Stack, source: str) -> float:
-    value = stack.gateway.core.metrics.registry.get_sample_value("kvbridge_gateway_lookups_total",
-                                                                 {"source": source})
+    value = stack.gateway.core.metrics.registry.get_sample_value("kvbridge_gateway_lookups_total", {"source": source})
     return value or 0.0
 
 
@@ -36,8 +35,7 @@ async def wait_for_epoch(stack: Stack, conv: str, *, present: bool = True) -> No
             if not present and held is None:
                 return
             if present and held is not None and mirror.in_sync():
-                stored = await stack.gateway.core.control.entry_epoch(tenant=TENANT, model=MODEL,
-                                                                      conversation_key=conv)
+                stored = await stack.gateway.core.control.entry_epoch(tenant=TENANT, model=MODEL, conversation_key=conv)
                 if held.entry.epoch == stored:
                     return
             await asyncio.sleep(0.02)
@@ -102,12 +100,25 @@ async def test_the_mirror_loads_a_multi_page_snapshot(stack: Stack) -> None:
     for i in range(620):  # registered directly: what D's connectors would have registered
         entry = registry_pb2.Entry(
             key=registry_pb2.EntryKey(tenant=f"t{i % 4}", model=MODEL, conversation_key=f"bulk-{i}"),
-            engine_id="d0", engine_request_id=f"r{i}", block_ids=[], block_size=16, token_count=16,
-            block_hashes=[bytes([i % 256]) * 16], chain_stride=1, final_block_hash=bytes([i % 256]) * 16,
-            lease_id=await control.grant_lease(kind=lease_pb2.LEASE_KIND_ENTRY, tenant=f"t{i % 4}", engine_id="d0",
-                                               model=MODEL, conversation_key=f"bulk-{i}", retained_tokens=16,
-                                               ttl_s=60),
-            epoch=1)
+            engine_id="d0",
+            engine_request_id=f"r{i}",
+            block_ids=[],
+            block_size=16,
+            token_count=16,
+            block_hashes=[bytes([i % 256]) * 16],
+            chain_stride=1,
+            final_block_hash=bytes([i % 256]) * 16,
+            lease_id=await control.grant_lease(
+                kind=lease_pb2.LEASE_KIND_ENTRY,
+                tenant=f"t{i % 4}",
+                engine_id="d0",
+                model=MODEL,
+                conversation_key=f"bulk-{i}",
+                retained_tokens=16,
+                ttl_s=60,
+            ),
+            epoch=1,
+        )
         entry.block_ids.add(ids=[i])
         await control.register_entry(entry)
     async for message in control.watch_entries(progress_interval_s=1.0, lifetime_s=10.0):

@@ -13,16 +13,25 @@ from .test_gateway_reuse import LONG, reference
 async def test_openai_sdk_non_streaming_and_streaming(stack: Stack) -> None:
     client = openai.AsyncOpenAI(base_url=stack.gateway.http_url + "/v1", api_key="key-acme")
     msgs = [{"role": "user", "content": LONG}]
-    resp = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=6,  # type: ignore[arg-type]
-                                                extra_body={"conversation_id": "sdk-1"})
+    resp = await client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=6,  # type: ignore[arg-type]
+        extra_body={"conversation_id": "sdk-1"},
+    )
     text = resp.choices[0].message.content
     assert text == await reference(stack, msgs, max_tokens=6)
     models = await client.models.list()
     assert [m.id for m in models.data] == [MODEL]
     await stack.settle()
     msgs += [{"role": "assistant", "content": text}, {"role": "user", "content": "again"}]
-    stream = await client.chat.completions.create(model=MODEL, messages=msgs, max_tokens=8, stream=True,  # type: ignore[arg-type]
-                                                  extra_headers={"X-Session-ID": "sdk-1"})
+    stream = await client.chat.completions.create(
+        model=MODEL,
+        messages=msgs,
+        max_tokens=8,
+        stream=True,  # type: ignore[arg-type]
+        extra_headers={"X-Session-ID": "sdk-1"},
+    )
     parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]
     assert "".join(parts) == await reference(stack, msgs)
     completion = await client.completions.create(model=MODEL, prompt=list(range(10, 90)), max_tokens=4)
@@ -35,8 +44,11 @@ async def test_grpc_gateway_streams_with_reuse_report(stack: Stack) -> None:
         stub = gateway_pb2_grpc.GatewayServiceStub(ch)
         md = (("authorization", "Bearer key-acme"),)
         req = gateway_pb2.CreateChatCompletionRequest(
-            model=MODEL, conversation_id="g-1", messages=[gateway_pb2.ChatMessage(role="user", content=LONG)],
-            sampling=gateway_pb2.SamplingParams(max_tokens=5))
+            model=MODEL,
+            conversation_id="g-1",
+            messages=[gateway_pb2.ChatMessage(role="user", content=LONG)],
+            sampling=gateway_pb2.SamplingParams(max_tokens=5),
+        )
         msgs = [m async for m in stub.CreateChatCompletion(req, metadata=md)]
         assert msgs[0].reuse.verdict == "miss"
         text = "".join(m.delta_content for m in msgs)

@@ -26,8 +26,9 @@ async def test_client_disconnect_cancels_the_decode_upstream(stack: Stack, strea
     stack.decode.cfg.stall_s = 30.0  # D stalls after its first token, as a long generation would
     stack.decode.cfg.stall_after_tokens = 1
     d = stack.decode.engine.stats
-    client = httpx.AsyncClient(base_url=stack.gateway.http_url, headers={"authorization": "Bearer key-acme"},
-                               timeout=30)
+    client = httpx.AsyncClient(
+        base_url=stack.gateway.http_url, headers={"authorization": "Bearer key-acme"}, timeout=30
+    )
 
     async def one_turn() -> None:
         body = chat([{"role": "user", "content": LONG}], conv="gone-1", stream=stream)

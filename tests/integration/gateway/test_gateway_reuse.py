@@ -35,8 +35,11 @@ async def test_edited_history_reuses_exactly_the_blocks_before_the_edit(stack: S
     msgs = [{"role": "user", "content": LONG}]
     answer, _ = await turn(stack, msgs)
     cut = LONG.index("word90")  # late enough that the blocks before it pass the 64-token reuse threshold
-    edited = [{"role": "user", "content": LONG[:cut] + "EDITED " + LONG[cut:]},
-              {"role": "assistant", "content": answer}, {"role": "user", "content": "next"}]
+    edited = [
+        {"role": "user", "content": LONG[:cut] + "EDITED " + LONG[cut:]},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "next"},
+    ]
     before, after = await _tokens(stack, msgs), await _tokens(stack, edited)
     common = next(i for i, (a, b) in enumerate(zip(before, after, strict=False)) if a != b)
     expected = common // BLOCK * BLOCK  # the whole blocks before the first edited token, no more
@@ -51,8 +54,11 @@ async def test_edited_history_reuses_exactly_the_blocks_before_the_edit(stack: S
 async def test_other_conversations_key_yields_no_reuse_and_correct_answer(stack: Stack) -> None:
     a = [{"role": "user", "content": LONG}]
     answer_a, _ = await turn(stack, a, conv="conv-a")
-    b = [{"role": "user", "content": LONG.replace("word", "other")}, {"role": "assistant", "content": answer_a},
-         {"role": "user", "content": "hi"}]
+    b = [
+        {"role": "user", "content": LONG.replace("word", "other")},
+        {"role": "assistant", "content": answer_a},
+        {"role": "user", "content": "hi"},
+    ]
     answer_b, verdict = await turn(stack, b, conv="conv-a")  # B's prompt under A's key
     assert verdict.startswith(("declined:mismatch", "miss")), verdict
     assert answer_b == await reference(stack, b)
@@ -62,16 +68,24 @@ async def test_other_tenant_cannot_reuse(stack: Stack) -> None:
     msgs = [{"role": "user", "content": LONG}]
     answer, _ = await turn(stack, msgs, conv="shared-name")
     msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "more"}]
-    async with httpx.AsyncClient(base_url=stack.gateway.http_url, timeout=30,
-                                 headers={"authorization": "Bearer key-globex"}) as globex:
+    async with httpx.AsyncClient(
+        base_url=stack.gateway.http_url, timeout=30, headers={"authorization": "Bearer key-globex"}
+    ) as globex:
         answer2, verdict = await turn(stack, msgs, conv="shared-name", client=globex)
     assert verdict == "miss;tokens=0"
     assert answer2 == await reference(stack, msgs)
 
 
 async def test_forged_kv_transfer_params_are_stripped(stack: Stack) -> None:
-    forged = {"do_remote_prefill": True, "remote_block_ids": [[1, 2, 3]], "remote_engine_id": "evil",
-              "remote_request_id": "x", "remote_host": "10.9.9.9", "remote_port": 1, "remote_num_tokens": 48}
+    forged = {
+        "do_remote_prefill": True,
+        "remote_block_ids": [[1, 2, 3]],
+        "remote_engine_id": "evil",
+        "remote_request_id": "x",
+        "remote_host": "10.9.9.9",
+        "remote_port": 1,
+        "remote_num_tokens": 48,
+    }
     msgs = [{"role": "user", "content": LONG}]
     answer, _ = await turn(stack, msgs, kv_transfer_params=forged)
     assert answer == await reference(stack, msgs)
@@ -94,8 +108,9 @@ async def test_failed_pull_retries_without_d_params(stack: Stack) -> None:
 async def test_streaming_frames_forwarded(stack: Stack) -> None:
     msgs = [{"role": "user", "content": LONG}]
     frames = []
-    async with stack.client.stream("POST", "/v1/chat/completions",
-                                   json=chat(msgs, "conv-s", stream=True, max_tokens=5)) as r:
+    async with stack.client.stream(
+        "POST", "/v1/chat/completions", json=chat(msgs, "conv-s", stream=True, max_tokens=5)
+    ) as r:
         assert r.status_code == 200
         assert r.headers["content-type"].startswith("text/event-stream")
         assert "x-kvbridge-reuse" in r.headers
@@ -109,8 +124,9 @@ async def test_streaming_frames_forwarded(stack: Stack) -> None:
 async def test_bad_input_gives_clear_4xx(stack: Stack) -> None:
     r = await stack.client.post("/v1/chat/completions", content=b"{not json")
     assert r.status_code == 400 and r.json()["error"]["code"] == "INVALID_FIELD"
-    r = await stack.client.post("/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user",
-                                                                                             "content": "x"}]})
+    r = await stack.client.post(
+        "/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}
+    )
     assert r.status_code == 404 and r.json()["error"]["code"] == "MODEL_NOT_FOUND"
     r = await stack.client.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"

@@ -40,14 +40,18 @@ async def second_replica(stack: Stack) -> AsyncIterator[httpx.AsyncClient]:
     the second learns nothing from the first but what the registry holds)."""
     s = stack.gateway.core.settings
     unregistered = {"register_in_registry": False}
-    settings = s.model_copy(update={
-        "prefill_engines": [StaticEngine(**{**e.model_dump(), **unregistered}) for e in s.prefill_engines],
-        "decode_engines": [StaticEngine(**{**e.model_dump(), **unregistered}) for e in s.decode_engines]})
+    settings = s.model_copy(
+        update={
+            "prefill_engines": [StaticEngine(**{**e.model_dump(), **unregistered}) for e in s.prefill_engines],
+            "decode_engines": [StaticEngine(**{**e.model_dump(), **unregistered}) for e in s.decode_engines],
+        }
+    )
     gw = GatewayApp(settings, auth=Authenticator(KEYS))
     await gw.start()
     try:
-        async with httpx.AsyncClient(base_url=gw.http_url, headers={"authorization": "Bearer key-acme"},
-                                     timeout=30) as client:
+        async with httpx.AsyncClient(
+            base_url=gw.http_url, headers={"authorization": "Bearer key-acme"}, timeout=30
+        ) as client:
             yield client
     finally:
         await gw.core.router.drain()
@@ -130,8 +134,10 @@ async def test_a_multimodal_turn_is_declined_and_not_registered(stack: Stack) ->
         await stack.settle()
         assert r.headers["x-kvbridge-reuse"] == "declined:multimodal_input;tokens=0"
         assert await entry_epoch(stack, "mm1") == 0  # nothing registered: a same-size image would hash alike
-        msgs += [{"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
-                 {"role": "user", "content": f"and {i}"}]
+        msgs += [
+            {"role": "assistant", "content": r.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": f"and {i}"},
+        ]
     seen = (await stack.sim_stats(stack.decode))["kv_transfer_params_seen"][-1]
     assert seen is not None and not seen.get("kvbridge_conversation_key")  # a connector on D registers nothing
 
@@ -170,8 +176,10 @@ async def test_p_recomputing_a_pull_past_ds_deadline_is_named(stack: Stack) -> N
 async def stored_entry(stack: Stack, conv: str) -> registry_pb2.Entry:
     assert stack.registry is not None
     async with grpc.aio.insecure_channel(stack.registry.address) as channel:
-        resp = await registry_pb2_grpc.RegistryServiceStub(channel).GetEntry(registry_pb2.GetEntryRequest(
-            key=registry_pb2.EntryKey(tenant=TENANT, model=MODEL, conversation_key=conv)), timeout=5)
+        resp = await registry_pb2_grpc.RegistryServiceStub(channel).GetEntry(
+            registry_pb2.GetEntryRequest(key=registry_pb2.EntryKey(tenant=TENANT, model=MODEL, conversation_key=conv)),
+            timeout=5,
+        )
     return resp.entry
 
 
@@ -185,8 +193,10 @@ async def test_an_entry_expires_at_ds_hold_and_renewals_do_not_extend_it(stack: 
     assert sent + ttl <= expire <= time.time() + ttl  # D's hold: from when the decode request went out
     # A streamed turn (not registered) of the conversation renews its lease; a different prompt, so it pulls
     # nothing and the entry stays. The entry's deadline does not move.
-    r = await stack.client.post("/v1/chat/completions", json=chat(
-        [{"role": "user", "content": LONG.replace("word", "other")}], "e1", stream=True))
+    r = await stack.client.post(
+        "/v1/chat/completions",
+        json=chat([{"role": "user", "content": LONG.replace("word", "other")}], "e1", stream=True),
+    )
     assert r.status_code == 200 and not r.headers["x-kvbridge-reuse"].startswith("hit"), r.headers
     await stack.settle()
     again = await stored_entry(stack, "e1")

@@ -32,8 +32,9 @@ NODE_TTL_S = 1.0
 async def standby(tmp_path: Path) -> AsyncIterator[tuple[ControlPlaneProcs, LeaseApp]]:
     with run_control_plane(tmp_path) as procs:
         store = EtcdStore([procs.etcd.endpoint])
-        app = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=15, leader_refresh_s=1),
-                       ServerSettings(shutdown_grace_s=0.2))
+        app = LeaseApp(
+            store, LeasePolicy(port=0, leader_ttl_s=15, leader_refresh_s=1), ServerSettings(shutdown_grace_s=0.2)
+        )
         await app.start()
         try:
             async with grpc.aio.insecure_channel(app.address) as channel:  # the standby says who leads
@@ -41,7 +42,8 @@ async def standby(tmp_path: Path) -> AsyncIterator[tuple[ControlPlaneProcs, Leas
                     while True:
                         try:
                             await lease_pb2_grpc.LeaseServiceStub(channel).ListLeases(
-                                lease_pb2.ListLeasesRequest(page_size=1), timeout=2)
+                                lease_pb2.ListLeasesRequest(page_size=1), timeout=2
+                            )
                         except grpc.aio.AioRpcError as exc:
                             if from_rpc_error(exc).metadata.get("leader") == procs.lease_target:
                                 break
@@ -56,7 +58,8 @@ async def standby(tmp_path: Path) -> AsyncIterator[tuple[ControlPlaneProcs, Leas
 async def _node_leases(leader: str, engine_id: str) -> list[lease_pb2.Lease]:
     async with grpc.aio.insecure_channel(leader) as channel:
         resp = await lease_pb2_grpc.LeaseServiceStub(channel).ListLeases(
-            lease_pb2.ListLeasesRequest(engine_id=engine_id, kind=lease_pb2.LEASE_KIND_NODE), timeout=5)
+            lease_pb2.ListLeasesRequest(engine_id=engine_id, kind=lease_pb2.LEASE_KIND_NODE), timeout=5
+        )
     return list(resp.leases)
 
 
@@ -67,8 +70,9 @@ async def test_gateway_lease_calls_and_keepalive_stream_follow_the_leader(
     control = ControlPlane("", app.address, api_key=None, timeout_s=2)
     streams = ControlPlane("", app.address, api_key=None, timeout_s=2)
     try:
-        lease_id = await control.grant_lease(kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="d0",
-                                             model="m", conversation_key="c1", ttl_s=1.0)
+        lease_id = await control.grant_lease(
+            kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="d0", model="m", conversation_key="c1", ttl_s=1.0
+        )
         for _ in range(8):  # 4 TTLs
             statuses = await control.keep_alive(lease_ids=[lease_id])
             assert [s.alive for s in statuses] == [True]
@@ -100,11 +104,25 @@ async def test_connector_control_plane_registers_and_keeps_its_node_lease_via_a_
 ) -> None:
     procs, app = standby
     engine = types_pb2.Engine(
-        engine_id="decode-standby", role=types_pb2.ENGINE_ROLE_DECODE, model="tiny", kv_host="127.0.0.1",
-        kv_port=5555, block_size=32, kv_group_count=1, total_kv_blocks=1000, dp_size=1, tp_size=1, pp_size=1,
-        dcp_size=1)
-    settings = ConnectorSettings(registry_target=procs.registry_target, lease_target=app.address,
-                                 hash_secret=b"integration-secret-0123456789", node_lease_ttl_s=NODE_TTL_S)
+        engine_id="decode-standby",
+        role=types_pb2.ENGINE_ROLE_DECODE,
+        model="tiny",
+        kv_host="127.0.0.1",
+        kv_port=5555,
+        block_size=32,
+        kv_group_count=1,
+        total_kv_blocks=1000,
+        dp_size=1,
+        tp_size=1,
+        pp_size=1,
+        dcp_size=1,
+    )
+    settings = ConnectorSettings(
+        registry_target=procs.registry_target,
+        lease_target=app.address,
+        hash_secret=b"integration-secret-0123456789",
+        node_lease_ttl_s=NODE_TTL_S,
+    )
     plane = connector_cp.ControlPlane(settings, engine)
     plane.start()
     try:
@@ -119,8 +137,10 @@ async def test_connector_control_plane_registers_and_keeps_its_node_lease_via_a_
         started = time.monotonic()
         await asyncio.sleep(4 * NODE_TTL_S)
         later = await _node_leases(procs.lease_target, engine.engine_id)
-        print(f"\nconnector via standby: node lease {first[0].lease_id} alive after "
-              f"{time.monotonic() - started:.1f}s (4 TTLs), renewed through the leader")
+        print(
+            f"\nconnector via standby: node lease {first[0].lease_id} alive after "
+            f"{time.monotonic() - started:.1f}s (4 TTLs), renewed through the leader"
+        )
         # The same node lease, renewed all along (a lapse would have re-registered under a new one).
         assert [le.lease_id for le in later] == [first[0].lease_id]
         assert later[0].last_renew_time.ToNanoseconds() > first[0].last_renew_time.ToNanoseconds()

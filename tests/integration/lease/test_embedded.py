@@ -12,8 +12,14 @@ from .harness import lease_app
 
 
 def request(conv: str) -> lease_pb2.GrantLeaseRequest:
-    return lease_pb2.GrantLeaseRequest(kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="eng-1", model="m",
-                                       conversation_key=conv, ttl=duration_pb2.Duration(seconds=30))
+    return lease_pb2.GrantLeaseRequest(
+        kind=lease_pb2.LEASE_KIND_ENTRY,
+        tenant="acme",
+        engine_id="eng-1",
+        model="m",
+        conversation_key=conv,
+        ttl=duration_pb2.Duration(seconds=30),
+    )
 
 
 async def test_restart_on_a_durable_embedded_store_recovers_leases(tmp_path: Path) -> None:
@@ -21,8 +27,11 @@ async def test_restart_on_a_durable_embedded_store_recovers_leases(tmp_path: Pat
     async with lease_app(store) as (_app, stub):
         ids = {(await stub.GrantLease(request(f"c{i}"))).lease.lease_id for i in range(10)}
         call = stub.KeepAlive()
-        await call.write(lease_pb2.KeepAliveRequest(conversations=[
-            lease_pb2.ConversationRef(tenant="acme", model="m", conversation_key="c3")]))
+        await call.write(
+            lease_pb2.KeepAliveRequest(
+                conversations=[lease_pb2.ConversationRef(tenant="acme", model="m", conversation_key="c3")]
+            )
+        )
         [status] = (await call.read()).statuses
         assert status.alive and status.lease_id in ids and status.conversation.conversation_key == "c3"
         await call.done_writing()

@@ -23,16 +23,28 @@ pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
 
 def spawn(endpoint: str, port: int) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "KVBRIDGE_ETCD_ENDPOINTS": endpoint, "KVBRIDGE_LEASE_PORT": str(port),
-           "KVBRIDGE_LEASE_LEADER_TTL_S": "2", "KVBRIDGE_LEASE_LEADER_REFRESH_S": "0.5",
-           "KVBRIDGE_LEASE_METRICS_PORT": "0"}  # two replicas on one host: the default 9152 would clash
-    return subprocess.Popen([sys.executable, "-m", "kvbridge_services.lease"], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    env = {
+        **os.environ,
+        "KVBRIDGE_ETCD_ENDPOINTS": endpoint,
+        "KVBRIDGE_LEASE_PORT": str(port),
+        "KVBRIDGE_LEASE_LEADER_TTL_S": "2",
+        "KVBRIDGE_LEASE_LEADER_REFRESH_S": "0.5",
+        "KVBRIDGE_LEASE_METRICS_PORT": "0",
+    }  # two replicas on one host: the default 9152 would clash
+    return subprocess.Popen(
+        [sys.executable, "-m", "kvbridge_services.lease"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
 
 
 async def grant(stub: lease_pb2_grpc.LeaseServiceStub, conv: str) -> lease_pb2.Lease:
-    request = lease_pb2.GrantLeaseRequest(kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="eng-1",
-                                          model="m", conversation_key=conv, ttl=duration_pb2.Duration(seconds=3))
+    request = lease_pb2.GrantLeaseRequest(
+        kind=lease_pb2.LEASE_KIND_ENTRY,
+        tenant="acme",
+        engine_id="eng-1",
+        model="m",
+        conversation_key=conv,
+        ttl=duration_pb2.Duration(seconds=3),
+    )
     return (await stub.GrantLease(request, timeout=2)).lease
 
 

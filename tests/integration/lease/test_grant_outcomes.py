@@ -51,14 +51,21 @@ async def store(etcd_server: EtcdServer) -> AsyncIterator[EtcdStore]:
         await s.close()
 
 
-async def _granter(stub: lease_pb2_grpc.LeaseServiceStub, w: int, deadline_s: float, out: Grants,
-                   stop: asyncio.Event) -> None:
+async def _granter(
+    stub: lease_pb2_grpc.LeaseServiceStub, w: int, deadline_s: float, out: Grants, stop: asyncio.Event
+) -> None:
     i = 0
     while not stop.is_set():
         conv, i = f"w{w}-{i}", i + 1
         request = lease_pb2.GrantLeaseRequest(
-            kind=ENTRY, tenant="acme", engine_id="d0", model="m", conversation_key=conv,
-            ttl=duration_pb2.Duration(seconds=600), request_id=f"g-{conv}" if i % 2 else "")
+            kind=ENTRY,
+            tenant="acme",
+            engine_id="d0",
+            model="m",
+            conversation_key=conv,
+            ttl=duration_pb2.Duration(seconds=600),
+            request_id=f"g-{conv}" if i % 2 else "",
+        )
         try:
             out.acked.add((await stub.GrantLease(request, timeout=deadline_s)).lease.lease_id)
         except grpc.aio.AioRpcError as exc:
@@ -113,8 +120,10 @@ async def test_grants_while_etcd_is_frozen_leave_no_orphan_after_takeover(
         await asyncio.gather(*tasks)
         taken_back = app.manager.taken_back
     listed, stored = await _after_takeover(store)
-    print(f"\nfrozen {freeze_s}s: acknowledged {len(grants.acked)}, failed {dict(grants.failures)}, "
-          f"taken back {taken_back}; after takeover: table {len(listed)}, store {len(stored)}")
+    print(
+        f"\nfrozen {freeze_s}s: acknowledged {len(grants.acked)}, failed {dict(grants.failures)}, "
+        f"taken back {taken_back}; after takeover: table {len(listed)}, store {len(stored)}"
+    )
     assert grants.failures["DEADLINE_EXCEEDED/"] > 0  # grants were abandoned while their write was in flight
     if freeze_s < leader_ttl_s:  # writes that landed late were taken back (after a step-down the fence stops them)
         assert taken_back > 0
@@ -147,8 +156,10 @@ async def test_step_downs_during_grants_answer_not_leader_never_internal(store: 
                 await ch.close()
             await second.stop(0.2)
     listed, stored = await _after_takeover(store)
-    print(f"\nstep-downs: acknowledged {len(grants.acked)}, failed {dict(grants.failures)}, "
-          f"leaders named {sorted(grants.leaders_named)}")
+    print(
+        f"\nstep-downs: acknowledged {len(grants.acked)}, failed {dict(grants.failures)}, "
+        f"leaders named {sorted(grants.leaders_named)}"
+    )
     assert set(grants.failures) <= {"UNAVAILABLE/NOT_LEADER"}, grants.failures
     assert grants.failures["UNAVAILABLE/NOT_LEADER"] > 0
     assert grants.leaders_named <= {first.address, second.address} and grants.leaders_named  # who leads now
@@ -156,9 +167,15 @@ async def test_step_downs_during_grants_answer_not_leader_never_internal(store: 
 
 
 async def test_request_id_replays_return_the_same_lease_after_a_takeover(store: EtcdStore) -> None:
-    request = lease_pb2.GrantLeaseRequest(kind=ENTRY, tenant="acme", engine_id="d0", model="m",
-                                          conversation_key="c1", ttl=duration_pb2.Duration(seconds=60),
-                                          request_id="rq-1")
+    request = lease_pb2.GrantLeaseRequest(
+        kind=ENTRY,
+        tenant="acme",
+        engine_id="d0",
+        model="m",
+        conversation_key="c1",
+        ttl=duration_pb2.Duration(seconds=60),
+        request_id="rq-1",
+    )
     async with lease_app(store) as (_, stub):
         first = (await stub.GrantLease(request, timeout=5)).lease
     assert first.request_id == "rq-1"

@@ -22,8 +22,10 @@ NOT_SERVING = health_pb2.HealthCheckResponse.NOT_SERVING
 async def _health(address: str) -> dict[str, int]:
     async with grpc.aio.insecure_channel(address) as channel:
         stub = health_pb2_grpc.HealthStub(channel)
-        return {name: (await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)).status
-                for name in ("", SERVICE_NAME, LIVENESS)}
+        return {
+            name: (await stub.Check(health_pb2.HealthCheckRequest(service=name), timeout=5)).status
+            for name in ("", SERVICE_NAME, LIVENESS)
+        }
 
 
 async def test_only_the_leader_reports_serving_and_a_standby_turns_serving_when_it_takes_over(
@@ -36,8 +38,7 @@ async def test_only_the_leader_reports_serving_and_a_standby_turns_serving_when_
             await standby.start()
             try:
                 assert await _health(leader.address) == {"": SERVING, SERVICE_NAME: SERVING, LIVENESS: SERVING}
-                assert await _health(standby.address) == {"": NOT_SERVING, SERVICE_NAME: NOT_SERVING,
-                                                          LIVENESS: SERVING}
+                assert await _health(standby.address) == {"": NOT_SERVING, SERVICE_NAME: NOT_SERVING, LIVENESS: SERVING}
                 await leader.stop(0.2)  # resigns: the standby takes over
                 await wait_until(lambda: standby.is_leader, timeout_s=20)
                 assert await _health(standby.address) == {"": SERVING, SERVICE_NAME: SERVING, LIVENESS: SERVING}

@@ -24,22 +24,41 @@ def ref(key: str, tenant: str = "") -> lease_pb2.ConversationRef:
 
 async def test_a_refused_ref_leaves_the_message_and_the_stream_working() -> None:
     store = MemoryStore()
-    auth = Authenticator({"key-acme": Principal("acme-app", "acme"),
-                          "key-engine": Principal("connector", None, frozenset({Role.ENGINE}))})
-    app = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
-                   ServerSettings(shutdown_grace_s=0.2), auth=auth)
+    auth = Authenticator(
+        {
+            "key-acme": Principal("acme-app", "acme"),
+            "key-engine": Principal("connector", None, frozenset({Role.ENGINE})),
+        }
+    )
+    app = LeaseApp(
+        store,
+        LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
+        ServerSettings(shutdown_grace_s=0.2),
+        auth=auth,
+    )
     await app.start()
     channel = grpc.aio.insecure_channel(app.address)
     try:
         await wait_until(lambda: app.is_leader)
         stub = lease_pb2_grpc.LeaseServiceStub(channel)
-        granted = await stub.GrantLease(lease_pb2.GrantLeaseRequest(
-            kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="d0", model="m", conversation_key="c1",
-            ttl=duration_pb2.Duration(seconds=30)), metadata=(("authorization", "Bearer key-engine"),))
+        granted = await stub.GrantLease(
+            lease_pb2.GrantLeaseRequest(
+                kind=lease_pb2.LEASE_KIND_ENTRY,
+                tenant="acme",
+                engine_id="d0",
+                model="m",
+                conversation_key="c1",
+                ttl=duration_pb2.Duration(seconds=30),
+            ),
+            metadata=(("authorization", "Bearer key-engine"),),
+        )
         lease_id = granted.lease.lease_id
         call = stub.KeepAlive(metadata=ACME)
-        await call.write(lease_pb2.KeepAliveRequest(lease_ids=[lease_id], conversations=[
-            ref("bad\x00key"), ref("c1", tenant="globex"), ref("c1")]))
+        await call.write(
+            lease_pb2.KeepAliveRequest(
+                lease_ids=[lease_id], conversations=[ref("bad\x00key"), ref("c1", tenant="globex"), ref("c1")]
+            )
+        )
         by_lease, bad, foreign, good = (await call.read()).statuses
         assert by_lease.alive and by_lease.lease_id == lease_id
         assert not bad.alive and reason_name(bad.error) == "INVALID_FIELD"

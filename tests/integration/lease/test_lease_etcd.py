@@ -31,8 +31,15 @@ def ttl(seconds: float) -> duration_pb2.Duration:
 
 
 def grant_entry(conv: str, *, engine: str = "eng-1", seconds: float = 2.0, tokens: int = 0, tenant: str = "acme"):
-    return lease_pb2.GrantLeaseRequest(kind=ENTRY, tenant=tenant, engine_id=engine, model="m",
-                                       conversation_key=conv, retained_tokens=tokens, ttl=ttl(seconds))
+    return lease_pb2.GrantLeaseRequest(
+        kind=ENTRY,
+        tenant=tenant,
+        engine_id=engine,
+        model="m",
+        conversation_key=conv,
+        retained_tokens=tokens,
+        ttl=ttl(seconds),
+    )
 
 
 @pytest.fixture
@@ -43,8 +50,9 @@ async def store(etcd_server):
 
 
 async def put_entry(store, conv: str, lease_id: int, tenant: str = "acme") -> None:
-    entry = registry_pb2.Entry(key=registry_pb2.EntryKey(tenant=tenant, model="m", conversation_key=conv),
-                               engine_id="eng-1", lease_id=lease_id)
+    entry = registry_pb2.Entry(
+        key=registry_pb2.EntryKey(tenant=tenant, model="m", conversation_key=conv), engine_id="eng-1", lease_id=lease_id
+    )
     await store.put(KEYS.entry(tenant, "m", conv), entry.SerializeToString())
 
 
@@ -78,8 +86,9 @@ async def test_revoke_reaches_watcher_within_1s_and_deletes_entry(store) -> None
         first = await watch.read()
         assert first.snapshot_complete and [e.lease.lease_id for e in first.events] == [lease.lease_id]
         sent = time.monotonic()
-        await stub.RevokeLease(lease_pb2.RevokeLeaseRequest(lease_id=lease.lease_id,
-                                                            reason=R.REVOKE_REASON_CLIENT_CLOSED))
+        await stub.RevokeLease(
+            lease_pb2.RevokeLeaseRequest(lease_id=lease.lease_id, reason=R.REVOKE_REASON_CLIENT_CLOSED)
+        )
         while True:
             msg = await asyncio.wait_for(watch.read(), 1.0)
             ended = [e for e in msg.events if e.type == lease_pb2.LeaseEvent.TYPE_ENDED]

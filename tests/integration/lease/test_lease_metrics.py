@@ -47,8 +47,14 @@ async def scrape_until(url: str, key: str, value: float, timeout_s: float = 10.0
 
 
 def entry(conv: str, ttl_s: int) -> lease_pb2.GrantLeaseRequest:
-    return lease_pb2.GrantLeaseRequest(kind=lease_pb2.LEASE_KIND_ENTRY, tenant="acme", engine_id="eng-1", model="m",
-                                       conversation_key=conv, ttl=duration_pb2.Duration(seconds=ttl_s))
+    return lease_pb2.GrantLeaseRequest(
+        kind=lease_pb2.LEASE_KIND_ENTRY,
+        tenant="acme",
+        engine_id="eng-1",
+        model="m",
+        conversation_key=conv,
+        ttl=duration_pb2.Duration(seconds=ttl_s),
+    )
 
 
 async def test_metrics_follow_grants_renewals_ends_and_watchers() -> None:
@@ -60,8 +66,13 @@ async def test_metrics_follow_grants_renewals_ends_and_watchers() -> None:
         assert before['kvbridge_lease_live_leases{kind="ENTRY"}'] == 0
         assert before['kvbridge_lease_ended_total{reason="EXPIRED"}'] == 0
 
-        node = (await stub.GrantLease(lease_pb2.GrantLeaseRequest(
-            kind=lease_pb2.LEASE_KIND_NODE, engine_id="eng-1", ttl=duration_pb2.Duration(seconds=30)))).lease
+        node = (
+            await stub.GrantLease(
+                lease_pb2.GrantLeaseRequest(
+                    kind=lease_pb2.LEASE_KIND_NODE, engine_id="eng-1", ttl=duration_pb2.Duration(seconds=30)
+                )
+            )
+        ).lease
         kept = [(await stub.GrantLease(entry(f"c{i}", 30))).lease for i in range(2)]
         await stub.GrantLease(entry("short", 1))
 
@@ -89,11 +100,13 @@ async def test_metrics_follow_grants_renewals_ends_and_watchers() -> None:
         m = await scrape_until(url, 'kvbridge_lease_ended_total{reason="EXPIRED"}', 1)
         assert m['kvbridge_lease_live_leases{kind="ENTRY"}'] == 2
 
-        await stub.RevokeLease(lease_pb2.RevokeLeaseRequest(
-            lease_id=kept[0].lease_id, reason=types_pb2.REVOKE_REASON_OPERATOR))
+        await stub.RevokeLease(
+            lease_pb2.RevokeLeaseRequest(lease_id=kept[0].lease_id, reason=types_pb2.REVOKE_REASON_OPERATOR)
+        )
         # The engine's last node lease ending takes its remaining entry leases with it (ENGINE_GONE).
-        await stub.RevokeLease(lease_pb2.RevokeLeaseRequest(
-            lease_id=node.lease_id, reason=types_pb2.REVOKE_REASON_OPERATOR))
+        await stub.RevokeLease(
+            lease_pb2.RevokeLeaseRequest(lease_id=node.lease_id, reason=types_pb2.REVOKE_REASON_OPERATOR)
+        )
         m = await scrape(url)
         assert m['kvbridge_lease_ended_total{reason="OPERATOR"}'] == 2
         assert m['kvbridge_lease_ended_total{reason="ENGINE_GONE"}'] == 1
@@ -102,8 +115,11 @@ async def test_metrics_follow_grants_renewals_ends_and_watchers() -> None:
         assert m['kvbridge_lease_live_leases{kind="NODE"}'] == 0
 
         # A second replica on the same store is a standby: its own /metrics says so.
-        standby = LeaseApp(store, LeasePolicy(port=0, metrics_port=free_port(), leader_ttl_s=2, leader_refresh_s=0.5),
-                           ServerSettings(shutdown_grace_s=0.5))
+        standby = LeaseApp(
+            store,
+            LeasePolicy(port=0, metrics_port=free_port(), leader_ttl_s=2, leader_refresh_s=0.5),
+            ServerSettings(shutdown_grace_s=0.5),
+        )
         await standby.start()
         try:
             await asyncio.sleep(0.3)

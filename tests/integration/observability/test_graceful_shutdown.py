@@ -21,8 +21,9 @@ async def test_health_flips_to_not_serving_before_the_server_stops() -> None:
         return b"done"
 
     handler = grpc.method_handlers_generic_handler(SERVICE, {"Call": grpc.unary_unary_rpc_method_handler(slow)})
-    server = GrpcServer(ServerSettings(), 0, [ServiceBinding(
-        SERVICE, None, lambda _s, srv: srv.add_generic_rpc_handlers((handler,)))])
+    server = GrpcServer(
+        ServerSettings(), 0, [ServiceBinding(SERVICE, None, lambda _s, srv: srv.add_generic_rpc_handlers((handler,)))]
+    )
     await server.start()
     async with grpc.aio.insecure_channel(server.address) as channel:
         watch = health_pb2_grpc.HealthStub(channel).Watch(health_pb2.HealthCheckRequest(service=SERVICE))

@@ -65,30 +65,67 @@ async def observed() -> AsyncIterator[Observed]:
     await receiver.start()
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint, "OTEL_BSP_SCHEDULE_DELAY": "100"}
     settings = TelemetrySettings(hash_key_hex="ab" * 32)
-    gw_tel, reg_tel, lease_tel = (Telemetry.from_env(name, env, settings=settings)
-                                  for name in ("kvbridge-gateway", "kvbridge-registry", "kvbridge-lease"))
+    gw_tel, reg_tel, lease_tel = (
+        Telemetry.from_env(name, env, settings=settings)
+        for name in ("kvbridge-gateway", "kvbridge-registry", "kvbridge-lease")
+    )
     store = MemoryStore()
-    lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
-                     ServerSettings(shutdown_grace_s=0.2), telemetry=lease_tel)
+    lease = LeaseApp(
+        store,
+        LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
+        ServerSettings(shutdown_grace_s=0.2),
+        telemetry=lease_tel,
+    )
     await lease.start()
     await wait_leader(lease)
-    registry = RegistryApp(store, settings=RegistrySettings(port=0, lease_service_target=lease.address,
-                                                            metrics_port=free_port()),
-                           server_settings=ServerSettings(shutdown_grace_s=0.2), telemetry=reg_tel)
+    registry = RegistryApp(
+        store,
+        settings=RegistrySettings(port=0, lease_service_target=lease.address, metrics_port=free_port()),
+        server_settings=ServerSettings(shutdown_grace_s=0.2),
+        telemetry=reg_tel,
+    )
     await registry.start()
     p = SimServer(SimConfig(role="prefill", engine_id="p0", model=MODEL, block_size=BLOCK))
     d = SimServer(SimConfig(role="decode", engine_id="d0", model=MODEL, block_size=BLOCK))
     await p.__aenter__()
     await d.__aenter__()
-    gw = GatewayApp(GatewaySettings(
-        host="127.0.0.1", http_port=0, grpc_port=0, registry_address=registry.address,
-        lease_address=lease.address, hash_secret_hex=SECRET_HEX, default_block_size=BLOCK,
-        prefill_engines=[StaticEngine(url=p.url, model=MODEL, engine_id="p0", kv_host="127.0.0.1",
-                                      kv_port=p.cfg.port, block_size=BLOCK, register_in_registry=True)],
-        decode_engines=[StaticEngine(url=d.url, model=MODEL, engine_id="d0", kv_host="127.0.0.1",
-                                     kv_port=d.cfg.port, block_size=BLOCK, register_in_registry=True)],
-        engines_from_registry=False, health_interval_s=0.5),
-        auth=Authenticator({"key-acme": Principal("acme-app", TENANT)}), telemetry=gw_tel)
+    gw = GatewayApp(
+        GatewaySettings(
+            host="127.0.0.1",
+            http_port=0,
+            grpc_port=0,
+            registry_address=registry.address,
+            lease_address=lease.address,
+            hash_secret_hex=SECRET_HEX,
+            default_block_size=BLOCK,
+            prefill_engines=[
+                StaticEngine(
+                    url=p.url,
+                    model=MODEL,
+                    engine_id="p0",
+                    kv_host="127.0.0.1",
+                    kv_port=p.cfg.port,
+                    block_size=BLOCK,
+                    register_in_registry=True,
+                )
+            ],
+            decode_engines=[
+                StaticEngine(
+                    url=d.url,
+                    model=MODEL,
+                    engine_id="d0",
+                    kv_host="127.0.0.1",
+                    kv_port=d.cfg.port,
+                    block_size=BLOCK,
+                    register_in_registry=True,
+                )
+            ],
+            engines_from_registry=False,
+            health_interval_s=0.5,
+        ),
+        auth=Authenticator({"key-acme": Principal("acme-app", TENANT)}),
+        telemetry=gw_tel,
+    )
     await gw.start()
     sent: list[SentRequest] = []
     # What the gateway really sends to the engines.
@@ -110,8 +147,7 @@ async def observed() -> AsyncIterator[Observed]:
 
 
 async def _turn(o: Observed, messages: list[dict[str, str]], *, stream: bool = False) -> tuple[str, str]:
-    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "conversation_id": CONVERSATION,
-            "stream": stream}
+    body = {"model": MODEL, "messages": messages, "max_tokens": 8, "conversation_id": CONVERSATION, "stream": stream}
     r = await o.client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     await o.gateway.core.router.drain()
@@ -143,8 +179,12 @@ async def test_one_linked_trace_per_turn_across_services(observed: Observed) -> 
     assert verdicts[0].startswith("miss") and all(v.startswith("hit") for v in verdicts[1:3]), verdicts
     await o.flush()
     # The first turn (a miss) asks the registry; later ones may be answered by the gateway's entry mirror.
-    spans = await o.receiver.wait_for(lambda ss: sum(s.name == "kvbridge.gateway.turn" for s in ss) >= 4
-                                      and any(s.name == LOOKUP and s.kind == SERVER for s in ss))
+    spans = await o.receiver.wait_for(
+        lambda ss: (
+            sum(s.name == "kvbridge.gateway.turn" for s in ss) >= 4
+            and any(s.name == LOOKUP and s.kind == SERVER for s in ss)
+        )
+    )
 
     roots = [s for s in spans if s.name == "POST /v1/chat/completions"]
     assert len(roots) == 4 and all(r.parent_span_id == b"" and r.kind == SERVER for r in roots)
@@ -228,8 +268,14 @@ async def test_metrics_endpoints_expose_nonzero_values_after_a_run(observed: Obs
     await _run_turns(o)
     # The streamed last turn consumed the conversation's single-use entry (compatibility mode) and, streamed,
     # registered none: one more plain turn leaves an entry to count.
-    await _turn(o, [{"role": "user", "content": LONG}, {"role": "assistant", "content": "w11"},
-                    {"role": "user", "content": "last"}])
+    await _turn(
+        o,
+        [
+            {"role": "user", "content": LONG},
+            {"role": "assistant", "content": "w11"},
+            {"role": "user", "content": "last"},
+        ],
+    )
     reg = await _metrics(o.registry.metrics_endpoint.url)
     assert reg["kvbridge_registry_entries{}"] >= 1
     assert reg["kvbridge_registry_entry_bytes{}"] > 0

@@ -18,8 +18,9 @@ TOKENS = list(range(10, 74))
 
 
 async def consume(env: Env, epoch: int) -> registry_pb2.DeleteEntryResponse:
-    resp: registry_pb2.DeleteEntryResponse = await env.stub.DeleteEntry(registry_pb2.DeleteEntryRequest(
-        key=KEY, reason=types_pb2.REVOKE_REASON_EXPIRED, expected_epoch=epoch))
+    resp: registry_pb2.DeleteEntryResponse = await env.stub.DeleteEntry(
+        registry_pb2.DeleteEntryRequest(key=KEY, reason=types_pb2.REVOKE_REASON_EXPIRED, expected_epoch=epoch)
+    )
     return resp
 
 

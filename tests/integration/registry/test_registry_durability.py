@@ -43,10 +43,19 @@ def etcd_endpoints_env(endpoint: str) -> str:
 
 
 def start_registry_process(endpoint: str, port: int) -> subprocess.Popen[str]:
-    env = {**os.environ, "KVBRIDGE_ETCD_ENDPOINTS": etcd_endpoints_env(endpoint), "KVBRIDGE_REGISTRY_PORT": str(port),
-           "KVBRIDGE_LOG_LEVEL": "WARNING"}
-    proc = subprocess.Popen([sys.executable, "-m", "kvbridge_services.registry"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    env = {
+        **os.environ,
+        "KVBRIDGE_ETCD_ENDPOINTS": etcd_endpoints_env(endpoint),
+        "KVBRIDGE_REGISTRY_PORT": str(port),
+        "KVBRIDGE_LOG_LEVEL": "WARNING",
+    }
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvbridge_services.registry"],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     assert proc.stdout is not None
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -65,8 +74,10 @@ async def retrying(call: Callable[[], Awaitable[Any]], attempts: int = 60) -> An
         try:
             return await call()
         except grpc.aio.AioRpcError as exc:
-            if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) \
-                    or attempt == attempts - 1:
+            if (
+                exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+                or attempt == attempts - 1
+            ):
                 raise
             await asyncio.sleep(0.1)
     raise AssertionError("unreachable")
@@ -147,8 +158,9 @@ async def test_etcd_leader_killed_during_1000_registrations(etcd_cluster) -> Non
                 return await env.lease(conv=f"c{i}", ttl_s=600)
 
         leases = await asyncio.gather(*(make_lease(i) for i in range(total)))
-        requests = [env.entry_request(TOKENS, conv=f"c{i}", lease_id=leases[i], request_id=f"reg-{i}")
-                    for i in range(total)]
+        requests = [
+            env.entry_request(TOKENS, conv=f"c{i}", lease_id=leases[i], request_id=f"reg-{i}") for i in range(total)
+        ]
         acked: list[int] = []
         failed: list[int] = []
 

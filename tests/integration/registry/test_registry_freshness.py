@@ -143,8 +143,9 @@ async def test_the_gateway_mirror_stops_answering_when_the_registry_store_freeze
     control = ControlPlane(env.app.address, "", api_key=None, timeout_s=2)
     stale_after_s = 0.6
     mirror = EntryMirror(max_entries=100, stale_after_s=stale_after_s)
-    follower = asyncio.create_task(follow_registry(control, mirror, progress_interval_s=stale_after_s / 3,
-                                                   stream_lifetime_s=60))
+    follower = asyncio.create_task(
+        follow_registry(control, mirror, progress_interval_s=stale_after_s / 3, stream_lifetime_s=60)
+    )
     pid = etcd_server.pid
     assert pid is not None
     frozen = False
@@ -153,8 +154,15 @@ async def test_the_gateway_mirror_stops_answering_when_the_registry_store_freeze
         await env.register(HISTORY)
 
         def mirror_hit() -> bool:
-            got = mirror.lookup(tenant="acme", model=MODEL, conversation_key="c1", block_hashes=chain(HISTORY),
-                                block_size=BLOCK, min_tokens=0, engine_record={"d0": engine}.get)
+            got = mirror.lookup(
+                tenant="acme",
+                model=MODEL,
+                conversation_key="c1",
+                block_hashes=chain(HISTORY),
+                block_size=BLOCK,
+                min_tokens=0,
+                engine_record={"d0": engine}.get,
+            )
             return got is not None and got.verdict == V.LOOKUP_VERDICT_HIT
 
         async with asyncio.timeout(10):
@@ -169,8 +177,10 @@ async def test_the_gateway_mirror_stops_answering_when_the_registry_store_freeze
         async with asyncio.timeout(15):
             while mirror_hit():  # noqa: ASYNC110 - polls state owned by another task
                 await asyncio.sleep(0.02)
-        print(f"frozen etcd: mirror stopped answering after {time.monotonic() - start:.2f}s "
-              f"(stale_after_s {stale_after_s}s)")
+        print(
+            f"frozen etcd: mirror stopped answering after {time.monotonic() - start:.2f}s "
+            f"(stale_after_s {stale_after_s}s)"
+        )
         assert not mirror.in_sync() and (mirror.lag_s() or 0) > stale_after_s
         # And the registry it falls back to answers INDEX_STALE within its own bound (hits until then).
         await until_verdict(env, V.LOOKUP_VERDICT_INDEX_STALE)

@@ -43,8 +43,9 @@ def batcher(env: Env) -> Any:
 
 async def register_in_process(env: Env, requests: Sequence[registry_pb2.RegisterEntryRequest]) -> list[Any]:
     """Call the registry core in order (tasks start in creation order), so one window sees them in that order."""
-    return await asyncio.gather(*(env.app.registry.register_entry(DEV_PRINCIPAL, r) for r in requests),
-                                return_exceptions=True)
+    return await asyncio.gather(
+        *(env.app.registry.register_entry(DEV_PRINCIPAL, r) for r in requests), return_exceptions=True
+    )
 
 
 async def test_500_concurrent_registrations_all_acknowledged_and_stored(env: Env) -> None:
@@ -117,8 +118,9 @@ def interfering_store(endpoint: str) -> Any:
     class Interfering(EtcdStore):
         rival: tuple[bytes, bytes] | None = None
 
-        async def txn(self, compares: Any, success: Sequence[Op], failure: Sequence[Op] = (), *,
-                      timeout: float = 5.0) -> TxnResult:
+        async def txn(
+            self, compares: Any, success: Sequence[Op], failure: Sequence[Op] = (), *, timeout: float = 5.0
+        ) -> TxnResult:
             puts = [op for op in success if isinstance(op, Put)]
             if self.rival is not None and len(puts) > 2:
                 key, value = self.rival

@@ -31,8 +31,9 @@ async def test_a_restart_under_the_same_id_ends_the_old_entries(env: Env) -> Non
     # ENGINE_RESTARTED while the old entry is still indexed, NOT_FOUND once it is deleted: never a hit.
     assert got.verdict in (V.LOOKUP_VERDICT_ENGINE_RESTARTED, V.LOOKUP_VERDICT_NOT_FOUND)
     assert not got.HasField("location")
-    keyless = await env.stub.LookupEntry(registry_pb2.LookupEntryRequest(
-        tenant="acme", model=MODEL, block_hashes=chain(HISTORY), block_size=BLOCK))
+    keyless = await env.stub.LookupEntry(
+        registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, block_hashes=chain(HISTORY), block_size=BLOCK)
+    )
     assert keyless.verdict == V.LOOKUP_VERDICT_NOT_FOUND  # content lookups skip it too
 
     # The old entry is deleted and its lease revoked as ENGINE_GONE, off the RegisterEngine path.

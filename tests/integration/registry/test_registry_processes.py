@@ -50,13 +50,23 @@ def hits(metrics_port: int) -> float:
 
 
 def start_supervisor(endpoint: str, port: int, metrics_port: int, log: Path) -> subprocess.Popen[bytes]:
-    env = {**os.environ, "KVBRIDGE_ETCD_ENDPOINTS": etcd_endpoints_env(endpoint), "KVBRIDGE_HOST": "127.0.0.1",
-           "KVBRIDGE_REGISTRY_PORT": str(port), "KVBRIDGE_REGISTRY_METRICS_PORT": str(metrics_port),
-           "KVBRIDGE_REGISTRY_SERVE_PROCESSES": str(PROCESSES)}
+    env = {
+        **os.environ,
+        "KVBRIDGE_ETCD_ENDPOINTS": etcd_endpoints_env(endpoint),
+        "KVBRIDGE_HOST": "127.0.0.1",
+        "KVBRIDGE_REGISTRY_PORT": str(port),
+        "KVBRIDGE_REGISTRY_METRICS_PORT": str(metrics_port),
+        "KVBRIDGE_REGISTRY_SERVE_PROCESSES": str(PROCESSES),
+    }
     env.pop("KVBRIDGE_API_KEYS_FILE", None)
     with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kvbridge_services.registry"], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvbridge_services.registry"],
+            env=env,
+            stdout=out,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
     deadline = time.monotonic() + 60
     while log.read_text(errors="replace").count("registry listening") < PROCESSES:
         assert proc.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
@@ -96,8 +106,7 @@ async def supervised_registry(endpoint: str, tmp_path: Path) -> AsyncIterator[Su
     port, metrics = free_port(), consecutive_free_ports(PROCESSES)
     proc = start_supervisor(endpoint, port, metrics, tmp_path / "registry.log")
     try:
-        yield Supervised(proc, f"127.0.0.1:{port}", metrics,
-                         Env(store, KeyLayout(), None, None, None, None))  # type: ignore[arg-type]
+        yield Supervised(proc, f"127.0.0.1:{port}", metrics, Env(store, KeyLayout(), None, None, None, None))  # type: ignore[arg-type]
     finally:
         os.killpg(proc.pid, signal.SIGTERM)
         assert proc.wait(timeout=30) == 0
@@ -105,7 +114,8 @@ async def supervised_registry(endpoint: str, tmp_path: Path) -> AsyncIterator[Su
 
 
 async def test_processes_share_the_port_see_every_registration_and_survive_a_kill(  # type: ignore[no-untyped-def]
-        etcd_server, tmp_path: Path) -> None:
+    etcd_server, tmp_path: Path
+) -> None:
     async with supervised_registry(etcd_server.endpoint, tmp_path) as registry:
         proc, target, helper = registry.proc, registry.target, registry.helper
         workers = children(proc.pid)
@@ -139,14 +149,16 @@ async def test_processes_share_the_port_see_every_registration_and_survive_a_kil
 def test_more_than_one_process_is_refused_on_the_embedded_store() -> None:
     env = {**os.environ, "KVBRIDGE_REGISTRY_SERVE_PROCESSES": "2", "KVBRIDGE_REGISTRY_PORT": str(free_port())}
     env.pop("KVBRIDGE_ETCD_ENDPOINTS", None)
-    done = subprocess.run([sys.executable, "-m", "kvbridge_services.registry"], env=env, capture_output=True,
-                          text=True, timeout=60)
+    done = subprocess.run(
+        [sys.executable, "-m", "kvbridge_services.registry"], env=env, capture_output=True, text=True, timeout=60
+    )
     assert done.returncode == 2
     assert "needs etcd" in done.stderr
 
 
 async def test_a_gateway_with_several_registry_connections_reaches_every_process(  # type: ignore[no-untyped-def]
-        etcd_server, tmp_path: Path) -> None:
+    etcd_server, tmp_path: Path
+) -> None:
     """One HTTP/2 connection lands on one process; the gateway's registry_connections spread its lookups."""
     from kvbridge_services.gateway.control import ControlPlane
 
@@ -158,8 +170,14 @@ async def test_a_gateway_with_several_registry_connections_reaches_every_process
             await registry.register_shared()
             hashes = chain([*TOKENS, 1])
             for _ in range(200):
-                found = await control.lookup(tenant="acme", model=MODEL, conversation_key="shared",
-                                             block_hashes=hashes, block_size=BLOCK, min_tokens=BLOCK)
+                found = await control.lookup(
+                    tenant="acme",
+                    model=MODEL,
+                    conversation_key="shared",
+                    block_hashes=hashes,
+                    block_size=BLOCK,
+                    min_tokens=BLOCK,
+                )
                 if found.verdict == HIT:
                     per_process = await registry.hits_per_process()
                     if all(per_process):

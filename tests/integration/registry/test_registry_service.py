@@ -70,8 +70,11 @@ async def test_other_tenant_gets_nothing(env: Env) -> None:
     assert (await env.lookup(HISTORY, tenant="beta", chain_tenant="acme")).verdict == V.LOOKUP_VERDICT_NOT_FOUND
     from .conftest import chain
 
-    keyless = await env.stub.LookupEntry(registry_pb2.LookupEntryRequest(
-        tenant="beta", model=env_model(), block_hashes=chain(HISTORY, "acme"), block_size=BLOCK))
+    keyless = await env.stub.LookupEntry(
+        registry_pb2.LookupEntryRequest(
+            tenant="beta", model=env_model(), block_hashes=chain(HISTORY, "acme"), block_size=BLOCK
+        )
+    )
     assert keyless.verdict == V.LOOKUP_VERDICT_NOT_FOUND
 
 
@@ -89,14 +92,18 @@ async def test_content_addressed_lookup_finds_fork(env: Env) -> None:
     fork = [*system, *range(1, 21), 999, 998, 997, 996]
     from .conftest import chain
 
-    got = await env.stub.LookupEntry(registry_pb2.LookupEntryRequest(
-        tenant="acme", model=env_model(), block_hashes=chain(fork), block_size=BLOCK))
+    got = await env.stub.LookupEntry(
+        registry_pb2.LookupEntryRequest(tenant="acme", model=env_model(), block_hashes=chain(fork), block_size=BLOCK)
+    )
     assert got.verdict == V.LOOKUP_VERDICT_HIT
     assert got.location.conversation_key == "conv-a"
     # 21 blocks match conv-a, proven exactly (the whole entry is within the exact tail).
     assert got.verified_tokens == 84
-    other = await env.stub.LookupEntry(registry_pb2.LookupEntryRequest(
-        tenant="beta", model=env_model(), block_hashes=chain(fork, "beta"), block_size=BLOCK))
+    other = await env.stub.LookupEntry(
+        registry_pb2.LookupEntryRequest(
+            tenant="beta", model=env_model(), block_hashes=chain(fork, "beta"), block_size=BLOCK
+        )
+    )
     assert other.verdict == V.LOOKUP_VERDICT_NOT_FOUND
 
 
@@ -154,9 +161,13 @@ async def test_bad_input_is_invalid_argument_with_reason(env: Env) -> None:
         err = from_rpc_error(info.value)
         assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, field
         assert err.reason == "INVALID_FIELD" and err.metadata["field"] == field
-    await expect_error(env.stub.LookupEntry(registry_pb2.LookupEntryRequest(
-        tenant="acme", model="m", block_size=4, block_hashes=[b"x" * 16] * 40000)),
-        grpc.StatusCode.INVALID_ARGUMENT, "TOO_LARGE")
+    await expect_error(
+        env.stub.LookupEntry(
+            registry_pb2.LookupEntryRequest(tenant="acme", model="m", block_size=4, block_hashes=[b"x" * 16] * 40000)
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "TOO_LARGE",
+    )
 
 
 async def test_verdicts(env: Env) -> None:
@@ -167,8 +178,11 @@ async def test_verdicts(env: Env) -> None:
     assert below.verdict == V.LOOKUP_VERDICT_BELOW_THRESHOLD and below.verified_tokens == 400
     from .conftest import chain
 
-    size = await env.stub.LookupEntry(registry_pb2.LookupEntryRequest(
-        tenant="acme", model=env_model(), conversation_key="c1", block_hashes=chain(HISTORY), block_size=8))
+    size = await env.stub.LookupEntry(
+        registry_pb2.LookupEntryRequest(
+            tenant="acme", model=env_model(), conversation_key="c1", block_hashes=chain(HISTORY), block_size=8
+        )
+    )
     assert size.verdict == V.LOOKUP_VERDICT_BLOCK_SIZE_MISMATCH
     await env.stub.DeregisterEngine(registry_pb2.DeregisterEngineRequest(engine_id="d0"))
     assert (await env.lookup(HISTORY)).verdict == V.LOOKUP_VERDICT_ENGINE_GONE
@@ -184,20 +198,29 @@ async def test_get_list_delete_watch(env: Env) -> None:
         await env.register(HISTORY[: 40 + i * 8], conv=f"c{i}")
     page1 = await env.stub.ListEntries(registry_pb2.ListEntriesRequest(tenant="acme", page_size=3))
     assert len(page1.entries) == 3 and page1.next_page_token
-    page2 = await env.stub.ListEntries(registry_pb2.ListEntriesRequest(
-        tenant="acme", page_size=3, page_token=page1.next_page_token))
+    page2 = await env.stub.ListEntries(
+        registry_pb2.ListEntriesRequest(tenant="acme", page_size=3, page_token=page1.next_page_token)
+    )
     assert len(page2.entries) == 2 and not page2.next_page_token
-    await expect_error(env.stub.ListEntries(registry_pb2.ListEntriesRequest(
-        tenant="acme", model=env_model(), page_size=3, page_token=page1.next_page_token)),
-        grpc.StatusCode.INVALID_ARGUMENT, "INVALID_PAGE_TOKEN")
+    await expect_error(
+        env.stub.ListEntries(
+            registry_pb2.ListEntriesRequest(
+                tenant="acme", model=env_model(), page_size=3, page_token=page1.next_page_token
+            )
+        ),
+        grpc.StatusCode.INVALID_ARGUMENT,
+        "INVALID_PAGE_TOKEN",
+    )
     key = registry_pb2.EntryKey(tenant="acme", model=env_model(), conversation_key="c0")
     got = await env.stub.GetEntry(registry_pb2.GetEntryRequest(key=key))
     assert got.entry.token_count == 40
-    deleted = await env.stub.DeleteEntry(registry_pb2.DeleteEntryRequest(
-        key=key, reason=types_pb2.REVOKE_REASON_CLIENT_CLOSED))
+    deleted = await env.stub.DeleteEntry(
+        registry_pb2.DeleteEntryRequest(key=key, reason=types_pb2.REVOKE_REASON_CLIENT_CLOSED)
+    )
     assert deleted.entry.token_count == 40
-    await expect_error(env.stub.GetEntry(registry_pb2.GetEntryRequest(key=key)),
-                       grpc.StatusCode.NOT_FOUND, "ENTRY_NOT_FOUND")
+    await expect_error(
+        env.stub.GetEntry(registry_pb2.GetEntryRequest(key=key)), grpc.StatusCode.NOT_FOUND, "ENTRY_NOT_FOUND"
+    )
     assert (await env.lookup(HISTORY, conv="c0")).verdict == V.LOOKUP_VERDICT_NOT_FOUND
     seen: list[tuple[int, str]] = []
     while len(seen) < 6:
@@ -230,8 +253,9 @@ async def test_engine_whose_node_lease_ended_is_gone(env: Env) -> None:
     await env.store.delete(env.keys.lease(engine.node_lease_id))  # the lease manager ended the node lease
     assert await env.app.registry.sweep_engines() == 1
     assert (await env.lookup(HISTORY)).verdict == V.LOOKUP_VERDICT_ENGINE_GONE
-    await expect_error(env.stub.GetEngine(registry_pb2.GetEngineRequest(engine_id="d0")),
-                       grpc.StatusCode.NOT_FOUND, "ENGINE_NOT_FOUND")
+    await expect_error(
+        env.stub.GetEngine(registry_pb2.GetEngineRequest(engine_id="d0")), grpc.StatusCode.NOT_FOUND, "ENGINE_NOT_FOUND"
+    )
 
 
 async def test_packed_chain_lookup_answers_like_the_repeated_form(env: Env) -> None:
@@ -245,10 +269,17 @@ async def test_packed_chain_lookup_answers_like_the_repeated_form(env: Env) -> N
             common = {"tenant": "acme", "model": MODEL, "conversation_key": conv, "block_size": BLOCK}
             repeated = await env.stub.LookupEntry(registry_pb2.LookupEntryRequest(block_hashes=hashes, **common))
             packed = await env.stub.LookupEntry(
-                registry_pb2.LookupEntryRequest(block_hashes_packed=b"".join(hashes), **common))
+                registry_pb2.LookupEntryRequest(block_hashes_packed=b"".join(hashes), **common)
+            )
             assert packed == repeated
-    both = registry_pb2.LookupEntryRequest(tenant="acme", model=MODEL, conversation_key="c1", block_size=BLOCK,
-                                           block_hashes=chain(HISTORY), block_hashes_packed=b"".join(chain(HISTORY)))
+    both = registry_pb2.LookupEntryRequest(
+        tenant="acme",
+        model=MODEL,
+        conversation_key="c1",
+        block_size=BLOCK,
+        block_hashes=chain(HISTORY),
+        block_hashes_packed=b"".join(chain(HISTORY)),
+    )
     await expect_error(env.stub.LookupEntry(both), grpc.StatusCode.INVALID_ARGUMENT, "INVALID_FIELD")
 
 
@@ -262,6 +293,12 @@ async def test_sdk_lookup_sends_the_packed_chain_and_gets_the_same_answer(env: E
     prompt = [*HISTORY, 7, 8, 9, 10]
     expected = await env.lookup(prompt, min_tokens=16)
     async with RegistryClient(env.app.address) as client:
-        got = await client.lookup(tenant="acme", model=MODEL, conversation_key="c1", block_hashes=chain(prompt),
-                                  block_size=BLOCK, min_tokens=16)
+        got = await client.lookup(
+            tenant="acme",
+            model=MODEL,
+            conversation_key="c1",
+            block_hashes=chain(prompt),
+            block_size=BLOCK,
+            min_tokens=16,
+        )
     assert got == expected and got.verdict == V.LOOKUP_VERDICT_HIT

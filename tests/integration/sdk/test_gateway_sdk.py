@@ -25,8 +25,12 @@ KEEPALIVE = "/kvbridge.lease.v1.LeaseService/KeepAlive"
 
 
 def _sample_sum(registry: CollectorRegistry, name: str, **labels: str) -> float:
-    return sum(s.value for m in registry.collect() for s in m.samples
-               if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
+    return sum(
+        s.value
+        for m in registry.collect()
+        for s in m.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
+    )
 
 
 def keepalive_streams_ended(stack: Stack) -> float:
@@ -51,8 +55,10 @@ async def test_chat_stream_complete_and_reuse_report(sdk_stack: Stack) -> None:
         # Turn 1 registered (see the module docstring), turn 2 streamed through the SDK reuses its KV.
         answer, _ = await turn(sdk_stack, msgs, "sdk-c1")
         msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
-        chunks = [c async for c in gw.stream_chat(msgs, model=MODEL, conversation_id="sdk-c1",
-                                                  sampling=Sampling(max_tokens=8))]
+        chunks = [
+            c
+            async for c in gw.stream_chat(msgs, model=MODEL, conversation_id="sdk-c1", sampling=Sampling(max_tokens=8))
+        ]
         assert len(chunks) > 1  # streamed, not one collected message
         assert chunks[0].reuse.verdict == "hit"
         assert chunks[0].reuse.verified_tokens >= 64 and chunks[0].reuse.pulled_tokens > 0
@@ -60,8 +66,9 @@ async def test_chat_stream_complete_and_reuse_report(sdk_stack: Stack) -> None:
 
         done = await gw.complete(list(range(10, 90)), model=MODEL, sampling=Sampling(max_tokens=4))
         assert done.text.strip().startswith("w") and len(done.token_ids) == 4
-        streamed = [c.delta_text async for c in gw.stream_complete("w10 w11 w12", model=MODEL,
-                                                                   sampling=Sampling(max_tokens=3))]
+        streamed = [
+            c.delta_text async for c in gw.stream_complete("w10 w11 w12", model=MODEL, sampling=Sampling(max_tokens=3))
+        ]
         assert "".join(streamed).strip()
 
 
@@ -98,10 +105,15 @@ async def test_conversation_outlives_lease_ttl_and_close_releases_kv(sdk_stack: 
     leases = LeaseClient(sdk_stack.lease.address, OPERATOR)
     history = await _seeded(sdk_stack, "agent-1")
     lease_id = (await registry.get_entry("acme", MODEL, "agent-1")).lease_id
-    async with GatewayClient(sdk_stack.gateway.grpc_address, ACME, lease_target=sdk_stack.lease.address,
-                             heartbeat_interval_s=ENTRY_LEASE_TTL_S / 4) as gw:
-        async with gw.conversation(model=MODEL, key="agent-1", history=history,
-                                   sampling=Sampling(max_tokens=6)) as conv:
+    async with GatewayClient(
+        sdk_stack.gateway.grpc_address,
+        ACME,
+        lease_target=sdk_stack.lease.address,
+        heartbeat_interval_s=ENTRY_LEASE_TTL_S / 4,
+    ) as gw:
+        async with gw.conversation(
+            model=MODEL, key="agent-1", history=history, sampling=Sampling(max_tokens=6)
+        ) as conv:
             # The agent "runs tools" for well over the TTL: only the heartbeats keep the KV.
             await asyncio.sleep(ENTRY_LEASE_TTL_S * 3)
             assert (await leases.get(lease_id)).lease_id == lease_id
@@ -146,8 +158,12 @@ async def test_two_conversations_share_one_keepalive_stream(sdk_stack: Stack) ->
     registry = RegistryClient(sdk_stack.registry.address, OPERATOR)
     h1 = await _seeded(sdk_stack, "pair-1")
     h2 = await _seeded(sdk_stack, "pair-2", LONG + " and more")
-    async with GatewayClient(sdk_stack.gateway.grpc_address, ACME, lease_target=sdk_stack.lease.address,
-                             heartbeat_interval_s=ENTRY_LEASE_TTL_S / 4) as gw:
+    async with GatewayClient(
+        sdk_stack.gateway.grpc_address,
+        ACME,
+        lease_target=sdk_stack.lease.address,
+        heartbeat_interval_s=ENTRY_LEASE_TTL_S / 4,
+    ) as gw:
         a = gw.conversation(model=MODEL, key="pair-1", history=h1)
         b = gw.conversation(model=MODEL, key="pair-2", history=h2)
         ended_before, renewed_before = keepalive_streams_ended(sdk_stack), renewals(sdk_stack)

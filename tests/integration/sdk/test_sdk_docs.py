@@ -51,20 +51,34 @@ def test_doc_has_the_promised_examples() -> None:
     blocks = python_blocks()
     assert len(blocks) >= 7
     joined = "\n".join(blocks)
-    for needle in ("kvbridge.sdk.sync", "conversation(", "stream_chat", "except InvalidArgument", "root_certificates",
-                   "max_attempts", "Heartbeater"):
+    for needle in (
+        "kvbridge.sdk.sync",
+        "conversation(",
+        "stream_chat",
+        "except InvalidArgument",
+        "root_certificates",
+        "max_attempts",
+        "Heartbeater",
+    ):
         assert needle in joined, needle
 
 
-async def test_every_python_block_runs(sdk_stack: Stack, tls_registry: tuple[str, Path],
-                                       monkeypatch: pytest.MonkeyPatch) -> None:
+async def test_every_python_block_runs(
+    sdk_stack: Stack, tls_registry: tuple[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
     assert sdk_stack.lease is not None and sdk_stack.registry is not None
     tls_address, ca_file = tls_registry
-    env = {"KVBRIDGE_GATEWAY": sdk_stack.gateway.grpc_address, "KVBRIDGE_LEASE": sdk_stack.lease.address,
-           "KVBRIDGE_REGISTRY": sdk_stack.registry.address, "KVBRIDGE_API_KEY": ACME_KEY,
-           "KVBRIDGE_OPERATOR_API_KEY": OPERATOR_KEY, "KVBRIDGE_MODEL": MODEL,
-           "KVBRIDGE_CA_FILE": str(ca_file), "KVBRIDGE_TLS_REGISTRY": tls_address,
-           "KVBRIDGE_TLS_SERVER_NAME": "localhost"}
+    env = {
+        "KVBRIDGE_GATEWAY": sdk_stack.gateway.grpc_address,
+        "KVBRIDGE_LEASE": sdk_stack.lease.address,
+        "KVBRIDGE_REGISTRY": sdk_stack.registry.address,
+        "KVBRIDGE_API_KEY": ACME_KEY,
+        "KVBRIDGE_OPERATOR_API_KEY": OPERATOR_KEY,
+        "KVBRIDGE_MODEL": MODEL,
+        "KVBRIDGE_CA_FILE": str(ca_file),
+        "KVBRIDGE_TLS_REGISTRY": tls_address,
+        "KVBRIDGE_TLS_SERVER_NAME": "localhost",
+    }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
     for i, code in enumerate(python_blocks()):

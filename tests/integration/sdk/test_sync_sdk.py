@@ -40,17 +40,20 @@ async def test_sync_clients_chat_stream_conversation_and_errors(sdk_stack: Stack
     threads_before = _sdk_threads()
 
     def scenario() -> None:
-        with GatewayClient(gateway, ACME, lease_target=lease, heartbeat_interval_s=ENTRY_LEASE_TTL_S / 4) as gw, \
-                RegistryClient(registry, OPERATOR) as reg, LeaseClient(lease, OPERATOR) as leases:
+        with (
+            GatewayClient(gateway, ACME, lease_target=lease, heartbeat_interval_s=ENTRY_LEASE_TTL_S / 4) as gw,
+            RegistryClient(registry, OPERATOR) as reg,
+            LeaseClient(lease, OPERATOR) as leases,
+        ):
             assert [m.id for m in gw.list_models()] == [MODEL]
             whole = gw.chat([{"role": "user", "content": "w10 w11"}], model=MODEL, sampling=Sampling(max_tokens=4))
-            chunks = list(gw.stream_chat([{"role": "user", "content": "w10 w11"}], model=MODEL,
-                                         sampling=Sampling(max_tokens=4)))
+            chunks = list(
+                gw.stream_chat([{"role": "user", "content": "w10 w11"}], model=MODEL, sampling=Sampling(max_tokens=4))
+            )
             assert "".join(c.delta_content for c in chunks) == whole.text and len(chunks) > 1
             assert len(gw.complete("w10 w11", model=MODEL, sampling=Sampling(max_tokens=3)).token_ids) == 3
             lease_id = reg.get_entry("acme", MODEL, "sync-1").lease_id
-            with gw.conversation(model=MODEL, key="sync-1", history=history,
-                                 sampling=Sampling(max_tokens=5)) as conv:
+            with gw.conversation(model=MODEL, key="sync-1", history=history, sampling=Sampling(max_tokens=5)) as conv:
                 threading.Event().wait(ENTRY_LEASE_TTL_S * 3)  # heartbeats run on the client's loop thread
                 assert leases.get(lease_id).lease_id == lease_id
                 parts = [c.delta_content for c in conv.stream("go on")]
@@ -62,8 +65,9 @@ async def test_sync_clients_chat_stream_conversation_and_errors(sdk_stack: Stack
                 leases.get(lease_id)
             assert gone.value.reason == Reason.LEASE_NOT_FOUND
             # Breaking out of a stream early cancels it; the client stays usable.
-            for _ in gw.stream_chat([{"role": "user", "content": "w12"}], model=MODEL,
-                                    sampling=Sampling(max_tokens=50)):
+            for _ in gw.stream_chat(
+                [{"role": "user", "content": "w12"}], model=MODEL, sampling=Sampling(max_tokens=50)
+            ):
                 break
             assert gw.list_models()
 

@@ -19,8 +19,12 @@ def test_only_full_blocks_are_hashed() -> None:
 def test_prefix_property_and_scoping() -> None:
     base = hc.chain(*ARGS, list(range(40)))
     assert hc.chain(*ARGS, list(range(20))) == base[:5]
-    for other in [(S, "other", "m", "", 4), (S, "acme", "m2", "", 4), (S, "acme", "m", "salt", 4),
-                  (b"fedcba9876543210", "acme", "m", "", 4)]:
+    for other in [
+        (S, "other", "m", "", 4),
+        (S, "acme", "m2", "", 4),
+        (S, "acme", "m", "salt", 4),
+        (b"fedcba9876543210", "acme", "m", "", 4),
+    ]:
         assert hc.chain(*other, list(range(40)))[0] != base[0]
     # Length prefixing: ("ab", "c") and ("a", "bc") must not collide.
     assert hc.seed(S, "ab", "c", "", 4) != hc.seed(S, "a", "bc", "", 4)
@@ -70,8 +74,7 @@ def test_prefix_digest_covers_exactly_the_first_k_tokens() -> None:
     assert d == hc.prefix_digest([*tokens[:32], 9, 9, 9], 32)  # later tokens don't matter
     assert d != hc.prefix_digest(tokens, 31) != hc.prefix_digest(tokens, 33)
     edited = [*tokens[:31], 7, *tokens[32:]]
-    assert hc.prefix_digest(edited, 32) != d and hc.prefix_digest(edited, 31) == \
-        hc.prefix_digest(tokens, 31)
+    assert hc.prefix_digest(edited, 32) != d and hc.prefix_digest(edited, 31) == hc.prefix_digest(tokens, 31)
     for bad in (0, 65):
         with pytest.raises(ValueError):
             hc.prefix_digest(tokens, bad)

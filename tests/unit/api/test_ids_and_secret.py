@@ -8,13 +8,16 @@ from kvbridge import secret as kvsecret
 from kvbridge.errors import InvalidArgument
 
 
-@pytest.mark.parametrize(("rule", "good", "bad"), [
-    (ids.TENANT, ["a", "a" * 128, "team-7.eu:x_y"], ["", "a" * 129, "acme corp", "a/b", "ü", "a\n"]),
-    (ids.ENGINE_ID, ["decode-0", "10.0.0.5:8100"], ["", "d 0", "d/0"]),
-    (ids.MODEL, ["Qwen/Qwen3-0.6B", "org/model@rev", "m" * 256], ["", "a b", "m" * 257, "\t", "ü"]),
-    (ids.CONVERSATION_KEY, ["chat 42", " ", "~" * 256], ["", "k" * 257, "a\nb", "ü"]),
-    (ids.ENGINE_REQUEST_ID, ["cmpl-1-0"], ["", "a b"]),
-])
+@pytest.mark.parametrize(
+    ("rule", "good", "bad"),
+    [
+        (ids.TENANT, ["a", "a" * 128, "team-7.eu:x_y"], ["", "a" * 129, "acme corp", "a/b", "ü", "a\n"]),
+        (ids.ENGINE_ID, ["decode-0", "10.0.0.5:8100"], ["", "d 0", "d/0"]),
+        (ids.MODEL, ["Qwen/Qwen3-0.6B", "org/model@rev", "m" * 256], ["", "a b", "m" * 257, "\t", "ü"]),
+        (ids.CONVERSATION_KEY, ["chat 42", " ", "~" * 256], ["", "k" * 257, "a\nb", "ü"]),
+        (ids.ENGINE_REQUEST_ID, ["cmpl-1-0"], ["", "a b"]),
+    ],
+)
 def test_rules(rule: ids.IdRule, good: list[str], bad: list[str]) -> None:
     for value in good:
         assert rule.valid(value) and rule.check("f", value) == value

@@ -12,9 +12,15 @@ from kvbridge_services.common.server import GrpcServer
 from kvbridge_services.gateway.config import GatewaySettings
 from kvbridge_services.registry.config import RegistrySettings
 
-STACK_ENV = ("KVBRIDGE_API_KEY", "KVBRIDGE_API_KEYS_FILE", "KVBRIDGE_GATEWAY_CONTROL_API_KEY",
-             "KVBRIDGE_GATEWAY_API_KEYS_FILE", "KVBRIDGE_REGISTRY_LEASE_SERVICE_API_KEY", "KVBRIDGE_INSECURE",
-             "KVBRIDGE_HOST")
+STACK_ENV = (
+    "KVBRIDGE_API_KEY",
+    "KVBRIDGE_API_KEYS_FILE",
+    "KVBRIDGE_GATEWAY_CONTROL_API_KEY",
+    "KVBRIDGE_GATEWAY_API_KEYS_FILE",
+    "KVBRIDGE_REGISTRY_LEASE_SERVICE_API_KEY",
+    "KVBRIDGE_INSECURE",
+    "KVBRIDGE_HOST",
+)
 
 
 @pytest.fixture(autouse=True)
@@ -23,8 +29,9 @@ def _clean_env(monkeypatch: pytest.MonkeyPatch) -> None:
         monkeypatch.delenv(name, raising=False)
 
 
-def test_one_keys_file_and_one_service_key_configure_every_service(monkeypatch: pytest.MonkeyPatch,
-                                                                    tmp_path: Path) -> None:
+def test_one_keys_file_and_one_service_key_configure_every_service(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     keys = tmp_path / "keys.json"
     monkeypatch.setenv("KVBRIDGE_API_KEYS_FILE", str(keys))
     monkeypatch.setenv("KVBRIDGE_API_KEY", "svc")
@@ -45,10 +52,21 @@ def test_per_service_overrides_and_older_names_still_win_or_work(monkeypatch: py
     assert GatewaySettings(control_api_key="kw").control_api_key == "kw"  # constructor arguments (tests, stack)
 
 
-@pytest.mark.parametrize(("host", "loopback"), [
-    ("127.0.0.1", True), ("127.0.0.5", True), ("::1", True), ("[::1]", True), ("localhost", True),
-    ("0.0.0.0", False), ("::", False), ("10.0.0.5", False), ("gateway.example", False), ("", False),
-])
+@pytest.mark.parametrize(
+    ("host", "loopback"),
+    [
+        ("127.0.0.1", True),
+        ("127.0.0.5", True),
+        ("::1", True),
+        ("[::1]", True),
+        ("localhost", True),
+        ("0.0.0.0", False),
+        ("::", False),
+        ("10.0.0.5", False),
+        ("gateway.example", False),
+        ("", False),
+    ],
+)
 def test_loopback(host: str, loopback: bool) -> None:
     assert is_loopback(host) is loopback
 

@@ -20,22 +20,29 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 SERVICE = "test.Echo"
 
 
-@pytest.mark.parametrize(("env", "expected"), [
-    ({}, False),
-    ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}, True),
-    ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4317"}, True),
-    ({"OTEL_TRACES_EXPORTER": "otlp"}, True),
-    ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, False),
-    ({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"}, False),
-])
+@pytest.mark.parametrize(
+    ("env", "expected"),
+    [
+        ({}, False),
+        ({"OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4317"}, True),
+        ({"OTEL_EXPORTER_OTLP_TRACES_ENDPOINT": "http://collector:4317"}, True),
+        ({"OTEL_TRACES_EXPORTER": "otlp"}, True),
+        ({"OTEL_TRACES_EXPORTER": "none", "OTEL_EXPORTER_OTLP_ENDPOINT": "http://c:4317"}, False),
+        ({"OTEL_SDK_DISABLED": "true", "OTEL_TRACES_EXPORTER": "otlp"}, False),
+    ],
+)
 def test_tracing_is_off_unless_an_otlp_exporter_is_configured(env: dict[str, str], expected: bool) -> None:
     assert tracing_enabled(env) is expected
     assert Telemetry.from_env("svc", env, settings=TelemetrySettings()).exporting is expected
 
 
 def test_service_name_from_otel_service_name() -> None:
-    tel = Telemetry.from_env("kvbridge-registry", {"OTEL_SERVICE_NAME": "reg-east"},
-                             exporter=InMemorySpanExporter(), settings=TelemetrySettings())
+    tel = Telemetry.from_env(
+        "kvbridge-registry",
+        {"OTEL_SERVICE_NAME": "reg-east"},
+        exporter=InMemorySpanExporter(),
+        settings=TelemetrySettings(),
+    )
     with tel.tracer.start_as_current_span("x") as span:
         assert span.resource.attributes["service.name"] == "reg-east"  # type: ignore[attr-defined]
 
@@ -71,11 +78,14 @@ def _echo_binding() -> ServiceBinding:
         async for r in requests:
             yield r
 
-    handler = grpc.method_handlers_generic_handler(SERVICE, {
-        "Unary": grpc.unary_unary_rpc_method_handler(unary),
-        "Stream": grpc.unary_stream_rpc_method_handler(server_stream),
-        "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
-    })
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {
+            "Unary": grpc.unary_unary_rpc_method_handler(unary),
+            "Stream": grpc.unary_stream_rpc_method_handler(server_stream),
+            "Bidi": grpc.stream_stream_rpc_method_handler(bidi),
+        },
+    )
     return ServiceBinding(SERVICE, None, lambda _s, server: server.add_generic_rpc_handlers((handler,)))
 
 
@@ -109,8 +119,7 @@ async def test_server_spans_continue_the_callers_trace_and_count_rpcs() -> None:
     server_tel.force_flush()
     client_tel.force_flush()
     spans = [s for s in exporter.get_finished_spans() if s.kind == trace.SpanKind.SERVER]
-    assert [s.name for s in spans] == [f"{SERVICE}/{m}" for m in ("Unary", "Stream", "Bidi", "Unary", "Unary",
-                                                                  "Unary")]
+    assert [s.name for s in spans] == [f"{SERVICE}/{m}" for m in ("Unary", "Stream", "Bidi", "Unary", "Unary", "Unary")]
     ctx = caller.get_span_context()
     for s in spans[:5]:
         assert s.context.trace_id == ctx.trace_id
@@ -122,7 +131,8 @@ async def test_server_spans_continue_the_callers_trace_and_count_rpcs() -> None:
     assert spans[3].status.is_ok  # a client error is not a server failure
     assert not spans[4].status.is_ok
     handled = server_tel.registry.get_sample_value(
-        "kvbridge_grpc_server_handled_total", {"method": f"/{SERVICE}/Unary", "code": "OK"})
+        "kvbridge_grpc_server_handled_total", {"method": f"/{SERVICE}/Unary", "code": "OK"}
+    )
     assert handled == 2
 
 
@@ -141,8 +151,7 @@ async def test_metered_store_times_calls_and_counts_errors() -> None:
     broken = MeteredStore(Down(), store.metrics)  # one StoreMetrics per registry
     with pytest.raises(StoreUnavailable):
         await broken.get(b"/k")
-    assert tel.registry.get_sample_value("kvbridge_store_errors_total",
-                                         {"op": "get", "error": "StoreUnavailable"}) == 1
+    assert tel.registry.get_sample_value("kvbridge_store_errors_total", {"op": "get", "error": "StoreUnavailable"}) == 1
     await store.close()
     await broken.close()
 
@@ -172,8 +181,10 @@ async def test_without_tracing_rpcs_get_no_span_but_are_still_counted() -> None:
     async def stream(request: bytes, context: grpc.aio.ServicerContext[Any, Any]) -> AsyncIterator[bytes]:
         yield b"span" if trace.get_current_span().is_recording() else b"none"
 
-    handler = grpc.method_handlers_generic_handler(SERVICE, {
-        "Unary": grpc.unary_unary_rpc_method_handler(unary), "Stream": grpc.unary_stream_rpc_method_handler(stream)})
+    handler = grpc.method_handlers_generic_handler(
+        SERVICE,
+        {"Unary": grpc.unary_unary_rpc_method_handler(unary), "Stream": grpc.unary_stream_rpc_method_handler(stream)},
+    )
     binding = ServiceBinding(SERVICE, None, lambda _s, server: server.add_generic_rpc_handlers((handler,)))
     server = GrpcServer(ServerSettings(), 0, [binding], telemetry=tel)
     await server.start()
@@ -189,9 +200,12 @@ async def test_without_tracing_rpcs_get_no_span_but_are_still_counted() -> None:
         await server.stop(0)
 
     def handled(method: str, code: str) -> float | None:
-        return tel.registry.get_sample_value("kvbridge_grpc_server_handled_total",
-                                             {"method": f"/{SERVICE}/{method}", "code": code})
+        return tel.registry.get_sample_value(
+            "kvbridge_grpc_server_handled_total", {"method": f"/{SERVICE}/{method}", "code": code}
+        )
 
     assert (handled("Unary", "OK"), handled("Stream", "OK"), handled("Unary", "INVALID_ARGUMENT")) == (2, 1, 1)
-    assert tel.registry.get_sample_value("kvbridge_grpc_server_handling_seconds_count",
-                                         {"method": f"/{SERVICE}/Unary"}) == 3
+    assert (
+        tel.registry.get_sample_value("kvbridge_grpc_server_handling_seconds_count", {"method": f"/{SERVICE}/Unary"})
+        == 3
+    )

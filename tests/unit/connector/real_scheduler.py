@@ -19,6 +19,7 @@ torch = require("torch", VLLM_HINT)
 
 BLOCK = 32
 
+
 @dataclass
 class FakeRequest:
     """The fields of vllm.v1.request.Request the connector's scheduler half reads."""
@@ -52,21 +53,45 @@ def _vllm_config(model_dir: Path, role: str) -> Any:
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import EngineArgs
 
-    transfer = KVTransferConfig(kv_connector="KvbridgeConnector", kv_role=role,  # type: ignore[arg-type]
-                                kv_buffer_device="cpu",
-                                kv_connector_module_path="kvbridge_connector.connector", engine_id=role,
-                                kv_connector_extra_config={"bidirectional_kv_xfer": True})
-    return EngineArgs(model=str(model_dir), served_model_name=["tiny"], skip_tokenizer_init=True, enforce_eager=True,
-                      block_size=BLOCK, max_model_len=1024, dtype="float32",
-                      kv_transfer_config=transfer).create_engine_config()
+    transfer = KVTransferConfig(
+        kv_connector="KvbridgeConnector",
+        kv_role=role,  # type: ignore[arg-type]
+        kv_buffer_device="cpu",
+        kv_connector_module_path="kvbridge_connector.connector",
+        engine_id=role,
+        kv_connector_extra_config={"bidirectional_kv_xfer": True},
+    )
+    return EngineArgs(
+        model=str(model_dir),
+        served_model_name=["tiny"],
+        skip_tokenizer_init=True,
+        enforce_eager=True,
+        block_size=BLOCK,
+        max_model_len=1024,
+        dtype="float32",
+        kv_transfer_config=transfer,
+    ).create_engine_config()
 
 
 def build_vllm_configs(model_dir: Path) -> dict[str, Any]:
     """Real vLLM configs for a 2-layer Llama shape (config.json only: no weights, no tokenizer needed)."""
-    (model_dir / "config.json").write_text(json.dumps({
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64, "intermediate_size": 128,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 2, "vocab_size": 512,
-        "max_position_embeddings": 1024, "torch_dtype": "float32", "rms_norm_eps": 1e-5}))
+    (model_dir / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["LlamaForCausalLM"],
+                "model_type": "llama",
+                "hidden_size": 64,
+                "intermediate_size": 128,
+                "num_attention_heads": 4,
+                "num_key_value_heads": 2,
+                "num_hidden_layers": 2,
+                "vocab_size": 512,
+                "max_position_embeddings": 1024,
+                "torch_dtype": "float32",
+                "rms_norm_eps": 1e-5,
+            }
+        )
+    )
     return {role: _vllm_config(model_dir, role) for role in ("kv_producer", "kv_consumer")}
 
 
@@ -74,8 +99,11 @@ def kv_cache_config() -> Any:
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 
     spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=16, dtype=torch.float32)
-    return KVCacheConfig(num_blocks=64, kv_cache_tensors=[],
-                         kv_cache_groups=[KVCacheGroupSpec(layer_names=["l0", "l1"], kv_cache_spec=spec)])
+    return KVCacheConfig(
+        num_blocks=64,
+        kv_cache_tensors=[],
+        kv_cache_groups=[KVCacheGroupSpec(layer_names=["l0", "l1"], kv_cache_spec=spec)],
+    )
 
 
 BYTES_PER_TOKEN = 2 * 2 * 16 * 4 * 2  # K+V x heads x head size x float32 x layers

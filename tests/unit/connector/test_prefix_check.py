@@ -19,9 +19,15 @@ PROMPT = list(range(10, 210))
 
 def _offer(digest_tokens: list[int] | None, tokens: int = 96) -> dict[str, Any]:
     params: dict[str, Any] = {
-        "do_remote_decode": True, "do_remote_prefill": False, "remote_engine_id": "decode-0",
-        "remote_request_id": "d-1", "remote_host": "127.0.0.1", "remote_port": 5600,
-        "remote_block_ids": [[1, 2, 3]], "remote_num_tokens": tokens, "tp_size": 1,
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": "decode-0",
+        "remote_request_id": "d-1",
+        "remote_host": "127.0.0.1",
+        "remote_port": 5600,
+        "remote_block_ids": [[1, 2, 3]],
+        "remote_num_tokens": tokens,
+        "tp_size": 1,
         offers.KV_PARAMS_OFFER_TTL_MS: 5000,
     }
     if digest_tokens is not None:
@@ -36,14 +42,18 @@ def test_a_matching_digest_pulls(vllm_configs: dict[str, Any]) -> None:
         assert request.kv_transfer_params["remote_block_ids"] == [[1, 2, 3]]
 
 
-@pytest.mark.parametrize(("offer", "why"), [
-    (_offer([*PROMPT[:50], 7, *PROMPT[51:]]), "a token inside the pulled prefix differs"),
-    (_offer(None), "no digest"),
-    ({**_offer(PROMPT), hashchain.KV_PARAMS_PREFIX_DIGEST: 12}, "a digest of the wrong type"),
-    ({**_offer(PROMPT), "remote_num_tokens": 500}, "more tokens than the prompt has"),
-])
+@pytest.mark.parametrize(
+    ("offer", "why"),
+    [
+        (_offer([*PROMPT[:50], 7, *PROMPT[51:]]), "a token inside the pulled prefix differs"),
+        (_offer(None), "no digest"),
+        ({**_offer(PROMPT), hashchain.KV_PARAMS_PREFIX_DIGEST: 12}, "a digest of the wrong type"),
+        ({**_offer(PROMPT), "remote_num_tokens": 500}, "more tokens than the prompt has"),
+    ],
+)
 def test_a_mismatching_or_missing_digest_declines_and_never_contacts_d(
-        vllm_configs: dict[str, Any], offer: dict[str, Any], why: str) -> None:
+    vllm_configs: dict[str, Any], offer: dict[str, Any], why: str
+) -> None:
     with scheduler(vllm_configs, "kv_producer", {}) as sched:
         request = FakeRequest("bad", offer, PROMPT)
         assert sched.get_num_new_matched_tokens(request, 0) == (0, False), why
@@ -52,10 +62,16 @@ def test_a_mismatching_or_missing_digest_declines_and_never_contacts_d(
         assert sched.get_num_new_matched_tokens(request, 0) == (0, False)  # asked again: still no pull
 
 
-@pytest.mark.parametrize(("ttl", "why"), [
-    (None, "no read deadline"), (0, "a zero window"), (-5, "a negative window"), ("5000", "a window of the wrong type"),
-    (10**9, "an unbounded window"),
-])
+@pytest.mark.parametrize(
+    ("ttl", "why"),
+    [
+        (None, "no read deadline"),
+        (0, "a zero window"),
+        (-5, "a negative window"),
+        ("5000", "a window of the wrong type"),
+        (10**9, "an unbounded window"),
+    ],
+)
 def test_an_offer_without_a_valid_read_deadline_declines(vllm_configs: dict[str, Any], ttl: object, why: str) -> None:
     offer = _offer(PROMPT)
     offer.pop(offers.KV_PARAMS_OFFER_TTL_MS)

@@ -27,11 +27,16 @@ def _finish_retained(sched: Any, pool: Any, request_id: str) -> tuple[bool, list
     from kvbridge_services.gateway import kvparams
 
     blocks = pool.get_new_blocks(4)
-    params = kvparams.decode_params({"do_remote_prefill": False, "do_remote_decode": False},
-                                    tenant="t", conversation_key=f"conv-{request_id}", epoch=1,
-                                    secret=bytes.fromhex(SECRET_HEX))
-    request = FakeRequest(request_id, params, list(range(10, 110)), num_computed_tokens=128,
-                          output_token_ids=list(range(300, 340)))
+    params = kvparams.decode_params(
+        {"do_remote_prefill": False, "do_remote_decode": False},
+        tenant="t",
+        conversation_key=f"conv-{request_id}",
+        epoch=1,
+        secret=bytes.fromhex(SECRET_HEX),
+    )
+    request = FakeRequest(
+        request_id, params, list(range(10, 110)), num_computed_tokens=128, output_token_ids=list(range(300, 340))
+    )
     delay_free, returned = sched.request_finished(request, ([b.block_id for b in blocks],))
     assert returned is not None and returned["kvbridge_retained"] is True
     if not delay_free:
@@ -70,13 +75,21 @@ def _step(sched: Any) -> Any:
 
 GRACE_S = 1.2  # the least a 0.1 s offer window and a 0.05 s index lag bound allow (+ 1 s for the READ)
 SECRET_HEX = b"unit-hash-secret-0123456789abcdef".hex()  # the deployment secret is hex (kvbridge.secret)
-EXTRA = {"kvbridge_registry": "127.0.0.1:1", "kvbridge_hash_secret": SECRET_HEX,
-         "kvbridge_model": "tiny", "kvbridge_offer_window_s": 0.1, "kvbridge_index_max_lag_s": 0.05,
-         "kvbridge_node_lease_ttl_s": 1, "kvbridge_fallback_ttl_s": 3, "kvbridge_free_grace_s": GRACE_S}
+EXTRA = {
+    "kvbridge_registry": "127.0.0.1:1",
+    "kvbridge_hash_secret": SECRET_HEX,
+    "kvbridge_model": "tiny",
+    "kvbridge_offer_window_s": 0.1,
+    "kvbridge_index_max_lag_s": 0.05,
+    "kvbridge_node_lease_ttl_s": 1,
+    "kvbridge_fallback_ttl_s": 3,
+    "kvbridge_free_grace_s": GRACE_S,
+}
 
 
 def test_refcount_hold_frees_the_request_but_keeps_its_blocks_until_the_lease_ends(
-        vllm_configs: dict[str, Any]) -> None:
+    vllm_configs: dict[str, Any],
+) -> None:
     with scheduler(vllm_configs, "kv_consumer", EXTRA) as sched:
         _quiet(sched)
         pool = _pool()
@@ -100,8 +113,7 @@ def test_refcount_hold_frees_the_request_but_keeps_its_blocks_until_the_lease_en
         assert pool.get_num_free_blocks() == free_before and all(b.ref_cnt == 0 for b in blocks)
 
 
-def test_refcount_hold_ends_at_the_fallback_deadline_without_the_control_plane(
-        vllm_configs: dict[str, Any]) -> None:
+def test_refcount_hold_ends_at_the_fallback_deadline_without_the_control_plane(vllm_configs: dict[str, Any]) -> None:
     with scheduler(vllm_configs, "kv_consumer", EXTRA) as sched:
         _quiet(sched)
         pool = _pool()
@@ -136,7 +148,8 @@ def test_a_read_notification_after_the_release_never_reaches_vllms_scheduler(vll
 
 
 def test_memory_pressure_withdraws_first_and_frees_only_after_the_confirmed_end_and_the_grace(
-        vllm_configs: dict[str, Any]) -> None:
+    vllm_configs: dict[str, Any],
+) -> None:
     """A READ is one-sided: under pressure D revokes the lease (no new offers), then frees once the end is
     confirmed and the offer window (+ index lag) has passed; never at once."""
     with scheduler(vllm_configs, "kv_consumer", dict(EXTRA, kvbridge_free_kv_watermark=0.95)) as sched:

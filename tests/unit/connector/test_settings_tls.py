@@ -24,10 +24,12 @@ def test_bad_tls_settings_fail_at_start(tmp_path: Path) -> None:
     pem = tmp_path / "x.pem"
     pem.write_bytes(b"x")
     with pytest.raises(ValueError, match="together"):
-        ConnectorSettings.from_extra_config({"kvbridge_tls_ca_file": str(pem), "kvbridge_tls_cert_file": str(pem)},
-                                            env={})
+        ConnectorSettings.from_extra_config(
+            {"kvbridge_tls_ca_file": str(pem), "kvbridge_tls_cert_file": str(pem)}, env={}
+        )
     with pytest.raises(ValueError, match="need kvbridge_tls_ca_file"):
-        ConnectorSettings.from_extra_config({"kvbridge_tls_cert_file": str(pem), "kvbridge_tls_key_file": str(pem)},
-                                            env={})
+        ConnectorSettings.from_extra_config(
+            {"kvbridge_tls_cert_file": str(pem), "kvbridge_tls_key_file": str(pem)}, env={}
+        )
     with pytest.raises(ValueError, match="kvbridge_tls_ca_file"):
         ConnectorSettings.from_extra_config({"kvbridge_tls_ca_file": str(tmp_path / "missing.pem")}, env={})

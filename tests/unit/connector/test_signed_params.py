@@ -18,14 +18,21 @@ from .real_scheduler import FakeRequest, scheduler
 SECRET = bytes(range(32))
 OTHER = bytes(range(1, 33))
 NOW = 1_800_000_000.0
-P_RETURNED = {"do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "p0",
-              "remote_request_id": "cmpl-p-1", "remote_host": "10.0.0.1", "remote_port": 5600,
-              "remote_block_ids": [[1, 2]]}
+P_RETURNED = {
+    "do_remote_prefill": True,
+    "do_remote_decode": False,
+    "remote_engine_id": "p0",
+    "remote_request_id": "cmpl-p-1",
+    "remote_host": "10.0.0.1",
+    "remote_port": 5600,
+    "remote_block_ids": [[1, 2]],
+}
 
 
 def _signed() -> dict[str, Any]:
-    return kvparams.decode_params(dict(P_RETURNED), tenant="acme", conversation_key="c1", epoch=3, secret=SECRET,
-                                  now=NOW)
+    return kvparams.decode_params(
+        dict(P_RETURNED), tenant="acme", conversation_key="c1", epoch=3, secret=SECRET, now=NOW
+    )
 
 
 def _ignored(reason: str) -> float:
@@ -37,11 +44,18 @@ def test_gateway_signed_fields_are_accepted() -> None:
     assert ref == cparams.ConversationRef(tenant="acme", model="tiny", conversation_key="c1", epoch=3)
 
 
-@pytest.mark.parametrize(("change", "value"), [
-    (cparams.EPOCH, 2**63 - 1), (cparams.TENANT, "globex"), (cparams.CONVERSATION_KEY, "c2"),
-    (cparams.MODEL, "other-model"), ("remote_request_id", "cmpl-p-2"), ("remote_engine_id", "p9"),
-    (kvsecret.ISSUED_AT, NOW + 30),
-])
+@pytest.mark.parametrize(
+    ("change", "value"),
+    [
+        (cparams.EPOCH, 2**63 - 1),
+        (cparams.TENANT, "globex"),
+        (cparams.CONVERSATION_KEY, "c2"),
+        (cparams.MODEL, "other-model"),
+        ("remote_request_id", "cmpl-p-2"),
+        ("remote_engine_id", "p9"),
+        (kvsecret.ISSUED_AT, NOW + 30),
+    ],
+)
 def test_a_field_changed_after_signing_is_ignored(change: str, value: object) -> None:
     params = _signed()
     params[change] = value
@@ -65,8 +79,10 @@ def test_another_secret_expired_or_no_secret_is_ignored() -> None:
     before = _ignored("expired")
     late = NOW + kvsecret.DEFAULT_VALIDITY_S + 1
     assert cparams.parse_conversation(_signed(), "tiny", SECRET, accepted_at=late) is None
-    assert cparams.parse_conversation(_signed(), "tiny", SECRET, accepted_at=NOW - kvsecret.DEFAULT_CLOCK_SKEW_S - 1) \
+    assert (
+        cparams.parse_conversation(_signed(), "tiny", SECRET, accepted_at=NOW - kvsecret.DEFAULT_CLOCK_SKEW_S - 1)
         is None
+    )
     assert _ignored("expired") == before + 2
     assert cparams.parse_conversation(_signed(), "tiny", None, accepted_at=NOW) is None  # no_secret
 
@@ -89,8 +105,14 @@ def test_malformed_signature_fields_are_ignored_not_raised() -> None:
 
 
 def test_p_returned_kvbridge_fields_are_not_passed_on_by_the_gateway() -> None:
-    params = kvparams.decode_params({**P_RETURNED, cparams.EPOCH: 2**63 - 1, kvsecret.SIGNATURE: "f" * 32},
-                                    tenant="acme", conversation_key="c1", epoch=3, secret=SECRET, now=NOW)
+    params = kvparams.decode_params(
+        {**P_RETURNED, cparams.EPOCH: 2**63 - 1, kvsecret.SIGNATURE: "f" * 32},
+        tenant="acme",
+        conversation_key="c1",
+        epoch=3,
+        secret=SECRET,
+        now=NOW,
+    )
     assert params[cparams.EPOCH] == 3
     assert cparams.parse_conversation(params, "tiny", SECRET, accepted_at=NOW) is not None
 
@@ -117,13 +139,15 @@ def test_decode_engine_registers_only_gateway_signed_conversations(vllm_configs:
         sched.control_plane = recorder = _Recorder()
         base = {"do_remote_prefill": False, "do_remote_decode": False}
         forged = {**base, cparams.TENANT: "acme", cparams.CONVERSATION_KEY: "c1", cparams.EPOCH: 2**63 - 1}
-        request = FakeRequest("d-forged", forged, list(range(10, 110)), num_computed_tokens=128,
-                              output_token_ids=list(range(300, 340)))
+        request = FakeRequest(
+            "d-forged", forged, list(range(10, 110)), num_computed_tokens=128, output_token_ids=list(range(300, 340))
+        )
         _, returned = sched.request_finished(request, ([1, 2, 3, 4],))
         assert not (returned or {}).get(cparams.RETAINED) and recorder.commands == []
         signed = kvparams.decode_params(base, tenant="acme", conversation_key="c1", epoch=1, secret=SECRET)
-        request = FakeRequest("d-signed", signed, list(range(10, 110)), num_computed_tokens=128,
-                              output_token_ids=list(range(300, 340)))
+        request = FakeRequest(
+            "d-signed", signed, list(range(10, 110)), num_computed_tokens=128, output_token_ids=list(range(300, 340))
+        )
         _, returned = sched.request_finished(request, ([5, 6, 7, 8],))
         assert returned is not None and returned[cparams.RETAINED] is True
         assert [c.conversation.epoch for c in recorder.commands] == [1]

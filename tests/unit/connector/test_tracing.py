@@ -71,9 +71,12 @@ def sid(ctx: trace.SpanContext) -> bytes:
     return ctx.span_id.to_bytes(8, "big")
 
 
-async def spans_after_flush(receiver: OtlpReceiver, flushers: list[Callable[[], object]],
-                            predicate: Callable[[list[ReceivedSpan]], bool], timeout_s: float = 20.0,
-                            ) -> list[ReceivedSpan]:
+async def spans_after_flush(
+    receiver: OtlpReceiver,
+    flushers: list[Callable[[], object]],
+    predicate: Callable[[list[ReceivedSpan]], bool],
+    timeout_s: float = 20.0,
+) -> list[ReceivedSpan]:
     """Flushes the exporters (off the loop: they wait for this loop's receiver) until ``predicate`` holds."""
     async with asyncio.timeout(timeout_s):
         while True:
@@ -95,9 +98,15 @@ PROMPT = list(range(10, 210))
 
 
 def _pull_params(tokens: int) -> dict[str, Any]:
-    source = kvparams.PullSource(engine_id="decode-0", request_id="d-req-1", host="127.0.0.1", port=5600,
-                                 block_groups=[list(range(1, 9))], offer_window_s=5.0,
-                                 looked_up_at=time.monotonic())
+    source = kvparams.PullSource(
+        engine_id="decode-0",
+        request_id="d-req-1",
+        host="127.0.0.1",
+        port=5600,
+        block_groups=[list(range(1, 9))],
+        offer_window_s=5.0,
+        looked_up_at=time.monotonic(),
+    )
     return kvparams.reuse_prefill_params(source, tokens, BLOCK, prompt_ids=PROMPT)
 
 
@@ -105,8 +114,7 @@ def named(spans: list[ReceivedSpan], name: str, request_id: str) -> list[Receive
     return [s for s in spans if s.name == name and s.attributes.get(tracing.ATTR_REQUEST) == request_id]
 
 
-async def test_prefill_pull_spans_continue_the_turn_trace(vllm_configs: dict[str, Any],
-                                                          receiver: OtlpReceiver) -> None:
+async def test_prefill_pull_spans_continue_the_turn_trace(vllm_configs: dict[str, Any], receiver: OtlpReceiver) -> None:
     from vllm.v1.outputs import KVConnectorOutput
 
     with scheduler(vllm_configs, "kv_producer", {"kvbridge_otlp_endpoint": receiver.endpoint}) as sched:
@@ -123,13 +131,13 @@ async def test_prefill_pull_spans_continue_the_turn_trace(vllm_configs: dict[str
         assert sched.get_num_new_matched_tokens(small, 0) == (0, False)  # below kv_recompute_threshold (64)
         assert sched.get_num_new_matched_tokens(small, 0) == (0, False)  # asked again: one decline span
         assert sched.get_num_new_matched_tokens(cached, 96) == (0, False)  # P's own prefix cache has it
-        sched.update_connector_output(KVConnectorOutput(finished_recving={"p-ok", "p-bad"},
-                                                        failed_recving={"p-bad"}))
+        sched.update_connector_output(KVConnectorOutput(finished_recving={"p-ok", "p-bad"}, failed_recving={"p-bad"}))
         # The failed read-back is asked again by vLLM: the connector recomputes instead.
         bad.kv_transfer_params["_remote_blocks_processed"] = True
         assert sched.get_num_new_matched_tokens(bad, 0) == (0, False)
-        spans = await spans_after_flush(receiver, [sched.tracer.force_flush],
-                                        lambda s: len([x for x in s if x.name == tracing.SPAN_PULL]) >= 5)
+        spans = await spans_after_flush(
+            receiver, [sched.tracer.force_flush], lambda s: len([x for x in s if x.name == tracing.SPAN_PULL]) >= 5
+        )
 
     pulls = [s for s in spans if s.name == tracing.SPAN_PULL]
     assert len(pulls) == 5, [(s.attributes[tracing.ATTR_REQUEST], s.attributes[tel.ATTR_REASON]) for s in pulls]
@@ -150,14 +158,19 @@ async def test_prefill_pull_spans_continue_the_turn_trace(vllm_configs: dict[str
     assert failed.status_code == STATUS_ERROR and failed.attributes[tracing.ATTR_OUTCOME] == "failed"
     assert failed.attributes[tel.ATTR_PULL_BYTES] == 0
     assert retry.attributes[tel.ATTR_REASON] == "read_back_already_attempted"
-    reasons = {s.attributes[tracing.ATTR_REQUEST]: s.attributes[tel.ATTR_REASON]
-               for s in pulls if s.attributes[tracing.ATTR_OUTCOME] == "declined"}
-    assert reasons == {"p-small": "below_recompute_threshold", "p-cached": "local_prefix_cache",
-                       "p-bad": "read_back_already_attempted"}
+    reasons = {
+        s.attributes[tracing.ATTR_REQUEST]: s.attributes[tel.ATTR_REASON]
+        for s in pulls
+        if s.attributes[tracing.ATTR_OUTCOME] == "declined"
+    }
+    assert reasons == {
+        "p-small": "below_recompute_threshold",
+        "p-cached": "local_prefix_cache",
+        "p-bad": "read_back_already_attempted",
+    }
 
 
-async def test_vllm_trace_headers_are_the_fallback_parent(vllm_configs: dict[str, Any],
-                                                          receiver: OtlpReceiver) -> None:
+async def test_vllm_trace_headers_are_the_fallback_parent(vllm_configs: dict[str, Any], receiver: OtlpReceiver) -> None:
     """Without the gateway's field, a traceparent vLLM kept from the HTTP headers parents the span."""
     from vllm.v1.outputs import KVConnectorOutput
 
@@ -169,8 +182,9 @@ async def test_vllm_trace_headers_are_the_fallback_parent(vllm_configs: dict[str
         request = FakeRequest("p-headers", params, PROMPT, trace_headers=headers)
         assert sched.get_num_new_matched_tokens(request, 0) == (96, True)
         sched.update_connector_output(KVConnectorOutput(finished_recving={"p-headers"}))
-        spans = await spans_after_flush(receiver, [sched.tracer.force_flush],
-                                        lambda s: any(x.name == tracing.SPAN_PULL for x in s))
+        spans = await spans_after_flush(
+            receiver, [sched.tracer.force_flush], lambda s: any(x.name == tracing.SPAN_PULL for x in s)
+        )
     (span,) = spans
     assert (span.trace_id, span.parent_span_id) == (tid(turn), sid(turn))
 
@@ -187,15 +201,24 @@ class ControlPlaneApps:
 async def control_plane(receiver: OtlpReceiver) -> AsyncIterator[ControlPlaneApps]:
     env = {"OTEL_EXPORTER_OTLP_ENDPOINT": receiver.endpoint}
     settings = TelemetrySettings(hash_key_hex=HASH_KEY.hex())
-    reg_tel, lease_tel = (Telemetry.from_env(name, env, settings=settings)
-                          for name in ("kvbridge-registry", "kvbridge-lease"))
+    reg_tel, lease_tel = (
+        Telemetry.from_env(name, env, settings=settings) for name in ("kvbridge-registry", "kvbridge-lease")
+    )
     store = MemoryStore()
-    lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
-                     ServerSettings(shutdown_grace_s=0.2), telemetry=lease_tel)
+    lease = LeaseApp(
+        store,
+        LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
+        ServerSettings(shutdown_grace_s=0.2),
+        telemetry=lease_tel,
+    )
     await lease.start()
     await wait_leader(lease)
-    registry = RegistryApp(store, settings=RegistrySettings(port=0, lease_service_target=lease.address),
-                           server_settings=ServerSettings(shutdown_grace_s=0.2), telemetry=reg_tel)
+    registry = RegistryApp(
+        store,
+        settings=RegistrySettings(port=0, lease_service_target=lease.address),
+        server_settings=ServerSettings(shutdown_grace_s=0.2),
+        telemetry=reg_tel,
+    )
     await registry.start()
     try:
         yield ControlPlaneApps(registry, lease, [reg_tel, lease_tel])
@@ -219,26 +242,41 @@ async def _wait_engine_registered(registry_target: str, engine_id: str) -> None:
 
 
 async def test_decode_registration_span_joins_the_turn_and_the_services(
-    vllm_configs: dict[str, Any], receiver: OtlpReceiver, control_plane: ControlPlaneApps,
+    vllm_configs: dict[str, Any],
+    receiver: OtlpReceiver,
+    control_plane: ControlPlaneApps,
 ) -> None:
-    extra = {"kvbridge_registry": control_plane.registry.address, "kvbridge_lease": control_plane.lease.address,
-             "kvbridge_hash_secret": SECRET, "kvbridge_model": "tiny", "kvbridge_otlp_endpoint": receiver.endpoint,
-             "kvbridge_telemetry_hash_key_hex": HASH_KEY.hex()}
+    extra = {
+        "kvbridge_registry": control_plane.registry.address,
+        "kvbridge_lease": control_plane.lease.address,
+        "kvbridge_hash_secret": SECRET,
+        "kvbridge_model": "tiny",
+        "kvbridge_otlp_endpoint": receiver.endpoint,
+        "kvbridge_telemetry_hash_key_hex": HASH_KEY.hex(),
+    }
     with scheduler(vllm_configs, "kv_consumer", extra) as sched:
         await _wait_engine_registered(control_plane.registry.address, "decode-0")
         with turn_span() as turn:
-            params = kvparams.decode_params({"do_remote_prefill": False, "do_remote_decode": False},
-                                            tenant=TENANT, conversation_key=CONVERSATION, epoch=1,
-                                            secret=bytes.fromhex(SECRET))
-        request = FakeRequest("d-req-1", params, list(range(10, 110)), num_computed_tokens=128,
-                              output_token_ids=list(range(300, 340)))
+            params = kvparams.decode_params(
+                {"do_remote_prefill": False, "do_remote_decode": False},
+                tenant=TENANT,
+                conversation_key=CONVERSATION,
+                epoch=1,
+                secret=bytes.fromhex(SECRET),
+            )
+        request = FakeRequest(
+            "d-req-1", params, list(range(10, 110)), num_computed_tokens=128, output_token_ids=list(range(300, 340))
+        )
         delay_free, returned = sched.request_finished(request, ([1, 2, 3, 4],))
         assert delay_free and returned is not None and returned["kvbridge_retained"] is True
 
         def complete(spans: list[ReceivedSpan]) -> bool:
             names = {(s.name, s.kind) for s in spans}
-            return {(tracing.SPAN_REGISTER, trace_pb2.Span.SPAN_KIND_INTERNAL), (GRANT, SERVER),
-                    (REGISTER, SERVER)} <= names
+            return {
+                (tracing.SPAN_REGISTER, trace_pb2.Span.SPAN_KIND_INTERNAL),
+                (GRANT, SERVER),
+                (REGISTER, SERVER),
+            } <= names
 
         flushers = [sched.tracer.force_flush, *(t.force_flush for t in control_plane.telemetries)]
         spans = await spans_after_flush(receiver, flushers, complete)

@@ -35,10 +35,13 @@ def test_keys_file_holds_one_service_key_and_a_tenant_key_each(tmp_path: Path) -
 
 
 def _report() -> DemoReport:
-    return DemoReport(turns=[
-        TurnReport("1 first turn", "acme", "trip-1", 725, "miss", 0, 1500.0, 1400.0, "miss", "miss"),
-        TurnReport("2 after search_flights", "acme", "trip-1", 938, "hit", 736, 500.0, 2000.0, "miss", "hit", 9, 5),
-    ], model_shape={"num_layers": 8, "hidden_size": 768})
+    return DemoReport(
+        turns=[
+            TurnReport("1 first turn", "acme", "trip-1", 725, "miss", 0, 1500.0, 1400.0, "miss", "miss"),
+            TurnReport("2 after search_flights", "acme", "trip-1", 938, "hit", 736, 500.0, 2000.0, "miss", "hit", 9, 5),
+        ],
+        model_shape={"num_layers": 8, "hidden_size": 768},
+    )
 
 
 def test_table_and_json_carry_both_ttfts_and_their_ratio() -> None:

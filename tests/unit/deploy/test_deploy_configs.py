@@ -105,8 +105,10 @@ def _check_pgv(msg: Message, path: str, problems: list[str]) -> None:
             continue  # PGV applies a oneof member's rules only when that member is the one set.
         opts = field.GetOptions()
         is_repeated = field.is_repeated
-        present = len(getattr(msg, field.name)) > 0 if is_repeated else (
-            msg.HasField(field.name) if field.has_presence else getattr(msg, field.name) != field.default_value
+        present = (
+            len(getattr(msg, field.name)) > 0
+            if is_repeated
+            else (msg.HasField(field.name) if field.has_presence else getattr(msg, field.name) != field.default_value)
         )
         if opts.deprecated and present:
             problems.append(f"{here}: deprecated field")
@@ -265,7 +267,9 @@ def test_descriptor_set_is_up_to_date(tmp_path: Path) -> None:
     env_buf = {} if (ROOT / ".venv" / "bin" / "buf").exists() else {"BUF": "buf"}
     subprocess.run(
         [str(DEPLOY / "envoy" / "build-descriptor.sh"), str(out)],
-        check=True, capture_output=True, env={**_base_env(), **env_buf},
+        check=True,
+        capture_output=True,
+        env={**_base_env(), **env_buf},
     )
     assert out.read_bytes() == DESCRIPTOR.read_bytes(), "stale: run deploy/envoy/build-descriptor.sh"
 
@@ -331,8 +335,12 @@ def test_selectors_match_pod_labels_and_services_find_pods() -> None:
             matches = [w for labels, w in pods if selector.items() <= labels.items()]
             assert matches, f"{kind}/{name} selects no pod"
             if kind == "Service":
-                port_names = {p.get("name") for w in matches for c in w["spec"]["template"]["spec"]["containers"]
-                              for p in c.get("ports", [])}
+                port_names = {
+                    p.get("name")
+                    for w in matches
+                    for c in w["spec"]["template"]["spec"]["containers"]
+                    for p in c.get("ports", [])
+                }
                 for port in doc["spec"]["ports"]:
                     target = port.get("targetPort", port["port"])
                     assert not isinstance(target, str) or target in port_names, f"{name}: port {target}"
@@ -474,8 +482,19 @@ def test_envoy_deployment_mounts_descriptor_and_tls() -> None:
 def test_compose_wiring() -> None:
     compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())
     services = compose["services"]
-    assert {"etcd-1", "etcd-2", "etcd-3", "registry", "lease-1", "lease-2", "gateway", "envoy", "jaeger",
-            "prefill", "decode"} <= services.keys()
+    assert {
+        "etcd-1",
+        "etcd-2",
+        "etcd-3",
+        "registry",
+        "lease-1",
+        "lease-2",
+        "gateway",
+        "envoy",
+        "jaeger",
+        "prefill",
+        "decode",
+    } <= services.keys()
     endpoints = services["registry"]["environment"]["KVBRIDGE_ETCD_ENDPOINTS"].split(",")
     assert {e.split(":")[0] for e in endpoints} == {"etcd-1", "etcd-2", "etcd-3"}
     assert services["jaeger"]["environment"]["COLLECTOR_OTLP_ENABLED"] == "true"

@@ -13,8 +13,11 @@ import yaml  # type: ignore[import-untyped,unused-ignore]
 from .test_deploy_configs import DEPLOY, envoy_config, manifests, walk
 
 Doc = dict[str, Any]
-SERVICES = {"registry": "kvbridge_services.registry", "lease": "kvbridge_services.lease",
-            "gateway": "kvbridge_services.gateway"}
+SERVICES = {
+    "registry": "kvbridge_services.registry",
+    "lease": "kvbridge_services.lease",
+    "gateway": "kvbridge_services.gateway",
+}
 ENGINES = {"prefill", "decode"}
 KEYS_FILE = "KVBRIDGE_API_KEYS_FILE"
 
@@ -90,8 +93,9 @@ def test_only_envoy_is_exposed_and_it_terminates_tls() -> None:
     assert exposed == {"envoy"}
     envoy = _kind("Service")["envoy"]
     pod_labels = envoy["spec"]["selector"]
-    envoy_pods = [w for w in _workloads().values()
-                  if pod_labels.items() <= w["spec"]["template"]["metadata"]["labels"].items()]
+    envoy_pods = [
+        w for w in _workloads().values() if pod_labels.items() <= w["spec"]["template"]["metadata"]["labels"].items()
+    ]
     assert envoy_pods
     listeners = envoy_config()["static_resources"]["listeners"]
     exposed_ports = {p.get("targetPort", p["port"]) for p in envoy["spec"]["ports"]}
@@ -122,11 +126,21 @@ def test_engines_http_only_from_the_gateway_and_nixl_only_from_engines() -> None
         assert mine, f"no NetworkPolicy selects the {engine} pods: anyone in the cluster reaches them"
         ports = {p["name"]: p["containerPort"] for p in _container(workloads[engine])["ports"]}
         for source, allowed in labels.items():
-            rules = [r for p in mine for r in p["spec"].get("ingress", [])
-                     if any(_selects(f, allowed) for f in r.get("from", []))]
-            reachable = set() if not rules else (
-                set(ports.values()) if any("ports" not in r for r in rules)
-                else {p["port"] for r in rules for p in r["ports"]})
+            rules = [
+                r
+                for p in mine
+                for r in p["spec"].get("ingress", [])
+                if any(_selects(f, allowed) for f in r.get("from", []))
+            ]
+            reachable = (
+                set()
+                if not rules
+                else (
+                    set(ports.values())
+                    if any("ports" not in r for r in rules)
+                    else {p["port"] for r in rules for p in r["ports"]}
+                )
+            )
             if source == "gateway":
                 assert ports["http"] in reachable and ports["nixl"] not in reachable, (engine, reachable)
             elif source in ENGINES:  # UCX's TCP transfers use ephemeral ports: engines reach each other on any

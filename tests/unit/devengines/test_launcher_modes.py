@@ -49,30 +49,71 @@ def test_cpu_command_and_env_are_the_cpu_launcher_s(tmp_path: Path, monkeypatch:
     monkeypatch.delenv("VLLM_LOGGING_LEVEL", raising=False)
     prefill, decode = pd_specs(Path("/m"), tmp_path, mode=engine_mode_from_env({}))
     assert engine_command(prefill, 8100, "p-1") == [
-        sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", "/m", "--served-model-name", "tiny",
-        "--host", "127.0.0.1", "--port", "8100", "--enforce-eager", "--block-size", "32", "--max-model-len", "1024",
-        "--max-num-seqs", "8", "--dtype", "float32", "--seed", "0", "--kv-transfer-config",
-        json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_producer", "kv_buffer_device": "cpu",
-                    "engine_id": "p-1", "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
-                    "kv_load_failure_policy": "recompute"}),
+        sys.executable,
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+        "--model",
+        "/m",
+        "--served-model-name",
+        "tiny",
+        "--host",
+        "127.0.0.1",
+        "--port",
+        "8100",
+        "--enforce-eager",
+        "--block-size",
+        "32",
+        "--max-model-len",
+        "1024",
+        "--max-num-seqs",
+        "8",
+        "--dtype",
+        "float32",
+        "--seed",
+        "0",
+        "--kv-transfer-config",
+        json.dumps(
+            {
+                "kv_connector": "NixlConnector",
+                "kv_role": "kv_producer",
+                "kv_buffer_device": "cpu",
+                "engine_id": "p-1",
+                "kv_connector_extra_config": {"bidirectional_kv_xfer": True},
+                "kv_load_failure_policy": "recompute",
+            }
+        ),
         "--no-enable-prefix-caching",
     ]
     env = engine_env(decode, 5700)
-    assert {key: env[key] for key in ("VLLM_CPU_KVCACHE_SPACE", "VLLM_CPU_OMP_THREADS_BIND",
-                                       "VLLM_NIXL_SIDE_CHANNEL_PORT", "UCX_TLS", "UCX_NET_DEVICES")} == {
-        "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": str(decode.cpu_core),
-        "VLLM_NIXL_SIDE_CHANNEL_PORT": "5700", "UCX_TLS": "tcp,self,sm", "UCX_NET_DEVICES": "lo"}
+    assert {
+        key: env[key]
+        for key in (
+            "VLLM_CPU_KVCACHE_SPACE",
+            "VLLM_CPU_OMP_THREADS_BIND",
+            "VLLM_NIXL_SIDE_CHANNEL_PORT",
+            "UCX_TLS",
+            "UCX_NET_DEVICES",
+        )
+    } == {
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CPU_OMP_THREADS_BIND": str(decode.cpu_core),
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": "5700",
+        "UCX_TLS": "tcp,self,sm",
+        "UCX_NET_DEVICES": "lo",
+    }
     assert "--gpu-memory-utilization" not in engine_command(decode, 8200, "d-1")
 
 
 def test_gpu_mode_gives_each_engine_its_gpu_memory_share_block_16_and_a_cuda_kv_buffer(
-        model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    model: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("VLLM_CPU_KVCACHE_SPACE", "40")  # inherited from the operator's shell: must not pass
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "0-3")
     monkeypatch.delenv("UCX_TLS", raising=False)
     monkeypatch.delenv("UCX_NET_DEVICES", raising=False)
-    mode = engine_mode_from_env(gpu_env(model, KVBRIDGE_PREFILL_GPUS="2", KVBRIDGE_DECODE_GPUS="3",
-                                        KVBRIDGE_ENGINE_DTYPE="bfloat16"))
+    mode = engine_mode_from_env(
+        gpu_env(model, KVBRIDGE_PREFILL_GPUS="2", KVBRIDGE_DECODE_GPUS="3", KVBRIDGE_ENGINE_DTYPE="bfloat16")
+    )
     assert mode == EngineMode("cuda", model, "2", "3", 0.85, "bfloat16", 16)
     prefill, decode = pd_specs(mode.model or model, tmp_path, mode=mode)
     for spec, gpu, port in ((prefill, "2", 8100), (decode, "3", 8200)):
@@ -97,16 +138,21 @@ def test_gpu_mode_gives_each_engine_its_gpu_memory_share_block_16_and_a_cuda_kv_
 def test_one_gpu_for_both_engines_splits_its_memory(model: Path, tmp_path: Path) -> None:
     mode = engine_mode_from_env(gpu_env(model, KVBRIDGE_PREFILL_GPUS="0", KVBRIDGE_DECODE_GPUS="0"))
     assert (mode.prefill_gpus, mode.decode_gpus, mode.gpu_memory_utilization) == ("0", "0", 0.4)
-    assert engine_mode_from_env(gpu_env(model, KVBRIDGE_DECODE_GPUS="0",
-                                        KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION="0.45")).gpu_memory_utilization == 0.45
+    assert (
+        engine_mode_from_env(
+            gpu_env(model, KVBRIDGE_DECODE_GPUS="0", KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION="0.45")
+        ).gpu_memory_utilization
+        == 0.45
+    )
     defaults = engine_mode_from_env(gpu_env(model))
     assert (defaults.prefill_gpus, defaults.decode_gpus, defaults.dtype) == ("0", "1", "auto")
 
 
 def test_overrides_apply_after_the_mode(model: Path, tmp_path: Path) -> None:
     mode = engine_mode_from_env(gpu_env(model))
-    prefill, _ = pd_specs(model, tmp_path, mode=mode, prefill_overrides={"gpu_memory_utilization": 0.5,
-                                                                         "max_model_len": 4096})
+    prefill, _ = pd_specs(
+        model, tmp_path, mode=mode, prefill_overrides={"gpu_memory_utilization": 0.5, "max_model_len": 4096}
+    )
     command = engine_command(prefill, 8100, "p")
     assert command[command.index("--gpu-memory-utilization") + 1] == "0.5"
     assert command[command.index("--max-model-len") + 1] == "4096"
@@ -120,27 +166,37 @@ def test_a_gpu_engine_is_not_pinned_to_a_core(model: Path, tmp_path: Path) -> No
     assert place_worker_threads(engine) == "none (GPU engine: no core pinning)"
 
 
-@pytest.mark.parametrize(("settings", "message"), [
-    ({"KVBRIDGE_ENGINE_DEVICE": "rocm"}, r"KVBRIDGE_ENGINE_DEVICE='rocm': must be cpu or cuda"),
-    ({"KVBRIDGE_ENGINE_DEVICE": "cuda"}, r"KVBRIDGE_ENGINE_DEVICE=cuda needs KVBRIDGE_ENGINE_MODEL"),
-    ({"KVBRIDGE_PREFILL_GPUS": "0"}, r"KVBRIDGE_PREFILL_GPUS set but KVBRIDGE_ENGINE_DEVICE is not cuda"),
-    ({"KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION": "0.4", "KVBRIDGE_ENGINE_DTYPE": "auto"},
-     r"KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION, KVBRIDGE_ENGINE_DTYPE set but KVBRIDGE_ENGINE_DEVICE is not cuda"),
-])
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"KVBRIDGE_ENGINE_DEVICE": "rocm"}, r"KVBRIDGE_ENGINE_DEVICE='rocm': must be cpu or cuda"),
+        ({"KVBRIDGE_ENGINE_DEVICE": "cuda"}, r"KVBRIDGE_ENGINE_DEVICE=cuda needs KVBRIDGE_ENGINE_MODEL"),
+        ({"KVBRIDGE_PREFILL_GPUS": "0"}, r"KVBRIDGE_PREFILL_GPUS set but KVBRIDGE_ENGINE_DEVICE is not cuda"),
+        (
+            {"KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION": "0.4", "KVBRIDGE_ENGINE_DTYPE": "auto"},
+            r"KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION, KVBRIDGE_ENGINE_DTYPE set but KVBRIDGE_ENGINE_DEVICE is not cuda",
+        ),
+    ],
+)
 def test_invalid_settings_without_a_model_are_refused_by_name(settings: dict[str, str], message: str) -> None:
     with pytest.raises(EngineModeError, match=message):
         engine_mode_from_env(settings)
 
 
-@pytest.mark.parametrize(("settings", "message"), [
-    ({"KVBRIDGE_PREFILL_GPUS": "0,1"}, r"KVBRIDGE_PREFILL_GPUS='0,1': give one GPU index"),
-    ({"KVBRIDGE_DECODE_GPUS": "gpu1"}, r"KVBRIDGE_DECODE_GPUS='gpu1': give one GPU index"),
-    ({"KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION": "1.2"}, r"MEMORY_UTILIZATION='1.2': a fraction in \(0, 1\)"),
-    ({"KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION": "lots"}, r"MEMORY_UTILIZATION='lots': a fraction in \(0, 1\)"),
-    ({"KVBRIDGE_DECODE_GPUS": "0", "KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION": "0.6"},
-     r"both GPU 0: .*KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION=0.6 \(each\) must be <= 0.475"),
-    ({"KVBRIDGE_ENGINE_DTYPE": "fp8"}, r"KVBRIDGE_ENGINE_DTYPE='fp8': one of auto, bfloat16, float16, float32"),
-])
+@pytest.mark.parametrize(
+    ("settings", "message"),
+    [
+        ({"KVBRIDGE_PREFILL_GPUS": "0,1"}, r"KVBRIDGE_PREFILL_GPUS='0,1': give one GPU index"),
+        ({"KVBRIDGE_DECODE_GPUS": "gpu1"}, r"KVBRIDGE_DECODE_GPUS='gpu1': give one GPU index"),
+        ({"KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION": "1.2"}, r"MEMORY_UTILIZATION='1.2': a fraction in \(0, 1\)"),
+        ({"KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION": "lots"}, r"MEMORY_UTILIZATION='lots': a fraction in \(0, 1\)"),
+        (
+            {"KVBRIDGE_DECODE_GPUS": "0", "KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION": "0.6"},
+            r"both GPU 0: .*KVBRIDGE_ENGINE_GPU_MEMORY_UTILIZATION=0.6 \(each\) must be <= 0.475",
+        ),
+        ({"KVBRIDGE_ENGINE_DTYPE": "fp8"}, r"KVBRIDGE_ENGINE_DTYPE='fp8': one of auto, bfloat16, float16, float32"),
+    ],
+)
 def test_invalid_gpu_settings_are_refused_by_name(model: Path, settings: dict[str, str], message: str) -> None:
     with pytest.raises(EngineModeError, match=message):
         engine_mode_from_env(gpu_env(model, **settings))

@@ -28,15 +28,18 @@ def test_reusable_tokens_floors_to_blocks_and_leaves_one_token_to_compute() -> N
 
 
 def test_reuse_prefill_params_use_only_the_source_record() -> None:
-    src = kvparams.PullSource(engine_id="d0", request_id="r1", host="10.0.0.5", port=5600,
-                              block_groups=[[7, 8, 9, 10]])
+    src = kvparams.PullSource(engine_id="d0", request_id="r1", host="10.0.0.5", port=5600, block_groups=[[7, 8, 9, 10]])
     prompt = list(range(40))
     p = kvparams.reuse_prefill_params(src, 32, 16, prompt_ids=prompt)
     assert p["do_remote_decode"] is True and p["do_remote_prefill"] is False
     assert p[hashchain.KV_PARAMS_PREFIX_DIGEST] == hashchain.prefix_digest(prompt, 32)
     assert p["remote_block_ids"] == [[7, 8]] and p["remote_num_tokens"] == 32
-    assert (p["remote_engine_id"], p["remote_request_id"], p["remote_host"], p["remote_port"]) == \
-        ("d0", "r1", "10.0.0.5", 5600)
+    assert (p["remote_engine_id"], p["remote_request_id"], p["remote_host"], p["remote_port"]) == (
+        "d0",
+        "r1",
+        "10.0.0.5",
+        5600,
+    )
 
 
 def test_p_gets_what_is_left_of_the_engines_offer_window() -> None:
@@ -45,15 +48,27 @@ def test_p_gets_what_is_left_of_the_engines_offer_window() -> None:
     from kvbridge import offers
 
     looked_up = time.monotonic() - 1.5
-    src = kvparams.PullSource(engine_id="d0", request_id="r1", host="h", port=1, block_groups=[[7, 8]],
-                              offer_window_s=5.0, looked_up_at=looked_up)
+    src = kvparams.PullSource(
+        engine_id="d0",
+        request_id="r1",
+        host="h",
+        port=1,
+        block_groups=[[7, 8]],
+        offer_window_s=5.0,
+        looked_up_at=looked_up,
+    )
     ttl = kvparams.reuse_prefill_params(src, 32, 16, prompt_ids=list(range(40)))[offers.KV_PARAMS_OFFER_TTL_MS]
     assert 3300 <= ttl <= 3500
-    assert kvparams.offer_ttl_ms(kvparams.PullSource("d0", "r1", "h", 1, [[7]], offer_window_s=1.0,
-                                                     looked_up_at=looked_up)) <= 0
+    assert (
+        kvparams.offer_ttl_ms(
+            kvparams.PullSource("d0", "r1", "h", 1, [[7]], offer_window_s=1.0, looked_up_at=looked_up)
+        )
+        <= 0
+    )
     no_promise = kvparams.PullSource(engine_id="d0", request_id="r1", host="h", port=1, block_groups=[[7, 8]])
-    assert offers.KV_PARAMS_OFFER_TTL_MS not in kvparams.reuse_prefill_params(no_promise, 32, 16,
-                                                                              prompt_ids=list(range(40)))
+    assert offers.KV_PARAMS_OFFER_TTL_MS not in kvparams.reuse_prefill_params(
+        no_promise, 32, 16, prompt_ids=list(range(40))
+    )
 
 
 def test_strip_client_params() -> None:
@@ -73,8 +88,13 @@ def test_block_groups_accepts_flat_and_grouped() -> None:
 
 
 def test_retained_from_decode() -> None:
-    params = {"do_remote_decode": True, "remote_block_ids": [[5, 6]], "remote_engine_id": "d0",
-              "remote_request_id": "r", "remote_num_tokens": 30}
+    params = {
+        "do_remote_decode": True,
+        "remote_block_ids": [[5, 6]],
+        "remote_engine_id": "d0",
+        "remote_request_id": "r",
+        "remote_num_tokens": 30,
+    }
     r = kvparams.retained_from_decode(params, 25)
     assert r is not None and r.token_count == 25 and r.block_groups == [[5, 6]]
     assert kvparams.retained_from_decode({"do_remote_decode": False}, 10) is None
@@ -83,8 +103,9 @@ def test_retained_from_decode() -> None:
 
 def test_decode_params_carry_conversation_identity_signed() -> None:
     secret = bytes(range(16))
-    p = kvparams.decode_params({"do_remote_prefill": True}, tenant="acme", conversation_key="c1", epoch=3,
-                               secret=secret)
+    p = kvparams.decode_params(
+        {"do_remote_prefill": True}, tenant="acme", conversation_key="c1", epoch=3, secret=secret
+    )
     assert p[kvparams.TENANT_PARAM] == "acme" and p[kvparams.CONVERSATION_KEY_PARAM] == "c1"
     assert p[kvparams.EPOCH_PARAM] == 3
     assert kvsecret.verify_kv_params(secret, p, accepted_at=time.time()) == ""

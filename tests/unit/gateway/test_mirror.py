@@ -26,36 +26,60 @@ def chain(tokens: list[int]) -> list[bytes]:
     return hashchain.chain(SECRET, "acme", "m", "", BLOCK, tokens)
 
 
-def entry(tokens: list[int], *, conv: str = "c1", epoch: int = 1, request_id: str = "r1",
-          expire_s: int | None = None) -> registry_pb2.Entry:
+def entry(
+    tokens: list[int], *, conv: str = "c1", epoch: int = 1, request_id: str = "r1", expire_s: int | None = None
+) -> registry_pb2.Entry:
     hashes = chain(tokens)
     n = len(tokens) // BLOCK
     e = registry_pb2.Entry(
-        key=registry_pb2.EntryKey(tenant="acme", model="m", conversation_key=conv), engine_id="d0",
-        engine_request_id=request_id, block_ids=[types_pb2.BlockIds(ids=list(range(50, 50 + n)))],
-        block_size=BLOCK, token_count=len(tokens), block_hashes=hashes, chain_stride=1,
-        final_block_hash=hashes[-1], lease_id=7, epoch=epoch)
+        key=registry_pb2.EntryKey(tenant="acme", model="m", conversation_key=conv),
+        engine_id="d0",
+        engine_request_id=request_id,
+        block_ids=[types_pb2.BlockIds(ids=list(range(50, 50 + n)))],
+        block_size=BLOCK,
+        token_count=len(tokens),
+        block_hashes=hashes,
+        chain_stride=1,
+        final_block_hash=hashes[-1],
+        lease_id=7,
+        epoch=epoch,
+    )
     if expire_s is not None:
         e.expire_time.seconds = expire_s
     return e
 
 
-def message(*events: tuple[int, registry_pb2.Entry, int], complete: bool = False,
-            revision: int = 0) -> registry_pb2.WatchEntriesResponse:
+def message(
+    *events: tuple[int, registry_pb2.Entry, int], complete: bool = False, revision: int = 0
+) -> registry_pb2.WatchEntriesResponse:
     return registry_pb2.WatchEntriesResponse(
         events=[registry_pb2.EntryEvent(type=t, entry=e, revision=r) for t, e, r in events],
-        snapshot_complete=complete, revision=revision)
+        snapshot_complete=complete,
+        revision=revision,
+    )
 
 
-def lookup(mirror: EntryMirror, tokens: list[int], *, conv: str = "c1", min_tokens: int = 64,
-           engines: dict[str, types_pb2.Engine] | None = None) -> registry_pb2.LookupEntryResponse | None:
+def lookup(
+    mirror: EntryMirror,
+    tokens: list[int],
+    *,
+    conv: str = "c1",
+    min_tokens: int = 64,
+    engines: dict[str, types_pb2.Engine] | None = None,
+) -> registry_pb2.LookupEntryResponse | None:
     known = {"d0": ENGINE} if engines is None else engines
-    return mirror.lookup(tenant="acme", model="m", conversation_key=conv, block_hashes=chain(tokens),
-                         block_size=BLOCK, min_tokens=min_tokens, engine_record=known.get)
+    return mirror.lookup(
+        tenant="acme",
+        model="m",
+        conversation_key=conv,
+        block_hashes=chain(tokens),
+        block_size=BLOCK,
+        min_tokens=min_tokens,
+        engine_record=known.get,
+    )
 
 
-def synced_mirror(*entries: registry_pb2.Entry, clock: Clock | None = None,
-                  wall_s: float = 1_000.0) -> EntryMirror:
+def synced_mirror(*entries: registry_pb2.Entry, clock: Clock | None = None, wall_s: float = 1_000.0) -> EntryMirror:
     mirror = EntryMirror(max_entries=100, stale_after_s=3.0, clock=clock or Clock(), wall_clock=lambda: wall_s)
     mirror.apply(message(*((PUT, e, 10 + i) for i, e in enumerate(entries)), complete=True, revision=20))
     return mirror
@@ -122,8 +146,14 @@ def test_the_copy_is_bounded_and_skips_unusable_entries() -> None:
     mirror = EntryMirror(max_entries=2, stale_after_s=3.0)
     unusable = entry(TOKENS, conv="short")
     unusable.token_count = 3  # less than one block: nothing to verify against
-    mirror.apply(message(*((PUT, entry(TOKENS, conv=f"c{i}"), 10 + i) for i in range(3)), (PUT, unusable, 20),
-                         complete=True, revision=20))
+    mirror.apply(
+        message(
+            *((PUT, entry(TOKENS, conv=f"c{i}"), 10 + i) for i in range(3)),
+            (PUT, unusable, 20),
+            complete=True,
+            revision=20,
+        )
+    )
     assert len(mirror) == 2 and mirror.skipped == 2
     mirror.apply(message((PUT, entry(TOKENS, conv="c0", epoch=5), 30)))  # a held entry still updates
     assert len(mirror) == 2
@@ -136,8 +166,9 @@ def test_an_entry_of_a_previous_engine_incarnation_is_never_answered() -> None:
     before = types_pb2.Engine(engine_id="d0", kv_host="127.0.0.1", kv_port=5600, block_size=BLOCK, node_lease_id=41)
     found = lookup(mirror, TOKENS, engines={"d0": before})
     assert found is not None and found.verdict == registry_pb2.LOOKUP_VERDICT_HIT
-    restarted = types_pb2.Engine(engine_id="d0", kv_host="127.0.0.1", kv_port=5600, block_size=BLOCK,
-                                 node_lease_id=42)  # a new process under the same id
+    restarted = types_pb2.Engine(
+        engine_id="d0", kv_host="127.0.0.1", kv_port=5600, block_size=BLOCK, node_lease_id=42
+    )  # a new process under the same id
     assert lookup(mirror, TOKENS, engines={"d0": restarted}) is None
 
 

@@ -44,8 +44,13 @@ async def test_an_edited_history_or_another_conversation_is_encoded_whole(dev_di
     try:
         first = {"messages": [{"role": "user", "content": words(0, 100)}]}
         await tokenizers.ids("m", "chat", first, ("acme", "c1"))
-        edited = {"messages": [{"role": "user", "content": "w99 " + words(1, 99)},
-                               {"role": "assistant", "content": "w1"}, {"role": "user", "content": "w2"}]}
+        edited = {
+            "messages": [
+                {"role": "user", "content": "w99 " + words(1, 99)},
+                {"role": "assistant", "content": "w1"},
+                {"role": "user", "content": "w2"},
+            ]
+        }
         ids = await tokenizers.ids("m", "chat", edited, ("acme", "c1"))
         assert tokenizers.reused_tokens() == 0 and ids == await tokenizers.ids("m", "chat", edited)
         longer = {"messages": [*first["messages"], {"role": "assistant", "content": "w5"}]}
@@ -64,7 +69,7 @@ def test_a_re_encoding_that_does_not_reproduce_the_old_tokens_is_not_spliced() -
     resume = cache.resume("k", text + " y")
     assert resume is not None and resume.token == 40 - RESYNC_TOKENS and resume.char == ends[resume.token - 1]
     good = [*range(resume.token, 40), 99]
-    good_ends = [*(e - resume.char for e in ends[resume.token:]), len(text) + 2 - resume.char]
+    good_ends = [*(e - resume.char for e in ends[resume.token :]), len(text) + 2 - resume.char]
     spliced = cache.splice(resume, text + " y", good, good_ends)
     assert spliced is not None and list(spliced.ids) == [*ids, 99] and spliced.ends[-1] == len(text) + 2
     assert cache.splice(resume, text + " y", [7, *good[1:]], good_ends) is None  # a different first token
@@ -85,9 +90,9 @@ def test_the_cache_is_bounded_by_conversations_and_bytes() -> None:
     assert len(by_bytes) == 3 and by_bytes.nbytes <= one.nbytes * 3
 
 
-async def test_a_splice_that_differs_from_the_full_encoding_turns_splicing_off(dev_dir: Path,
-                                                                               monkeypatch: pytest.MonkeyPatch
-                                                                               ) -> None:
+async def test_a_splice_that_differs_from_the_full_encoding_turns_splicing_off(
+    dev_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     tokenizers = LocalTokenizers({"m": dev_dir})
     cache = tokenizers._prefixes["m"]
     cache._verify_every = 1
@@ -124,13 +129,17 @@ async def test_byte_level_bpe_with_special_tokens_splices_exactly(tmp_path: Path
     rng = random.Random(11)
     try:
         for conv in range(12):
-            msgs = [{"role": "system", "content": sample_text(rng, 20)},
-                    {"role": "user", "content": sample_text(rng, 120)}]
+            msgs = [
+                {"role": "system", "content": sample_text(rng, 20)},
+                {"role": "user", "content": sample_text(rng, 120)},
+            ]
             for _ in range(6):
                 body = {"messages": list(msgs)}
                 assert await cached.ids("m", "chat", body, ("acme", f"c{conv}")) == await plain.ids("m", "chat", body)
-                msgs += [{"role": "assistant", "content": sample_text(rng, rng.randint(1, 30))},
-                         {"role": "user", "content": sample_text(rng, rng.randint(1, 40))}]
+                msgs += [
+                    {"role": "assistant", "content": sample_text(rng, rng.randint(1, 30))},
+                    {"role": "user", "content": sample_text(rng, rng.randint(1, 40))},
+                ]
         assert cached._prefixes["m"].enabled and cached.reused_tokens() > 12 * 5 * 100
     finally:
         cached.close()

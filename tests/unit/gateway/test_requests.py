@@ -12,8 +12,17 @@ def turn(kind: str, body: dict, header: str | None = None):
 
 
 def test_chat_turn_strips_internal_fields_and_keeps_sampling() -> None:
-    t = turn("chat", {"model": "m", "messages": [{"role": "user", "content": "hi"}], "temperature": 0,
-                      "conversation_id": "c1", "kv_transfer_params": {"remote_host": "evil"}, "stream": True})
+    t = turn(
+        "chat",
+        {
+            "model": "m",
+            "messages": [{"role": "user", "content": "hi"}],
+            "temperature": 0,
+            "conversation_id": "c1",
+            "kv_transfer_params": {"remote_host": "evil"},
+            "stream": True,
+        },
+    )
     assert t.conversation_key == "c1" and t.stream and t.tenant == "acme"
     assert "kv_transfer_params" not in t.body and "conversation_id" not in t.body
     assert t.body["temperature"] == 0
@@ -34,15 +43,18 @@ def test_completion_token_prompt() -> None:
     assert turn("completion", {"model": "m", "prompt": "text"}).prompt_token_ids is None
 
 
-@pytest.mark.parametrize("body,field", [
-    ({"messages": [{"role": "user", "content": "x"}]}, "model"),
-    ({"model": "m", "messages": []}, "messages"),
-    ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
-    ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
-    ({"model": "m", "messages": [{"role": "user"}], "max_tokens": -1}, "max_tokens"),
-    ({"model": "m", "messages": [{"role": "user"}], "stream": "yes"}, "stream"),
-    ({"model": "m", "messages": [{"role": "user"}], "n": 2}, "n"),
-])
+@pytest.mark.parametrize(
+    "body,field",
+    [
+        ({"messages": [{"role": "user", "content": "x"}]}, "model"),
+        ({"model": "m", "messages": []}, "messages"),
+        ({"model": "m", "messages": [{"role": "wizard", "content": "x"}]}, "messages[0].role"),
+        ({"model": "m", "messages": [{"role": "user", "content": 5}]}, "messages[0].content"),
+        ({"model": "m", "messages": [{"role": "user"}], "max_tokens": -1}, "max_tokens"),
+        ({"model": "m", "messages": [{"role": "user"}], "stream": "yes"}, "stream"),
+        ({"model": "m", "messages": [{"role": "user"}], "n": 2}, "n"),
+    ],
+)
 def test_bad_chat_bodies_name_the_field(body: dict, field: str) -> None:
     with pytest.raises(InvalidArgument) as err:
         turn("chat", body)

@@ -20,32 +20,63 @@ ROOT = Path(__file__).resolve().parents[3]
 DOCS = ROOT / "docs" / "gateway.md"
 
 
-def hit(verified: int = 128, *, blocks: int = 8, connector: bool = False, kv_port: int = 5600,
-        engine_block: int = B, expire_s: float | None = NOW + 300, epoch: int = 7,
-        offer_window_s: float | None = 5.0) -> registry_pb2.LookupEntryResponse:
+def hit(
+    verified: int = 128,
+    *,
+    blocks: int = 8,
+    connector: bool = False,
+    kv_port: int = 5600,
+    engine_block: int = B,
+    expire_s: float | None = NOW + 300,
+    epoch: int = 7,
+    offer_window_s: float | None = 5.0,
+) -> registry_pb2.LookupEntryResponse:
     caps = ["bidirectional_kv_xfer", *(["kvbridge_connector"] if connector else [])]
-    engine = types_pb2.Engine(engine_id="d0", kv_host="10.0.0.2", kv_port=kv_port, block_size=engine_block,
-                              tp_size=1, capabilities=caps)
+    engine = types_pb2.Engine(
+        engine_id="d0", kv_host="10.0.0.2", kv_port=kv_port, block_size=engine_block, tp_size=1, capabilities=caps
+    )
     if connector and offer_window_s is not None:
         engine.offer_window.FromNanoseconds(int(offer_window_s * 1e9))
-    loc = registry_pb2.Location(engine=engine, engine_request_id="req-1", epoch=epoch, conversation_key="c1",
-                                block_ids=[types_pb2.BlockIds(ids=list(range(blocks)))])
+    loc = registry_pb2.Location(
+        engine=engine,
+        engine_request_id="req-1",
+        epoch=epoch,
+        conversation_key="c1",
+        block_ids=[types_pb2.BlockIds(ids=list(range(blocks)))],
+    )
     if expire_s is not None:
         loc.expire_time.FromNanoseconds(int(expire_s * 1e9))
-    return registry_pb2.LookupEntryResponse(verdict=registry_pb2.LOOKUP_VERDICT_HIT, verified_tokens=verified,
-                                            location=loc)
+    return registry_pb2.LookupEntryResponse(
+        verdict=registry_pb2.LOOKUP_VERDICT_HIT, verified_tokens=verified, location=loc
+    )
 
 
 def verdict_only(v: registry_pb2.LookupVerdict.ValueType) -> registry_pb2.LookupEntryResponse:
     return registry_pb2.LookupEntryResponse(verdict=v)
 
 
-def decide(lookup: registry_pb2.LookupEntryResponse, *, features: reuse.RequestFeatures = PLAIN,
-           wants_reuse: bool = True, prompt_tokens: int = 200, source: reuse.SourceState | None = None,
-           policy: reuse.Policy = POLICY, lookup_age_s: float = 0.0) -> ReusePlan | NoReuse:
-    return reuse.decide(features, wants_reuse=wants_reuse, prompt_tokens=prompt_tokens, lookup=lookup,
-                        block_size=B, source=source or reuse.SourceState(healthy=True), policy=policy, now_s=NOW,
-                        looked_up_at=100.0, now_mono=100.0 + lookup_age_s)
+def decide(
+    lookup: registry_pb2.LookupEntryResponse,
+    *,
+    features: reuse.RequestFeatures = PLAIN,
+    wants_reuse: bool = True,
+    prompt_tokens: int = 200,
+    source: reuse.SourceState | None = None,
+    policy: reuse.Policy = POLICY,
+    lookup_age_s: float = 0.0,
+) -> ReusePlan | NoReuse:
+    return reuse.decide(
+        features,
+        wants_reuse=wants_reuse,
+        prompt_tokens=prompt_tokens,
+        lookup=lookup,
+        block_size=B,
+        source=source or reuse.SourceState(healthy=True),
+        policy=policy,
+        now_s=NOW,
+        looked_up_at=100.0,
+        now_mono=100.0 + lookup_age_s,
+    )
 
 
 # Every reason decide() gives, with inputs that give it (and would give a hit otherwise).
@@ -110,8 +141,15 @@ def test_screen_needs_no_lookup_and_agrees_with_decide() -> None:
     for reason in (NoReuse.NOT_REQUESTED, NoReuse.MULTIMODAL_INPUT, NoReuse.LORA_ADAPTER, NoReuse.UNSUPPORTED_FIELD):
         kwargs = dict(DECIDED[reason])
         features = kwargs.get("features", PLAIN)
-        assert reuse.screen(features, wants_reuse=bool(kwargs.get("wants_reuse", True)),  # type: ignore[arg-type]
-                            prompt_tokens=None, policy=POLICY) is reason
+        assert (
+            reuse.screen(
+                features,
+                wants_reuse=bool(kwargs.get("wants_reuse", True)),  # type: ignore[arg-type]
+                prompt_tokens=None,
+                policy=POLICY,
+            )
+            is reason
+        )
     assert reuse.screen(PLAIN, wants_reuse=True, prompt_tokens=None, policy=POLICY) is None
     assert reuse.screen(PLAIN, wants_reuse=True, prompt_tokens=64, policy=POLICY) is NoReuse.SHORT_PROMPT
 
@@ -155,15 +193,18 @@ def test_an_unknown_engine_health_does_not_decline() -> None:
     assert isinstance(decide(hit(), source=reuse.SourceState(healthy=None)), ReusePlan)
 
 
-@pytest.mark.parametrize(("body", "field"), [
-    ({"model": "m", "messages": [], "max_tokens": 8, "temperature": 0, "conversation_id": "c"}, ""),
-    ({"model": "m", "messages": [], "truncate_prompt_tokens": 100}, "truncate_prompt_tokens"),
-    ({"model": "m", "messages": [], "documents": [{"text": "x"}]}, "documents"),
-    ({"model": "m", "messages": [], "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
-    ({"model": "m", "prompt": "x", "prompt_embeds": "..."}, "prompt_embeds"),
-    ({"model": "m", "messages": [], "tools": [], "tool_choice": "none"}, "tool_choice"),
-    ({"model": "m", "messages": [], "chat_template_kwargs": {"enable_thinking": False}, "tool_choice": "auto"}, ""),
-])
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        ({"model": "m", "messages": [], "max_tokens": 8, "temperature": 0, "conversation_id": "c"}, ""),
+        ({"model": "m", "messages": [], "truncate_prompt_tokens": 100}, "truncate_prompt_tokens"),
+        ({"model": "m", "messages": [], "documents": [{"text": "x"}]}, "documents"),
+        ({"model": "m", "messages": [], "mm_processor_kwargs": {}}, "mm_processor_kwargs"),
+        ({"model": "m", "prompt": "x", "prompt_embeds": "..."}, "prompt_embeds"),
+        ({"model": "m", "messages": [], "tools": [], "tool_choice": "none"}, "tool_choice"),
+        ({"model": "m", "messages": [], "chat_template_kwargs": {"enable_thinking": False}, "tool_choice": "auto"}, ""),
+    ],
+)
 def test_body_allow_list(body: dict[str, object], field: str) -> None:
     assert reuse.unsupported_field(body) == field
 
@@ -171,9 +212,12 @@ def test_body_allow_list(body: dict[str, object], field: str) -> None:
 def test_multimodal_parts_are_detected() -> None:
     text = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}]}]}
     assert not reuse.has_multimodal_content(text)
-    for part in ({"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
-                 {"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}},
-                 {"type": "video_url", "video_url": {"url": "http://x/v.mp4"}}, "not-a-dict"):
+    for part in (
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,AA"}},
+        {"type": "input_audio", "input_audio": {"data": "AA", "format": "wav"}},
+        {"type": "video_url", "video_url": {"url": "http://x/v.mp4"}},
+        "not-a-dict",
+    ):
         body = {"model": "m", "messages": [{"role": "user", "content": [{"type": "text", "text": "x"}, part]}]}
         assert reuse.has_multimodal_content(body), part
     features = reuse.request_features(text, lora_adapter=True)
@@ -184,7 +228,11 @@ def test_header_metric_and_span_come_from_the_enum() -> None:
     assert ReuseVerdict(None, 96).header() == "hit;tokens=96"
     v = ReuseVerdict(NoReuse.CONSUMED, 64)
     assert (v.header(), v.verdict, v.metric_reason, v.span_reason) == (
-        "declined:consumed;tokens=64", "declined", "consumed", "consumed")
+        "declined:consumed;tokens=64",
+        "declined",
+        "consumed",
+        "consumed",
+    )
     m = ReuseVerdict(NoReuse.NOT_FOUND)
     assert (m.header(), m.verdict, m.metric_reason, m.span_reason) == ("miss;tokens=0", "miss", "", "not_found")
     for reason in NoReuse:

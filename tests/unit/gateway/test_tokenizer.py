@@ -46,16 +46,31 @@ def dirs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {
         "dev": _build(root, "dev"),
         "bos": _build(root, "bos", bos=True),
-        "kwargs": _build(root, "kwargs", template=(
-            "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} \n{% endfor %}"
-            "{% if shout %}w99 {% endif %}{% if add_generation_prompt %}assistant : {% endif %}")),
+        "kwargs": _build(
+            root,
+            "kwargs",
+            template=(
+                "{% for m in messages %}{{ m['role'] }} : {{ m['content'] }} \n{% endfor %}"
+                "{% if shout %}w99 {% endif %}{% if add_generation_prompt %}assistant : {% endif %}"
+            ),
+        ),
         # Iterates over content but prints the same for string and list-of-parts content.
-        "both_formats": _build(root, "both", template=(
-            "{% for m in messages %}{{ m.role }} : {% if m.content is string %}{{ m.content }}"
-            "{% else %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %} \n{% endfor %}")),
+        "both_formats": _build(
+            root,
+            "both",
+            template=(
+                "{% for m in messages %}{{ m.role }} : {% if m.content is string %}{{ m.content }}"
+                "{% else %}{% for p in m.content %}{{ p.text }}{% endfor %}{% endif %} \n{% endfor %}"
+            ),
+        ),
         # Iterates over content and prints it differently per format: only vLLM knows which it uses.
-        "parts_only": _build(root, "parts", template=(
-            "{% for m in messages %}{{ m.role }} : {% for p in m['content'] %}{{ p }}{% endfor %} \n{% endfor %}")),
+        "parts_only": _build(
+            root,
+            "parts",
+            template=(
+                "{% for m in messages %}{{ m.role }} : {% for p in m['content'] %}{{ p }}{% endfor %} \n{% endfor %}"
+            ),
+        ),
     }
 
 
@@ -89,8 +104,7 @@ def test_chat_continue_final_message(tokenizers: dict[str, ModelTokenizer]) -> N
 
 
 def test_chat_text_parts_are_joined_by_newlines(tokenizers: dict[str, ModelTokenizer]) -> None:
-    body = chat(("user", [{"type": "text", "text": "w1"}, {"type": "text", "text": "w2"}]),
-                add_generation_prompt=False)
+    body = chat(("user", [{"type": "text", "text": "w1"}, {"type": "text", "text": "w2"}]), add_generation_prompt=False)
     assert tokenizers["dev"].ids("chat", body) == [USER, COLON, w(1), w(2)]
 
 
@@ -107,14 +121,17 @@ def test_chat_template_kwargs_reach_the_template(tokenizers: dict[str, ModelToke
     body = chat(("user", "w1"), add_generation_prompt=False)
     assert tokenizers["kwargs"].ids("chat", body) == [USER, COLON, w(1)]
     assert tokenizers["kwargs"].ids("chat", {**body, "chat_template_kwargs": {"shout": True}}) == [
-        USER, COLON, w(1), w(99)]
+        USER,
+        COLON,
+        w(1),
+        w(99),
+    ]
     # vLLM drops null/"auto" values, and the body's own add_generation_prompt wins over the kwargs'.
     kwargs = {"shout": None, "add_generation_prompt": True}
     assert tokenizers["kwargs"].ids("chat", {**body, "chat_template_kwargs": kwargs}) == [USER, COLON, w(1)]
 
 
-def test_template_looping_over_content_is_used_only_when_formats_agree(
-        tokenizers: dict[str, ModelTokenizer]) -> None:
+def test_template_looping_over_content_is_used_only_when_formats_agree(tokenizers: dict[str, ModelTokenizer]) -> None:
     body = chat(("user", "w1 w2"))
     assert tokenizers["both_formats"].template_loops_content
     assert tokenizers["both_formats"].ids("chat", body) == [USER, COLON, w(1), w(2)]
@@ -123,22 +140,25 @@ def test_template_looping_over_content_is_used_only_when_formats_agree(
     assert not tokenizers["dev"].template_loops_content
 
 
-@pytest.mark.parametrize("body", [
-    pytest.param({**CONVERSATION, "tools": [{"type": "function", "function": {"name": "f"}}]}, id="tools"),
-    pytest.param({**CONVERSATION, "chat_template": "{{ messages }}"}, id="request-template"),
-    pytest.param(chat(("user", [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}])), id="image-part"),
-    pytest.param(chat(("user", [{"type": "text", "text": "w1", "cache": 1}])), id="extra-part-field"),
-    pytest.param(chat(("tool", "w1")), id="tool-role"),
-    pytest.param(chat(("developer", "w1")), id="developer-role"),
-    pytest.param(chat(("assistant", None)), id="null-content"),
-    pytest.param({"messages": [{"role": "assistant", "content": "w1", "tool_calls": []}]}, id="tool-calls"),
-    pytest.param(chat(("system", "x-anthropic-billing-header: cch=1\nw1")), id="billing-header"),
-    pytest.param({**CONVERSATION, "chat_template_kwargs": {"tokenize": True}}, id="kwargs-tokenize"),
-    pytest.param({**CONVERSATION, "chat_template_kwargs": {"documents": []}}, id="kwargs-documents"),
-    pytest.param({**CONVERSATION, "chat_template_kwargs": "x"}, id="kwargs-not-object"),
-    pytest.param({**CONVERSATION, "add_generation_prompt": "yes"}, id="flag-not-bool"),
-    pytest.param({"messages": []}, id="no-messages"),
-])
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param({**CONVERSATION, "tools": [{"type": "function", "function": {"name": "f"}}]}, id="tools"),
+        pytest.param({**CONVERSATION, "chat_template": "{{ messages }}"}, id="request-template"),
+        pytest.param(chat(("user", [{"type": "image_url", "image_url": {"url": "http://x/a.png"}}])), id="image-part"),
+        pytest.param(chat(("user", [{"type": "text", "text": "w1", "cache": 1}])), id="extra-part-field"),
+        pytest.param(chat(("tool", "w1")), id="tool-role"),
+        pytest.param(chat(("developer", "w1")), id="developer-role"),
+        pytest.param(chat(("assistant", None)), id="null-content"),
+        pytest.param({"messages": [{"role": "assistant", "content": "w1", "tool_calls": []}]}, id="tool-calls"),
+        pytest.param(chat(("system", "x-anthropic-billing-header: cch=1\nw1")), id="billing-header"),
+        pytest.param({**CONVERSATION, "chat_template_kwargs": {"tokenize": True}}, id="kwargs-tokenize"),
+        pytest.param({**CONVERSATION, "chat_template_kwargs": {"documents": []}}, id="kwargs-documents"),
+        pytest.param({**CONVERSATION, "chat_template_kwargs": "x"}, id="kwargs-not-object"),
+        pytest.param({**CONVERSATION, "add_generation_prompt": "yes"}, id="flag-not-bool"),
+        pytest.param({"messages": []}, id="no-messages"),
+    ],
+)
 def test_chat_requests_left_to_the_engine(tokenizers: dict[str, ModelTokenizer], body: dict[str, Any]) -> None:
     assert tokenizers["dev"].ids("chat", body) is None
 
@@ -190,16 +210,18 @@ async def test_gateway_does_not_start_with_a_broken_tokenizer(tmp_path: Path) ->
     from kvbridge_services.common.auth import Authenticator
     from kvbridge_services.gateway.app import GatewayApp
 
-    settings = GatewaySettings(http_port=0, grpc_port=0, registry_address="", lease_address="",
-                               tokenizers={"m": tmp_path})
+    settings = GatewaySettings(
+        http_port=0, grpc_port=0, registry_address="", lease_address="", tokenizers={"m": tmp_path}
+    )
     with pytest.raises(TokenizerConfigError):
         GatewayApp(settings, auth=Authenticator({}))
 
 
 @pytest.mark.parametrize("text", ["w1 w2", "  <s> w3 </s>\n\tunknown w4 ", "", "<pad><unk>"])
 @pytest.mark.parametrize("add_special", [True, False])
-def test_encoding_equals_the_hf_call_vllm_makes(dirs: dict[str, Path], tokenizers: dict[str, ModelTokenizer],
-                                                text: str, add_special: bool) -> None:
+def test_encoding_equals_the_hf_call_vllm_makes(
+    dirs: dict[str, Path], tokenizers: dict[str, ModelTokenizer], text: str, add_special: bool
+) -> None:
     from transformers import AutoTokenizer
 
     hf = AutoTokenizer.from_pretrained(str(dirs["bos"]), local_files_only=True)

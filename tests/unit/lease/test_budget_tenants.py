@@ -8,8 +8,16 @@ from kvbridge_services.lease.table import ENTRY, LeaseTable, TableLimits
 
 
 def _grant(table: LeaseTable, tenant: str, conv: str, tokens: int) -> tuple[int, list[int]]:
-    record, ended = table.grant(kind=ENTRY, tenant=tenant, engine_id="d0", model="m", conversation_key=conv,
-                                retained_tokens=tokens, ttl_s=60, max_lifetime_s=600)
+    record, ended = table.grant(
+        kind=ENTRY,
+        tenant=tenant,
+        engine_id="d0",
+        model="m",
+        conversation_key=conv,
+        retained_tokens=tokens,
+        ttl_s=60,
+        max_lifetime_s=600,
+    )
     return record.lease_id, [e.record.lease_id for e in ended]
 
 

@@ -19,8 +19,16 @@ class FakeClock:
 
 
 def entry(table: LeaseTable, conv: str, *, tenant: str = "t", engine: str = "e", tokens: int = 0, ttl: float = 10.0):
-    return table.grant(kind=ENTRY, tenant=tenant, engine_id=engine, model="m", conversation_key=conv,
-                       retained_tokens=tokens, ttl_s=ttl, max_lifetime_s=1000.0)
+    return table.grant(
+        kind=ENTRY,
+        tenant=tenant,
+        engine_id=engine,
+        model="m",
+        conversation_key=conv,
+        retained_tokens=tokens,
+        ttl_s=ttl,
+        max_lifetime_s=1000.0,
+    )
 
 
 def test_renewal_keeps_a_lease_alive_across_many_ttls() -> None:
@@ -50,8 +58,9 @@ def test_unrenewed_lease_expires_at_its_deadline() -> None:
 def test_max_lifetime_caps_renewals() -> None:
     clock = FakeClock()
     table = LeaseTable(clock=clock)
-    record, _ = table.grant(kind=ENTRY, tenant="t", engine_id="e", model="m", conversation_key="c",
-                            ttl_s=5.0, max_lifetime_s=8.0)
+    record, _ = table.grant(
+        kind=ENTRY, tenant="t", engine_id="e", model="m", conversation_key="c", ttl_s=5.0, max_lifetime_s=8.0
+    )
     clock.now += 4
     table.renew(record.lease_id)
     assert record.deadline == record.max_deadline

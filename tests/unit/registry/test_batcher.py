@@ -19,8 +19,9 @@ class CountingStore(MemoryStore):
         self.reads: list[int] = []  # Gets per read txn
         self.writes: list[int] = []  # Puts per write txn
 
-    async def txn(self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (), *,
-                  timeout: float = 5.0) -> TxnResult:
+    async def txn(
+        self, compares: Sequence[Compare], success: Sequence[Op], failure: Sequence[Op] = (), *, timeout: float = 5.0
+    ) -> TxnResult:
         if success and all(isinstance(op, Get) for op in success):
             self.reads.append(len(success))
         else:
@@ -34,29 +35,37 @@ class WriteOnce:
     def __init__(self) -> None:
         self.alone = 0
 
-    async def decide(self, job: BatchJob[tuple[str, Any]], reads: Mapping[bytes, KeyValue | None]
-                     ) -> tuple[str, Any] | PlannedWrite[tuple[str, Any]]:
+    async def decide(
+        self, job: BatchJob[tuple[str, Any]], reads: Mapping[bytes, KeyValue | None]
+    ) -> tuple[str, Any] | PlannedWrite[tuple[str, Any]]:
         key = job.exclusive_keys[0]
         if (kv := reads[key]) is not None:
             return ("exists", kv.value)
         assert isinstance(job.payload, bytes)
         return PlannedWrite((Compare.absent(key),), (Put(key, job.payload),), lambda rev: ("ok", rev))
 
-    async def commit_alone(self, job: BatchJob[tuple[str, Any]], plan: PlannedWrite[tuple[str, Any]]
-                           ) -> tuple[str, Any]:
+    async def commit_alone(
+        self, job: BatchJob[tuple[str, Any]], plan: PlannedWrite[tuple[str, Any]]
+    ) -> tuple[str, Any]:
         self.alone += 1
         return ("alone", None)
 
 
 def job(key: str, value: bytes = b"v", shared: str = "shared") -> BatchJob[tuple[str, Any]]:
-    return BatchJob(exclusive_keys=(key.encode(),), read_keys=(key.encode(), shared.encode()), size_hint=len(value),
-                    payload=value)
+    return BatchJob(
+        exclusive_keys=(key.encode(),), read_keys=(key.encode(), shared.encode()), size_hint=len(value), payload=value
+    )
 
 
 def make(store: CountingStore, **limits: Any) -> tuple[RegistrationBatcher[tuple[str, Any]], WriteOnce]:
     handler = WriteOnce()
-    defaults: dict[str, Any] = {"window_s": 0.05, "max_batch": 64, "max_txn_ops": 128, "max_txn_bytes": 1 << 20,
-                                "max_inflight": 1}
+    defaults: dict[str, Any] = {
+        "window_s": 0.05,
+        "max_batch": 64,
+        "max_txn_ops": 128,
+        "max_txn_bytes": 1 << 20,
+        "max_inflight": 1,
+    }
     defaults.update(limits)
     return RegistrationBatcher(store, handler, BatchLimits(**defaults), timeout_s=1.0), handler
 
@@ -75,8 +84,9 @@ async def test_one_window_is_one_read_and_one_write_txn() -> None:
 async def test_same_exclusive_key_runs_in_a_later_round_in_arrival_order() -> None:
     store = CountingStore()
     batcher, _ = make(store)
-    answers = await asyncio.gather(batcher.submit(job("k", b"first")), batcher.submit(job("k", b"second")),
-                                   batcher.submit(job("j")))
+    answers = await asyncio.gather(
+        batcher.submit(job("k", b"first")), batcher.submit(job("k", b"second")), batcher.submit(job("j"))
+    )
     assert answers[0][0] == "ok" and answers[2][0] == "ok"
     assert answers[1] == ("exists", b"first")  # the second saw the first's committed write
     assert len(store.reads) == 2

@@ -36,8 +36,12 @@ class FaultyWatchStore(MemoryStore):
 
 
 async def put_entry(store: MemoryStore, conv: str) -> None:
-    entry = registry_pb2.Entry(key=registry_pb2.EntryKey(tenant="acme", model="m", conversation_key=conv),
-                               engine_id="d0", block_size=4, token_count=4)
+    entry = registry_pb2.Entry(
+        key=registry_pb2.EntryKey(tenant="acme", model="m", conversation_key=conv),
+        engine_id="d0",
+        block_size=4,
+        token_count=4,
+    )
     await store.put(KEYS.entry("acme", "m", conv), entry.SerializeToString())
 
 

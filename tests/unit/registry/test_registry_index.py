@@ -17,10 +17,16 @@ def stored(conv: str, tokens: list[int], stride: int = 4, tenant: str = "acme") 
     full = hashchain.chain(S, tenant, "m", "", 4, tokens)
     rec = HashRecord.from_chain(full, stride)
     return registry_pb2.Entry(
-        key=registry_pb2.EntryKey(tenant=tenant, model="m", conversation_key=conv), engine_id="d0",
-        block_ids=[types_pb2.BlockIds(ids=list(range(len(tokens) // 4)))], block_size=4,
-        token_count=len(tokens), block_hashes=rec.checkpoints, chain_stride=stride, final_block_hash=rec.final,
-        lease_id=1, epoch=1,
+        key=registry_pb2.EntryKey(tenant=tenant, model="m", conversation_key=conv),
+        engine_id="d0",
+        block_ids=[types_pb2.BlockIds(ids=list(range(len(tokens) // 4)))],
+        block_size=4,
+        token_count=len(tokens),
+        block_hashes=rec.checkpoints,
+        chain_stride=stride,
+        final_block_hash=rec.final,
+        lease_id=1,
+        epoch=1,
     )
 
 
@@ -118,7 +124,8 @@ def test_entries_of_other_incarnations_of_an_engine() -> None:
     idx.put_entry(moved, 11)
     assert idx.of_other_incarnations(types_pb2.Engine(engine_id="d0", node_lease_id=1)) == []
     assert [i.id for i in idx.of_other_incarnations(types_pb2.Engine(engine_id="d1", node_lease_id=3))] == [
-        ("acme", "m", "b")]
+        ("acme", "m", "b")
+    ]
     idx.clear()
     assert idx.of_other_incarnations(types_pb2.Engine(engine_id="d1", node_lease_id=99)) == []
 

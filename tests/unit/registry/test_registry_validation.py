@@ -14,8 +14,14 @@ def good() -> registry_pb2.RegisterEntryRequest:
         request_id="r-1",
         entry=registry_pb2.Entry(
             key=registry_pb2.EntryKey(tenant="acme", model="Qwen/Qwen3-0.6B", conversation_key="conv 1"),
-            engine_id="d0", engine_request_id="cmpl-abc", block_ids=[types_pb2.BlockIds(ids=[1, 2, 3])],
-            block_size=4, token_count=10, block_hashes=[b"a" * 16, b"b" * 16], lease_id=7, epoch=1,
+            engine_id="d0",
+            engine_request_id="cmpl-abc",
+            block_ids=[types_pb2.BlockIds(ids=[1, 2, 3])],
+            block_size=4,
+            token_count=10,
+            block_hashes=[b"a" * 16, b"b" * 16],
+            lease_id=7,
+            epoch=1,
         ),
     )
 
@@ -37,8 +43,15 @@ def test_good_request_passes() -> None:
         ("entry.block_size", lambda r: setattr(r.entry, "block_size", 0), "INVALID_FIELD"),
         ("entry.token_count", lambda r: setattr(r.entry, "token_count", 0), "INVALID_FIELD"),
         ("entry.token_count", lambda r: setattr(r.entry, "token_count", 4 * 65), "TOO_LARGE"),
-        ("entry.token_count", lambda r: (setattr(r.entry, "token_count", 3), r.entry.block_ids[0].ids.pop(),
-                                         r.entry.block_ids[0].ids.pop()), "INVALID_FIELD"),
+        (
+            "entry.token_count",
+            lambda r: (
+                setattr(r.entry, "token_count", 3),
+                r.entry.block_ids[0].ids.pop(),
+                r.entry.block_ids[0].ids.pop(),
+            ),
+            "INVALID_FIELD",
+        ),
         ("entry.block_ids", lambda r: r.entry.ClearField("block_ids"), "INVALID_FIELD"),
         ("entry.block_ids", lambda r: r.entry.block_ids.extend([r.entry.block_ids[0]] * 2), "TOO_LARGE"),
         ("entry.block_ids[0]", lambda r: r.entry.block_ids[0].ids.pop(), "INVALID_FIELD"),
@@ -65,11 +78,20 @@ def test_lookup_and_engine_validation() -> None:
     ok = registry_pb2.LookupEntryRequest(model="m", block_size=16, block_hashes=[b"h" * 16])
     v.check_lookup_request(ok, LIMITS)
     with pytest.raises(InvalidArgument) as info:
-        v.check_lookup_request(registry_pb2.LookupEntryRequest(model="m", block_size=16,
-                                                               block_hashes=[b"h" * 16] * 65), LIMITS)
+        v.check_lookup_request(
+            registry_pb2.LookupEntryRequest(model="m", block_size=16, block_hashes=[b"h" * 16] * 65), LIMITS
+        )
     assert info.value.reason == "TOO_LARGE"
-    engine = types_pb2.Engine(engine_id="d0", role=types_pb2.ENGINE_ROLE_DECODE, model="m", kv_host="10.0.0.1",
-                              kv_port=5600, block_size=16, kv_group_count=1, node_lease_id=3)
+    engine = types_pb2.Engine(
+        engine_id="d0",
+        role=types_pb2.ENGINE_ROLE_DECODE,
+        model="m",
+        kv_host="10.0.0.1",
+        kv_port=5600,
+        block_size=16,
+        kv_group_count=1,
+        node_lease_id=3,
+    )
     v.check_engine(engine, LIMITS)
     for field, value in [("kv_port", 0), ("kv_host", "bad host"), ("node_lease_id", 0), ("kv_group_count", 3)]:
         bad = types_pb2.Engine()
@@ -98,9 +120,11 @@ def test_packed_lookup_chain_validation(packed: bytes, repeated: list[bytes], re
 def test_packed_and_repeated_lookup_chains_read_the_same() -> None:
     hashes = [bytes([i]) * 16 for i in range(64)]
     packed = v.check_lookup_request(
-        registry_pb2.LookupEntryRequest(model="m", block_size=16, block_hashes_packed=b"".join(hashes)), LIMITS)
+        registry_pb2.LookupEntryRequest(model="m", block_size=16, block_hashes_packed=b"".join(hashes)), LIMITS
+    )
     repeated = v.check_lookup_request(
-        registry_pb2.LookupEntryRequest(model="m", block_size=16, block_hashes=hashes), LIMITS)
+        registry_pb2.LookupEntryRequest(model="m", block_size=16, block_hashes=hashes), LIMITS
+    )
     assert len(packed) == len(repeated) == 64
     assert list(packed) == list(repeated) == hashes
     assert packed[-1] == hashes[-1] and list(packed[3:9:2]) == hashes[3:9:2]

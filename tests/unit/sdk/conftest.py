@@ -39,15 +39,17 @@ class ScriptedGateway(pb_grpc.GatewayServiceServicer):
         return self.script.pop(0) if self.script else Step()
 
     @stream_boundary
-    async def CreateChatCompletion(self, request: pb.CreateChatCompletionRequest,
-                                   context: Any) -> AsyncIterator[pb.CreateChatCompletionResponse]:
+    async def CreateChatCompletion(
+        self, request: pb.CreateChatCompletionRequest, context: Any
+    ) -> AsyncIterator[pb.CreateChatCompletionResponse]:
         step = self._next("CreateChatCompletion", context)
         try:
             for i in range(step.chunks):
                 if i and step.pause_s:
                     await asyncio.sleep(step.pause_s)
-                yield pb.CreateChatCompletionResponse(id="c1", model=request.model, delta_content=f"t{i} ",
-                                                      delta_token_ids=[i])
+                yield pb.CreateChatCompletionResponse(
+                    id="c1", model=request.model, delta_content=f"t{i} ", delta_token_ids=[i]
+                )
         except asyncio.CancelledError:
             self.cancelled += 1
             raise
@@ -55,14 +57,16 @@ class ScriptedGateway(pb_grpc.GatewayServiceServicer):
             raise step.error
 
     @stream_boundary
-    async def CreateCompletion(self, request: pb.CreateCompletionRequest,
-                               context: Any) -> AsyncIterator[pb.CreateCompletionResponse]:
+    async def CreateCompletion(
+        self, request: pb.CreateCompletionRequest, context: Any
+    ) -> AsyncIterator[pb.CreateCompletionResponse]:
         self._next("CreateCompletion", context)
         yield pb.CreateCompletionResponse(id="t1", model=request.model, delta_text="w10")
 
     @rpc_boundary
-    async def CloseConversation(self, request: pb.CloseConversationRequest,
-                                context: Any) -> pb.CloseConversationResponse:
+    async def CloseConversation(
+        self, request: pb.CloseConversationRequest, context: Any
+    ) -> pb.CloseConversationResponse:
         self._next("CloseConversation", context)
         return pb.CloseConversationResponse(released=True)
 
@@ -105,8 +109,9 @@ class ScriptedLease(lease_pb2_grpc.LeaseServiceServicer):
     renewals: int = 0
 
     @stream_boundary
-    async def KeepAlive(self, request_iterator: AsyncIterator[lease_pb2.KeepAliveRequest],
-                        context: Any) -> AsyncIterator[lease_pb2.KeepAliveResponse]:
+    async def KeepAlive(
+        self, request_iterator: AsyncIterator[lease_pb2.KeepAliveRequest], context: Any
+    ) -> AsyncIterator[lease_pb2.KeepAliveResponse]:
         self.streams += 1
         error = self.script.pop(0) if self.script else None
         if error is not None:
@@ -124,8 +129,9 @@ class ScriptedLease(lease_pb2_grpc.LeaseServiceServicer):
 
     GrantLease = RevokeLease = GetLease = ListLeases = _unscripted
 
-    async def WatchLeases(self, request: lease_pb2.WatchLeasesRequest,
-                          context: Any) -> AsyncIterator[lease_pb2.WatchLeasesResponse]:
+    async def WatchLeases(
+        self, request: lease_pb2.WatchLeasesRequest, context: Any
+    ) -> AsyncIterator[lease_pb2.WatchLeasesResponse]:
         await context.abort(grpc.StatusCode.UNIMPLEMENTED, "not scripted")
         yield lease_pb2.WatchLeasesResponse()  # unreachable: makes this an async generator
 

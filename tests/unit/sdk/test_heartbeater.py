@@ -8,8 +8,11 @@ from kvbridge.sdk.lease import MIN_INTERVAL_S
 
 
 def _status(key: str, *, alive: bool, tenant: str = "acme", ttl_s: float = 0.0) -> pb.LeaseStatus:
-    s = pb.LeaseStatus(lease_id=7 if alive else 0, alive=alive,
-                       conversation=pb.ConversationRef(tenant=tenant, model="m", conversation_key=key))
+    s = pb.LeaseStatus(
+        lease_id=7 if alive else 0,
+        alive=alive,
+        conversation=pb.ConversationRef(tenant=tenant, model="m", conversation_key=key),
+    )
     if ttl_s:
         s.ttl.FromNanoseconds(int(ttl_s * 1e9))
     return s

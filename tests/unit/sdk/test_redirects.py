@@ -26,8 +26,13 @@ async def test_client_falls_back_to_the_configured_target_when_the_redirected_le
     new_server, new_address = await serve(new_leader)
     # The configured target (a Service in a deployment): first redirects to the old leader; after it died,
     # still names it once (its leader key not yet expired), then names the new leader.
-    configured = ScriptedGateway(script=[Step(error=_not_leader(old_address)), Step(error=_not_leader(old_address)),
-                                         Step(error=_not_leader(new_address))])
+    configured = ScriptedGateway(
+        script=[
+            Step(error=_not_leader(old_address)),
+            Step(error=_not_leader(old_address)),
+            Step(error=_not_leader(new_address)),
+        ]
+    )
     configured_server, configured_address = await serve(configured)
     try:
         async with GatewayClient(configured_address, OPTS) as gw:

@@ -94,8 +94,9 @@ async def test_closing_a_stream_early_cancels_the_call(scripted: Served) -> None
 async def test_not_leader_redirects_to_the_named_leader() -> None:
     leader = ScriptedGateway()
     leader_server, leader_address = await serve(leader)
-    follower = ScriptedGateway(script=[Step(error=Unavailable(Reason.NOT_LEADER, "not me",
-                                                              metadata={"leader": leader_address}))])
+    follower = ScriptedGateway(
+        script=[Step(error=Unavailable(Reason.NOT_LEADER, "not me", metadata={"leader": leader_address}))]
+    )
     follower_server, follower_address = await serve(follower)
     try:
         async with GatewayClient(follower_address, FAST) as gw:

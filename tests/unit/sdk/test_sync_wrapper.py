@@ -117,7 +117,8 @@ STREAM_OWNER_ONLY = {"LeaseClient": {"note_failure"}}
 def test_every_async_method_has_a_blocking_twin() -> None:
     for name in ("GatewayClient", "RegistryClient", "LeaseClient", "Conversation"):
         aio_cls, sync_cls = getattr(sdk, name), getattr(sync, name)
-        public = {n for n, f in inspect.getmembers(aio_cls, inspect.isfunction)
-                  if not n.startswith("_")} - STREAM_OWNER_ONLY.get(name, set())
+        public = {
+            n for n, f in inspect.getmembers(aio_cls, inspect.isfunction) if not n.startswith("_")
+        } - STREAM_OWNER_ONLY.get(name, set())
         missing = {n for n in public if not hasattr(sync_cls, n)}
         assert not missing, f"sync.{name} lacks {sorted(missing)}"
