@@ -1,8 +1,9 @@
 """A decode engine with a small KV cache under concurrent conversations, through the gateway (issue 14).
 
 Real vLLM CPU engines with the kvbridge connector on both, the real control plane (etcd, registry and lease
-manager processes), the gateway in connector mode. D has 160 blocks of 32 tokens: ten conversations' retained
-KV does not fit, so retention must withdraw entries while other conversations' turns are in flight (the
+manager processes), the gateway in connector mode. D has 112 blocks of 32 tokens and withdraws retained entries
+below 30 % free: ten conversations' retained KV does not fit, so retention must withdraw entries while other
+conversations' turns are in flight (the
 decode engine used to die there: vLLM's scheduler asserted on a "finished sending" for a request it had
 freed). Every turn's answer is compared with the same turn sent without reuse (greedy). Then D is killed and
 restarted under the same engine id, and every conversation goes on: no offer names the old process's blocks.
@@ -38,7 +39,8 @@ from tests.fixtures.vllm_engines import (
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL = "tiny"
-DECODE_BLOCKS = 160
+DECODE_BLOCKS = 112
+FREE_KV_WATERMARK = 0.3
 CONVERSATIONS = 10
 TURNS = 3
 OUTPUT_TOKENS = 16
@@ -66,15 +68,25 @@ def small_cache_pd(engine_pool: EnginePool, request: pytest.FixtureRequest) -> P
         overrides["port"] = port
         overrides["extra_config"] = dict(overrides["extra_config"], kvbridge_http_url=f"http://127.0.0.1:{port}")
     decode["extra_args"] = ["--num-gpu-blocks-override", str(DECODE_BLOCKS)]
+    decode["extra_config"]["kvbridge_free_kv_watermark"] = FREE_KV_WATERMARK
     return engine_pool.get("kvbridge-small-cache", prefill, decode)
 
 
 @asynccontextmanager
 async def gateway(procs: ControlPlaneProcs, *, reuse: bool) -> AsyncIterator[GatewayApp]:
     settings = GatewaySettings(
-        http_port=0, grpc_port=0, registry_address=procs.registry_target, lease_address=procs.lease_target,
-        hash_secret_hex=HASH_SECRET, default_block_size=BLOCK_SIZE, reuse_enabled=reuse, engines_from_registry=True,
-        health_timeout_s=10, control_timeout_s=10, registry_refresh_s=1.0)
+        http_port=0,
+        grpc_port=0,
+        registry_address=procs.registry_target,
+        lease_address=procs.lease_target,
+        hash_secret_hex=HASH_SECRET,
+        default_block_size=BLOCK_SIZE,
+        reuse_enabled=reuse,
+        engines_from_registry=True,
+        health_timeout_s=10,
+        control_timeout_s=10,
+        registry_refresh_s=1.0,
+    )
     gw = GatewayApp(settings, auth=Authenticator({}))
     await gw.start()
     try:
@@ -90,9 +102,18 @@ async def gateway(procs: ControlPlaneProcs, *, reuse: bool) -> AsyncIterator[Gat
 
 
 async def run_turn(c: httpx.AsyncClient, turn: Turn) -> Turn:
-    r = await c.post("/v1/completions", json={
-        "model": MODEL, "prompt": turn.prompt, "max_tokens": OUTPUT_TOKENS, "temperature": 0, "ignore_eos": True,
-        "conversation_id": turn.conversation, "return_token_ids": True})
+    r = await c.post(
+        "/v1/completions",
+        json={
+            "model": MODEL,
+            "prompt": turn.prompt,
+            "max_tokens": OUTPUT_TOKENS,
+            "temperature": 0,
+            "ignore_eos": True,
+            "conversation_id": turn.conversation,
+            "return_token_ids": True,
+        },
+    )
     turn.status = r.status_code
     if r.status_code == 200:
         turn.verdict = r.headers.get("x-kvbridge-reuse", "")
@@ -110,7 +131,7 @@ async def conversations(gw: GatewayApp, prompts: dict[str, list[int]], turns: in
         for t in range(turns):
             turn = await run_turn(c, Turn(conv, list(prompts[conv])))
             done.append(turn)
-            prompts[conv] = prompts[conv] + turn.output + growth[conv][40 * t:40 * (t + 1)]
+            prompts[conv] = prompts[conv] + turn.output + growth[conv][40 * t : 40 * (t + 1)]
 
     async with httpx.AsyncClient(base_url=gw.http_url, timeout=600) as c:
         await asyncio.gather(*(one(conv, c) for conv in prompts))
@@ -136,10 +157,12 @@ def summary(turns: list[Turn]) -> dict[str, Any]:
 
 
 async def test_small_decode_cache_under_concurrent_conversations_and_a_restart_never_answers_wrong(
-        small_cache_pd: PDEngines, control_plane: ControlPlaneProcs, engine_pool: EnginePool) -> None:
+    small_cache_pd: PDEngines, control_plane: ControlPlaneProcs, engine_pool: EnginePool
+) -> None:
     rng = random.Random(14)
-    prompts = {f"pressure-{i}": [rng.randrange(8, 512) for _ in range(rng.randrange(160, 320))]
-               for i in range(CONVERSATIONS)}
+    prompts = {
+        f"pressure-{i}": [rng.randrange(8, 512) for _ in range(rng.randrange(160, 320))] for i in range(CONVERSATIONS)
+    }
     async with gateway(control_plane, reuse=True) as gw:
         turns = await conversations(gw, prompts, TURNS, seed=1)
         before = summary(turns)
@@ -148,8 +171,9 @@ async def test_small_decode_cache_under_concurrent_conversations_and_a_restart_n
         assert small_cache_pd.decode.process.poll() is None, "the decode engine died under memory pressure"
         assert before["verdicts"].get("hit", 0) > 0, before
         log = small_cache_pd.decode.log_path.read_text(errors="replace")
-        withdrawals = sum("kvbridge: withdrawing" in line and "EVICTED_MEMORY_PRESSURE" in line
-                          for line in log.splitlines())
+        withdrawals = sum(
+            "kvbridge: withdrawing" in line and "EVICTED_MEMORY_PRESSURE" in line for line in log.splitlines()
+        )
         print(f"memory-pressure withdrawals on D: {withdrawals}")
         assert withdrawals > 0, "D's cache never came under pressure: the test proves nothing"
 
