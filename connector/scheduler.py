@@ -159,12 +159,15 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             if offered:
                 self._trace_decline(request, num_computed_tokens, "read_back_already_attempted")
             return 0, False
+        # The offer's read deadline (kvbridge.offers), on this host's clock from the request's arrival.
+        deadline = offers.read_deadline(params, request.arrival_time) if offered and params else None
         if offered and params and not params.get(_PREFIX_CHECKED):
             problem = prompt_prefix_problem(
                 params, request.prompt_token_ids or (), required=self.settings.require_prefix_digest
             )
             params[_PREFIX_CHECKED] = True  # vLLM may ask again while the request waits: hash once
-            problem = problem or self._offer_problem(request, params)
+            if not problem and deadline is None and self.settings.require_offer_deadline:
+                problem = "no_offer_deadline"
             if problem:
                 # Never load KV verified for other tokens: without the block ids vLLM neither pulls
                 # nor contacts D, and P computes the prompt itself.
@@ -172,7 +175,6 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
                 log.warning("kvbridge: declining the pull for request %s: %s", request.request_id, problem)
                 self._trace_decline(request, num_computed_tokens, problem)
                 return 0, False
-        deadline = offers.read_deadline(params, request.arrival_time) if offered and params else None
         if params and deadline is not None and offers.too_late(deadline, time.time()):
             # Waited in P's queue past the offer's deadline: D may free the blocks before the READ.
             params.pop("remote_block_ids", None)
@@ -335,13 +337,6 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
     def _refcount_ids(self) -> set[str]:
         """Requests whose blocks we hold (or held) by our own reference, not through vLLM."""
         return self._held_blocks.keys() | self._refcount_released
-
-    def _offer_problem(self, request: Request, params: dict[str, Any]) -> str:
-        """ "no_offer_deadline" when the offer carries no read deadline and one is required ("" otherwise);
-        an expired deadline is checked each time vLLM asks, and again by the worker at the READ."""
-        if offers.read_deadline(params, request.arrival_time) is None and self.settings.require_offer_deadline:
-            return "no_offer_deadline"
-        return ""
 
     def _decline_reason(self, request: Request, num_computed_tokens: int) -> str:
         """Why vLLM's parent answered 0 for blocks D offered (mirrors its checks in 0.32.0)."""
