@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from typing import TYPE_CHECKING, Any
 
+from cachetools import FIFOCache
 from google.protobuf import duration_pb2
 from kvbridge import offers
 from kvbridge.types.v1 import types_pb2
@@ -117,7 +118,7 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         # Refcount-held retained blocks by request id (hold_blocks="refcount").
         self._held_blocks: dict[str, list[KVCacheBlock]] = {}
         # Recently freed refcount-held requests (bounded): vLLM must never hear of them either.
-        self._refcount_released: OrderedDict[str, None] = OrderedDict()
+        self._refcount_released: FIFOCache[str, None] = FIFOCache(maxsize=_MAX_DECIDED)
         # Requests the worker must start holding (sent with the next metadata).
         self._hold_ids: set[str] = set()
         # Prefill: read deadlines of offers being loaded (sent with the next metadata).
@@ -314,8 +315,6 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             self._block_pool.free_blocks(reversed(self._held_blocks.pop(request_id)))
             self.retention.freed(request_id)
             self._refcount_released[request_id] = None
-        while len(self._refcount_released) > _MAX_DECIDED:
-            self._refcount_released.popitem(last=False)
 
     def _apply_control_plane_events(self) -> None:
         if self.control_plane is None:
@@ -336,7 +335,7 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
 
     def _refcount_ids(self) -> set[str]:
         """Requests whose blocks we hold (or held) by our own reference, not through vLLM."""
-        return self._held_blocks.keys() | self._refcount_released
+        return self._held_blocks.keys() | self._refcount_released.keys()
 
     def _decline_reason(self, request: Request, num_computed_tokens: int) -> str:
         """Why vLLM's parent answered 0 for blocks D offered (mirrors its checks in 0.32.0)."""

@@ -13,11 +13,11 @@ import functools
 import logging
 import math
 import time
-from collections import OrderedDict
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
+from cachetools import FIFOCache
 from kvbridge import offers
 from kvbridge_connector.scheduler import META_HOLD, META_READ_BY, META_RELEASE
 from kvbridge_connector.settings import ConnectorSettings
@@ -70,14 +70,12 @@ class KvbridgeConnectorWorker(NixlPullConnectorWorker):
             log.info("kvbridge: NIXL agent runs without its progress thread")
         self._kvbridge_held: set[str] = set()
         # Refcount-held requests freed by the scheduler (bounded): their late read notifications are ours.
-        self._kvbridge_released: OrderedDict[str, None] = OrderedDict()
-        self._kvbridge_read_by: OrderedDict[str, float] = OrderedDict()
+        self._kvbridge_released: FIFOCache[str, None] = FIFOCache(maxsize=_MAX_REMEMBERED)
+        self._kvbridge_read_by: FIFOCache[str, float] = FIFOCache(maxsize=_MAX_REMEMBERED)
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         # Before the parent starts this step's READs, which check them.
         self._kvbridge_read_by.update(getattr(metadata, META_READ_BY, None) or {})
-        while len(self._kvbridge_read_by) > _MAX_REMEMBERED:
-            self._kvbridge_read_by.popitem(last=False)
         super().start_load_kv(metadata)
         hold: set[str] = getattr(metadata, META_HOLD, set())
         release: set[str] = getattr(metadata, META_RELEASE, set())
@@ -95,8 +93,6 @@ class KvbridgeConnectorWorker(NixlPullConnectorWorker):
                 self._reqs_to_send[request_id] = 0.0  # reaped (freed) in this step's get_finished
             else:
                 self._kvbridge_released[request_id] = None
-        while len(self._kvbridge_released) > _MAX_REMEMBERED:
-            self._kvbridge_released.popitem(last=False)
 
     def _read_blocks_for_req(self, req_id: str, meta: ReqMeta) -> None:
         """A READ past the offer's deadline is declined through vLLM's own expired-read path (P recomputes)."""
