@@ -118,7 +118,7 @@ class LeaseManager:
         self._requests: OrderedDict[str, _Pending] = OrderedDict()
         # Grants whose store write (or take-back) runs: not cancelled with their RPC, awaited by step_down.
         self._granting: set[asyncio.Task[None]] = set()
-        self.taken_back = 0  # grants written but never acknowledged, deleted again
+        self.taken_back = 0  # grants that landed but were never acknowledged, deleted again
         self._tasks: list[asyncio.Task[None]] = []
         self._end_slots = asyncio.Semaphore(_END_CONCURRENCY)
         self._unfinished: list[Ended] = []  # ends whose store cleanup failed; retried
@@ -278,11 +278,14 @@ class LeaseManager:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure ends the grant; the waiters get it
             self._undo(pending, record)
-            if isinstance(exc, NotLeaderAnymore):  # the fence failed: nothing was written
+            if isinstance(exc, NotLeaderAnymore):
+                # The fence failed on the attempt that answered, but an earlier attempt of the same write
+                # (they are resent) may have landed before our leader lease went. A lost fence never comes
+                # back, so no attempt can land after this take-back: it is final.
                 self._on_fenced()
                 _settle(pending.future, self.not_leader())
-                return
-            _settle(pending.future, exc)  # a timeout or store error: the write may still land
+            else:
+                _settle(pending.future, exc)  # a timeout or store error: the write may still land
             await self._take_back(record, value)
             return
         if not self.serving or not pending.awaited():
@@ -308,9 +311,9 @@ class LeaseManager:
     async def _take_back(self, record: LeaseRecord, value: bytes) -> None:
         for attempt in range(1, _TAKE_BACK_ATTEMPTS + 1):
             try:
-                await self.persistence.take_back(record, value)
-                self.taken_back += 1
-                log.info("grant of lease %d was not acknowledged; taken back", record.lease_id)
+                if await self.persistence.take_back(record, value):
+                    self.taken_back += 1
+                    log.info("grant of lease %d was not acknowledged; taken back", record.lease_id)
                 return
             except Exception as exc:  # noqa: BLE001 - retried, then logged
                 if attempt == _TAKE_BACK_ATTEMPTS:

@@ -132,13 +132,14 @@ class LeasePersistence:
                 else:
                     done.set_exception(error)
 
-    async def take_back(self, record: LeaseRecord, value: bytes) -> None:
-        """Delete a grant that was never acknowledged, if the store holds exactly what it wrote.
+    async def take_back(self, record: LeaseRecord, value: bytes) -> bool:
+        """Delete a grant that was never acknowledged, if the store holds exactly what it wrote; True if it did
+        (False: the write never landed).
 
         Not fenced: deleting our own unacknowledged write is right whoever leads now (it may be done
         after a step-down); the value compare leaves anything else under the key alone."""
         key = self._keys.lease(record.lease_id)
-        await self._txn([Compare(key, CompareTarget.VALUE, "==", value)], [Delete(key)])
+        return await self._txn([Compare(key, CompareTarget.VALUE, "==", value)], [Delete(key)])
 
     # --- checkpoints ---
 
