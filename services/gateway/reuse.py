@@ -327,7 +327,7 @@ def decide(
 ) -> ReusePlan | NoReuse:
     """Whether this turn's prefill pulls KV: the plan, or the reason it does not.
 
-    ``looked_up_at`` and ``now_mono`` (``time.monotonic()``): when the lookup was answered, and now; P gets what
+    ``looked_up_at`` and ``now_mono`` (``time.monotonic()``): when the lookup was sent, and now; P gets what
     is left of the engine's offer window since the lookup to start its READ (kvbridge.offers)."""
     early = screen(features, wants_reuse=wants_reuse, prompt_tokens=prompt_tokens, policy=policy)
     if early is not None:

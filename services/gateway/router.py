@@ -306,6 +306,7 @@ class TurnRouter:
             Scope(turn.tenant, turn.model, turn.cache_salt, b), turn.conversation_key, plan.prompt_ids
         )
         if self._mirror is not None:
+            asked_at = time.monotonic()
             found = self._mirror.lookup(
                 tenant=turn.tenant,
                 model=turn.model,
@@ -317,13 +318,14 @@ class TurnRouter:
             )
             if found is not None:
                 self._metrics.lookups.labels("mirror").inc()
-                await self._apply_lookup(turn, plan, found)
+                await self._apply_lookup(turn, plan, found, asked_at)
                 if plan.verdict.hit:
                     trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "mirror")
                     return
                 # Declined here (consumed, busy, ...): the registry may hold a newer entry than the copy.
                 plan.verdict = ReuseVerdict(prompt_tokens=plan.verdict.prompt_tokens)
                 plan.next_epoch, plan.verified_tokens = None, 0
+        asked_at = time.monotonic()
         try:
             found = await self._control.lookup(
                 tenant=turn.tenant,
@@ -339,17 +341,21 @@ class TurnRouter:
             return
         self._metrics.lookups.labels("registry").inc()
         trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "registry")
-        await self._apply_lookup(turn, plan, found)
+        await self._apply_lookup(turn, plan, found, asked_at)
 
     def _engine_record(self, engine_id: str) -> types_pb2.Engine | None:
         """The registry's record of an engine, as the pool last listed it (the mirror's Location.engine)."""
         state = self._pool.find(engine_id)
         return state.record if state is not None else None
 
-    async def _apply_lookup(self, turn: Turn, plan: _Plan, found: registry_pb2.LookupEntryResponse) -> None:
-        """Decides on the lookup's answer; a single-use entry is then consumed in the registry before P may pull."""
+    async def _apply_lookup(
+        self, turn: Turn, plan: _Plan, found: registry_pb2.LookupEntryResponse, asked_at: float
+    ) -> None:
+        """Decides on the lookup's answer; a single-use entry is then consumed in the registry before P may pull.
+        ``asked_at``: when the lookup was sent (monotonic). P's READ must start within the engine's offer window
+        of the lookup; the answer may have been made at any time after the request left, so the window runs
+        from then (a slow answer shortens what P gets, it never stretches D's promise)."""
         assert plan.prompt_ids is not None
-        answered_at = time.monotonic()  # P's READ must start within the engine's offer window of this
         loc = found.location
         if found.HasField("location") and loc.conversation_key == turn.conversation_key:
             plan.next_epoch = int(loc.epoch) + 1
@@ -372,7 +378,7 @@ class TurnRouter:
             source=source,
             policy=self._policy,
             now_s=time.time(),
-            looked_up_at=answered_at,
+            looked_up_at=asked_at,
             now_mono=time.monotonic(),
         )
         if isinstance(decided, NoReuse):
