@@ -46,6 +46,17 @@ class EngineState:
     last_check: float = 0.0
     ejected_until: float = 0.0  # monotonic; no new traffic before it unless nothing else is left
     consecutive_timeouts: int = 0
+    # A stock engine this gateway registers (compatibility mode). A restarted vLLM keeps its id and URL but not
+    # its blocks, and nothing else tells the registry: so once seen down, its entries may name a previous
+    # process's blocks, and no turn pulls from it until the gateway registered it again under a new node lease
+    # (a new incarnation, which retires every older entry).
+    gateway_registered: bool = False
+    needs_new_incarnation: bool = False
+
+    @property
+    def offers_blocks(self) -> bool:
+        """Whether P may pull from this engine now: healthy and not waiting for a new incarnation."""
+        return self.healthy and not self.needs_new_incarnation
 
     def ejected(self, now: float) -> bool:
         return self.ejected_until > now
@@ -190,6 +201,13 @@ class EnginePool:
         if engine.healthy:
             log.warning("engine %s (%s) marked unhealthy: %s", engine.url, engine.role, why)
         engine.healthy = False
+        self._seen_down(engine)
+
+    @staticmethod
+    def _seen_down(engine: EngineState) -> None:
+        if engine.gateway_registered and not engine.needs_new_incarnation:
+            engine.needs_new_incarnation = True
+            log.info("engine %s (%s) was down: no pulls from it until it is registered again", engine.url, engine.role)
 
     # -- health --------------------------------------------------------------------------
     async def check(self, engine: EngineState) -> None:
@@ -206,6 +224,8 @@ class EnginePool:
             await self._refresh_load_info(engine, timeout)
         if healthy != engine.healthy:
             log.info("engine %s (%s) is now %s", engine.url, engine.role, "healthy" if healthy else "UNHEALTHY")
+        if not healthy:
+            self._seen_down(engine)  # before a recovery can be seen: a restart is always seen down first
         engine.healthy = healthy
         engine.last_check = time.monotonic()
 

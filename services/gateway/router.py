@@ -365,7 +365,7 @@ class TurnRouter:
         engine_id = loc.engine.engine_id
         local = self._pool.find(engine_id) if engine_id else None
         source = reuse.SourceState(
-            healthy=local.healthy if local is not None else None,
+            healthy=local.offers_blocks if local is not None else None,
             pulling=(engine_id, loc.engine_request_id) in self._pulling,
             clock_offset_s=self._clock_offsets.get(engine_id),
         )
@@ -674,6 +674,10 @@ class TurnRouter:
             if lease_id:
                 with contextlib.suppress(ControlPlaneError):
                     await self._control.revoke_lease(lease_id)
+
+    def forget_clock(self, engine_id: str) -> None:
+        """A new incarnation of the engine (maybe on another host, with another monotonic clock): learn anew."""
+        self._clock_offsets.pop(engine_id, None)
 
     def _learn_clock(self, engine_id: str, offset_low: float) -> None:
         """Keeps the largest lower bound of D's clock minus ours (D finished before our receive time)."""

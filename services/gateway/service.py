@@ -152,8 +152,32 @@ class GatewayCore:
             await asyncio.sleep(self.settings.health_interval_s)
             try:
                 await self.pool.check_all()
+                await self._register_restarted_engines()
             except Exception:
                 log.exception("health check round failed")
+
+    async def _register_restarted_engines(self) -> None:
+        """Stock engines seen down and healthy again get a new incarnation: registered under a new node lease
+        (the registry then refuses every entry of the old one), the old lease revoked, D's clock learned anew."""
+        for spec, role in self._static_specs():
+            state = self.pool.find(spec.engine_id)
+            if state is None or not (state.needs_new_incarnation and state.healthy):
+                continue
+            old_lease = self._node_leases.get(spec.engine_id)
+            if not await self._register_one(spec, role):
+                continue  # still flagged: no pulls from it; tried again next round
+            state.needs_new_incarnation = False
+            self.router.forget_clock(spec.engine_id)
+            log.info("engine %s was down and is back: registered as a new incarnation", spec.engine_id)
+            if old_lease:
+                with contextlib.suppress(ControlPlaneError):
+                    await self.control.revoke_lease(old_lease)
+
+    def _static_specs(self) -> list[tuple[StaticEngine, types_pb2.EngineRole.ValueType]]:
+        cfg = self.settings
+        return [(s, types_pb2.ENGINE_ROLE_PREFILL) for s in cfg.prefill_engines if s.register_in_registry] + [
+            (s, types_pb2.ENGINE_ROLE_DECODE) for s in cfg.decode_engines if s.register_in_registry
+        ]
 
     async def _refresh_registry(self) -> None:
         if not (self.control.enabled and self.settings.engines_from_registry):
@@ -179,24 +203,21 @@ class GatewayCore:
         """Stock engines given by config (compatibility mode): the gateway registers them under node leases."""
         if not self.control.enabled:
             return
-        cfg = self.settings
-        specs = [(s, types_pb2.ENGINE_ROLE_PREFILL) for s in cfg.prefill_engines if s.register_in_registry] + [
-            (s, types_pb2.ENGINE_ROLE_DECODE) for s in cfg.decode_engines if s.register_in_registry
-        ]
-        for spec, role in specs:
+        for spec, role in self._static_specs():
             await self._register_one(spec, role)
 
-    async def _register_one(self, spec: StaticEngine, role: int) -> None:
+    async def _register_one(self, spec: StaticEngine, role: types_pb2.EngineRole.ValueType) -> bool:
+        """Registers a stock engine under a new node lease; True once the registry has it."""
         if not (spec.engine_id and spec.model):
             log.warning("static engine %s needs engine_id and model to be registered", spec.url)
-            return
+            return False
         try:
             lease_id = await self.control.grant_lease(
                 kind=lease_pb2.LEASE_KIND_NODE, engine_id=spec.engine_id, ttl_s=_NODE_LEASE_TTL_S
             )
             rec = types_pb2.Engine(
                 engine_id=spec.engine_id,
-                role=role,  # type: ignore[arg-type]
+                role=role,
                 model=spec.model,
                 http_url=spec.url,
                 kv_host=spec.kv_host,
@@ -215,9 +236,12 @@ class GatewayCore:
             state = self.pool.find(spec.engine_id)
             if state is not None:  # what the entry mirror's hits name as the source engine
                 state.record = registered
+                state.gateway_registered = True
             log.info("registered static engine %s (%s)", spec.engine_id, spec.url)
+            return True
         except ControlPlaneError as exc:
             log.warning("cannot register static engine %s: %s", spec.engine_id, exc)
+            return False
 
     async def _node_lease_loop(self) -> None:
         while True:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from typing import Any
@@ -20,6 +21,7 @@ from kvbridge_services.gateway.app import GatewayApp
 from kvbridge_services.gateway.config import StaticEngine
 
 from tests.fixtures.gateway_stack import KEYS, LONG, chat, reference, running_stack, turn
+from tests.tools.engine_sim import SimServer
 
 from .conftest import MODEL, Stack
 
@@ -232,3 +234,41 @@ async def test_a_lora_adapter_turn_gets_no_reuse_and_leaves_none(lora_stack: Sta
     assert await entry_epoch(stack, "l1", model="sim-lora") == 0
     seen = (await stack.sim_stats(stack.decode))["kv_transfer_params_seen"][-1]
     assert seen is not None and not seen.get("kvbridge_conversation_key")
+
+
+async def _until(predicate: Any, timeout_s: float = 15.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():  # noqa: ASYNC110 - polls the gateway's engine table
+            await asyncio.sleep(0.05)
+
+
+async def test_a_stock_decode_engine_restarted_under_its_id_is_never_read_for_its_old_entries(stack: Stack) -> None:
+    """Stock D holds a conversation's blocks, then restarts under the same id, URL and ports with an empty KV
+    cache; another conversation's KV fills the block ids the old entry names. The old conversation's next turn
+    must not pull them (stock D tells nobody it restarted: the gateway registers it again under a new node lease
+    once it saw it down, which retires the old entry), and its answer is the one computed without reuse."""
+    msgs = [{"role": "user", "content": LONG}]
+    answer, _ = await turn(stack, msgs, conv="restart")
+    assert await entry_epoch(stack, "restart") > 0
+    msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "next"}]
+    engine = stack.gateway.core.pool.find("d0")
+    assert engine is not None and engine.record is not None
+    first_incarnation = engine.record.node_lease_id
+
+    await stack.decode.__aexit__(None, None, None)
+    await _until(lambda: not engine.healthy)
+    async with SimServer(dataclasses.replace(stack.decode.cfg)) as restarted:
+        await _until(lambda: engine.healthy and not engine.needs_new_incarnation)
+        assert engine.record.node_lease_id != first_incarnation
+        other = [{"role": "user", "content": LONG.replace("word", "other")}]
+        await turn(stack, other, conv="someone-else")  # the restarted D's blocks now hold other KV
+        got, verdict = await post(stack.client, chat(msgs, "restart"))
+        stats = await stack.sim_stats(restarted)
+        assert not verdict.startswith("hit"), verdict
+        assert stats["unsafe_reads"] == 0, stats
+        assert got == await reference(stack, msgs)
+        # The new incarnation serves reuse again.
+        msgs += [{"role": "assistant", "content": got}, {"role": "user", "content": "and again"}]
+        got, verdict = await post(stack.client, chat(msgs, "restart"))
+        assert verdict.startswith("hit"), verdict
+        assert got == await reference(stack, msgs)
