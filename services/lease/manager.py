@@ -119,6 +119,8 @@ class LeaseManager:
         # Grants whose store write (or take-back) runs: not cancelled with their RPC, awaited by step_down.
         self._granting: set[asyncio.Task[None]] = set()
         self.taken_back = 0  # grants that landed but were never acknowledged, deleted again
+        # Take-backs of grants whose write step_down stopped waiting for (they outlive the step-down).
+        self._late_take_backs: set[asyncio.Task[None]] = set()
         self._tasks: list[asyncio.Task[None]] = []
         self._end_slots = asyncio.Semaphore(_END_CONCURRENCY)
         self._unfinished: list[Ended] = []  # ends whose store cleanup failed; retried
@@ -275,6 +277,10 @@ class LeaseManager:
         except asyncio.CancelledError:  # step_down gave up waiting: outcome unknown, nobody acknowledged
             self._undo(pending, record)
             _settle(pending.future, self.not_leader())
+            # The write may still land: take it back on its own, after the step-down (bounded by its retries).
+            late = asyncio.get_running_loop().create_task(self._take_back(record, value))
+            self._late_take_backs.add(late)
+            late.add_done_callback(self._late_take_backs.discard)
             raise
         except Exception as exc:  # noqa: BLE001 - every failure ends the grant; the waiters get it
             self._undo(pending, record)
