@@ -197,7 +197,9 @@ def pd_turn_timed(
     ``decode_extra``: fields added to D's kv_transfer_params (the kvbridge conversation, as a gateway sends).
     """
     # With the prefix digest, as the gateway sends it: P checks the pulled prefix is its own prompt's.
-    p_time, p_response = timed_completion(prefill, prompt, 1, prefill_params_for(prompt, reuse))
+    p_time, p_response = timed_completion(
+        prefill, prompt, 1, prefill_params_for(prompt, reuse, offer_secret=BENCH_SECRET)
+    )
     prefill_params = dict(p_response["kv_transfer_params"])
     d_params = {**prefill_params, **(decode_extra or {})}
     if decode_extra:  # signed as the gateway signs them: D's connector ignores unsigned kvbridge fields

@@ -101,3 +101,19 @@ def prompt_prefix_problem(params: Mapping[str, Any], prompt_token_ids: Sequence[
     if not 0 < tokens <= len(prompt_token_ids):
         return "bad_prefix_digest"
     return "" if hashchain.prefix_digest(prompt_token_ids, tokens) == digest else "prompt_mismatch"
+
+
+# Why a pull offer's signature is refused (kvbridge.secret.verify_pull_offer), as the decline reason P reports.
+_OFFER_DECLINES = {
+    "no_secret": "no_secret",
+    "unsigned": "unsigned_offer",
+    "bad_signature": "forged_offer",
+    "expired": "stale_offer",
+}
+
+
+def pull_offer_problem(params: Mapping[str, Any], secret: bytes | None, *, accepted_at: float) -> str:
+    """Why P must not pull an offer that no gateway sharing ``secret`` signed ("" when one did): another HTTP
+    caller could otherwise make P READ any of D's blocks (another tenant's KV) or stretch the read window."""
+    problem = kvsecret.verify_pull_offer(secret, params, accepted_at=accepted_at)
+    return _OFFER_DECLINES.get(problem, problem)

@@ -19,7 +19,7 @@ from google.protobuf import duration_pb2
 from kvbridge import offers
 from kvbridge.types.v1 import types_pb2
 from kvbridge_connector import control_plane as cp
-from kvbridge_connector.params import RETAINED, parse_conversation, prompt_prefix_problem
+from kvbridge_connector.params import RETAINED, parse_conversation, prompt_prefix_problem, pull_offer_problem
 from kvbridge_connector.pulls import PullReporter, bytes_per_token
 from kvbridge_connector.retention import RetentionTable
 from kvbridge_connector.settings import ConnectorSettings
@@ -163,10 +163,14 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         # The offer's read deadline (kvbridge.offers), on this host's clock from the request's arrival.
         deadline = offers.read_deadline(params, request.arrival_time) if offered and params else None
         if offered and params and not params.get(_PREFIX_CHECKED):
-            problem = prompt_prefix_problem(
+            problem = (
+                pull_offer_problem(params, self.settings.hash_secret, accepted_at=request.arrival_time)
+                if self.settings.require_signed_offer
+                else ""
+            ) or prompt_prefix_problem(
                 params, request.prompt_token_ids or (), required=self.settings.require_prefix_digest
             )
-            params[_PREFIX_CHECKED] = True  # vLLM may ask again while the request waits: hash once
+            params[_PREFIX_CHECKED] = True  # vLLM may ask again while the request waits: check once
             if not problem and deadline is None and self.settings.require_offer_deadline:
                 problem = "no_offer_deadline"
             if problem:

@@ -116,6 +116,9 @@ class ConnectorSettings:
     require_prefix_digest: bool = True
     # Prefill: decline (recompute) a pull offer that carries no read deadline (kvbridge_offer_ttl_ms).
     require_offer_deadline: bool = True
+    # Prefill: pull only offers a gateway signed with the deployment secret (kvbridge.secret.sign_pull_offer);
+    # anything else, from any HTTP caller, is declined and recomputed.
+    require_signed_offer: bool = True
     # OTLP/gRPC endpoint for connector spans; None: tracing off ("" = the exporter's default endpoint).
     otlp_endpoint: str | None = None
     service_name: str = DEFAULT_SERVICE_NAME
@@ -185,6 +188,7 @@ class ConnectorSettings:
             hold_blocks=_choice(extra, "kvbridge_hold_blocks", "refcount", ("refcount", "delayed_free")),
             require_prefix_digest=bool(extra.get("kvbridge_require_prefix_digest", True)),
             require_offer_deadline=bool(extra.get("kvbridge_require_offer_deadline", True)),
+            require_signed_offer=bool(extra.get("kvbridge_require_signed_offer", True)),
             otlp_endpoint=_otlp_endpoint(extra, env),
             service_name=env.get("OTEL_SERVICE_NAME") or DEFAULT_SERVICE_NAME,
             telemetry_hash_key=_hash_key(

@@ -6,8 +6,12 @@ It keys three things, each under its own label so no output of one is an input o
 - the *canary*: a short HMAC of a fixed label, which a connector puts in its engine registration
   (capability ``kvbridge-secret:<canary>``) so a gateway can tell, before any reuse, that both hold the same
   secret (different secrets give different chains: 0 % reuse and no error);
-- the signature over the ``kvbridge_*`` fields a gateway sends an engine inside ``kv_transfer_params``
-  (:func:`sign_kv_params`, :func:`verify_kv_params`): an engine trusts those fields only from a gateway.
+- the signature over the ``kvbridge_*`` fields a gateway sends a decode engine inside ``kv_transfer_params``
+  (:func:`sign_kv_params`, :func:`verify_kv_params`): an engine trusts those fields only from a gateway;
+- the signature over a *pull offer* a gateway sends a prefill engine (:func:`sign_pull_offer`,
+  :func:`verify_pull_offer`): which of D's blocks to READ, for how many tokens, the prompt-prefix digest and
+  the read window. P pulls only a signed offer, so no other HTTP caller can make it READ D's blocks (another
+  tenant's KV) or stretch the read window past D's promise.
 
 Encoding: hex, 32..128 digits (16..64 bytes), e.g. ``openssl rand -hex 32``. Anything else is refused with an
 error naming the setting, never reinterpreted (the gateway used to read hex and the connector raw text: the
@@ -21,9 +25,10 @@ import hmac
 import json
 import secrets
 from collections.abc import Iterable, Mapping, MutableMapping
+from dataclasses import dataclass
 from typing import Any
 
-from kvbridge import hashchain
+from kvbridge import hashchain, offers
 
 # The one setting name (connector: also kv_connector_extra_config.kvbridge_hash_secret).
 ENV = "KVBRIDGE_HASH_SECRET"
@@ -42,6 +47,22 @@ SIGNATURE = "kvbridge_signature"  # hex HMAC-SHA256 (128 bits kept)
 # The request identity: the prefill request whose KV this decode request reads (P's returned params).
 _BOUND = ("remote_engine_id", "remote_request_id")
 SIGNED_FIELDS = (TENANT, CONVERSATION_KEY, EPOCH, MODEL, *_BOUND, ISSUED_AT)
+# A pull offer to P: the blocks to READ (vLLM's remote_* fields), the digest P checks, the read window.
+OFFER_ISSUED_AT = "kvbridge_offer_issued_at"
+OFFER_SIGNATURE = "kvbridge_offer_signature"
+_OFFER_LABEL = b"kvbridge/v1 pull offer\x00"
+OFFER_SIGNED_FIELDS = (
+    "remote_engine_id",
+    "remote_request_id",
+    "remote_host",
+    "remote_port",
+    "remote_block_ids",
+    "remote_num_tokens",
+    "remote_blocks_expiry_time",
+    hashchain.KV_PARAMS_PREFIX_DIGEST,
+    offers.KV_PARAMS_OFFER_TTL_MS,
+    OFFER_ISSUED_AT,
+)
 # How long a signature is good for, counted from signing to the engine accepting the request (both clocks).
 DEFAULT_VALIDITY_S = 60.0
 DEFAULT_CLOCK_SKEW_S = 30.0
@@ -88,25 +109,58 @@ def canary_of(capabilities: Iterable[str]) -> str | None:
     return None
 
 
-def _message(params: Mapping[str, Any]) -> bytes:
-    # JSON of a fixed-order list: no field can run into the next; absent fields are null.
-    return (
-        _SIGN_LABEL
-        + json.dumps(
-            [params.get(name) for name in SIGNED_FIELDS], separators=(",", ":"), ensure_ascii=True, allow_nan=False
-        ).encode()
-    )
+@dataclass(frozen=True, slots=True)
+class _Scheme:
+    """One kind of signed params: its label, the fields it binds, and where the time and signature go."""
+
+    label: bytes
+    fields: tuple[str, ...]
+    issued_at: str
+    signature: str
+
+    def mac(self, secret: bytes, params: Mapping[str, Any]) -> str:
+        # JSON of a fixed-order list: no field can run into the next; absent fields are null.
+        message = (
+            self.label
+            + json.dumps(
+                [params.get(name) for name in self.fields], separators=(",", ":"), ensure_ascii=True, allow_nan=False
+            ).encode()
+        )
+        return hmac.new(hashchain.check_secret(secret), message, hashlib.sha256).hexdigest()[:32]
+
+    def sign(self, secret: bytes, params: MutableMapping[str, Any], now: float) -> None:
+        params[self.issued_at] = round(now, 3)
+        params[self.signature] = self.mac(secret, params)
+
+    def problem(
+        self, secret: bytes | None, params: Mapping[str, Any], accepted_at: float, validity_s: float, skew_s: float
+    ) -> str:
+        if secret is None:
+            return "no_secret"
+        signature, issued = params.get(self.signature), params.get(self.issued_at)
+        if signature is None and issued is None:
+            return "unsigned"
+        if not isinstance(signature, str) or isinstance(issued, bool) or not isinstance(issued, int | float):
+            return "bad_signature"
+        try:
+            expected = self.mac(secret, params)
+        except (TypeError, ValueError):  # a field JSON cannot encode (NaN, an object): not what a gateway sends
+            return "bad_signature"
+        if not hmac.compare_digest(signature, expected):
+            return "bad_signature"
+        if not issued - skew_s <= accepted_at <= issued + validity_s:
+            return "expired"
+        return ""
 
 
-def _mac(secret: bytes, params: Mapping[str, Any]) -> str:
-    return hmac.new(hashchain.check_secret(secret), _message(params), hashlib.sha256).hexdigest()[:32]
+_DECODE = _Scheme(_SIGN_LABEL, SIGNED_FIELDS, ISSUED_AT, SIGNATURE)
+_OFFER = _Scheme(_OFFER_LABEL, OFFER_SIGNED_FIELDS, OFFER_ISSUED_AT, OFFER_SIGNATURE)
 
 
 def sign_kv_params(secret: bytes, params: MutableMapping[str, Any], *, now: float) -> None:
     """Adds ``kvbridge_issued_at`` and ``kvbridge_signature`` over the kvbridge fields and the transfer they
     belong to (P's ``remote_engine_id`` / ``remote_request_id``) to a decode request's params, in place."""
-    params[ISSUED_AT] = round(now, 3)
-    params[SIGNATURE] = _mac(secret, params)
+    _DECODE.sign(secret, params, now)
 
 
 def verify_kv_params(
@@ -120,28 +174,36 @@ def verify_kv_params(
     """Why the kvbridge fields of ``params`` must be ignored ("" when they come from a gateway sharing
     ``secret``): ``no_secret``, ``unsigned``, ``bad_signature`` or ``expired``. ``accepted_at``: when the
     engine received the request (Unix seconds), not when it looks at the params."""
-    if secret is None:
-        return "no_secret"
-    signature, issued = params.get(SIGNATURE), params.get(ISSUED_AT)
-    if signature is None and issued is None:
-        return "unsigned"
-    if not isinstance(signature, str) or isinstance(issued, bool) or not isinstance(issued, int | float):
-        return "bad_signature"
-    try:
-        expected = _mac(secret, params)
-    except (TypeError, ValueError):  # a field JSON cannot encode (NaN, an object): not what a gateway sends
-        return "bad_signature"
-    if not hmac.compare_digest(signature, expected):
-        return "bad_signature"
-    if not issued - clock_skew_s <= accepted_at <= issued + validity_s:
-        return "expired"
-    return ""
+    return _DECODE.problem(secret, params, accepted_at, validity_s, clock_skew_s)
+
+
+def sign_pull_offer(secret: bytes, params: MutableMapping[str, Any], *, now: float) -> None:
+    """Adds ``kvbridge_offer_issued_at`` and ``kvbridge_offer_signature`` over a prefill request's pull offer
+    (``OFFER_SIGNED_FIELDS``: the source engine and request, its address, the block ids, the token count, D's
+    expiry, the prefix digest and the read window), in place. Sign last: any later change voids it."""
+    _OFFER.sign(secret, params, now)
+
+
+def verify_pull_offer(
+    secret: bytes | None,
+    params: Mapping[str, Any],
+    *,
+    accepted_at: float,
+    validity_s: float = DEFAULT_VALIDITY_S,
+    clock_skew_s: float = DEFAULT_CLOCK_SKEW_S,
+) -> str:
+    """Why P must not pull what ``params`` offer ("" when a gateway sharing ``secret`` signed exactly this
+    offer): ``no_secret``, ``unsigned``, ``bad_signature`` or ``expired``."""
+    return _OFFER.problem(secret, params, accepted_at, validity_s, clock_skew_s)
 
 
 __all__ = [
     "CANARY_CAPABILITY_PREFIX",
     "DEFAULT_VALIDITY_S",
     "ENV",
+    "OFFER_ISSUED_AT",
+    "OFFER_SIGNATURE",
+    "OFFER_SIGNED_FIELDS",
     "SIGNED_FIELDS",
     "canary",
     "canary_capability",
@@ -149,5 +211,7 @@ __all__ = [
     "generate",
     "parse",
     "sign_kv_params",
+    "sign_pull_offer",
     "verify_kv_params",
+    "verify_pull_offer",
 ]

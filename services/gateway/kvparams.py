@@ -111,10 +111,11 @@ def plain_prefill_params() -> dict[str, Any]:
 
 
 def reuse_prefill_params(
-    source: PullSource, tokens: int, block_size: int, *, prompt_ids: Sequence[int]
+    source: PullSource, tokens: int, block_size: int, *, prompt_ids: Sequence[int], secret: bytes
 ) -> dict[str, Any]:
     """P's params: produce KV for a remote decode, and pull the first ``tokens`` tokens' KV from D
-    (with the digest of the verified prompt prefix, which P checks against its own prompt)."""
+    (with the digest of the verified prompt prefix, which P checks against its own prompt). The offer is
+    signed with the deployment ``secret``: P pulls nothing it did not get from a gateway."""
     params: dict[str, Any] = {
         **plain_prefill_params(),
         "remote_engine_id": source.engine_id,
@@ -133,6 +134,7 @@ def reuse_prefill_params(
         params["remote_blocks_expiry_time"] = source.expiry_time
     if source.offer_window_s is not None:
         params[offers.KV_PARAMS_OFFER_TTL_MS] = offer_ttl_ms(source)
+    kvsecret.sign_pull_offer(secret, params, now=time.time())
     return _with_traceparent(params)
 
 

@@ -440,7 +440,7 @@ class TurnRouter:
         if plan.pull is not None:
             pull = plan.pull
             params = kvparams.reuse_prefill_params(
-                pull.source, pull.tokens, plan.block_size, prompt_ids=plan.prompt_ids or ()
+                pull.source, pull.tokens, plan.block_size, prompt_ids=plan.prompt_ids or (), secret=self._secret
             )
             self._pulling.add(pull.key)
             try:

@@ -70,10 +70,15 @@ class TurnResult:
 
 
 def prefill_params_for(
-    prompt: list[int], reuse: dict[str, Any] | None, verified: list[int] | None = None, offer_ttl_ms: int = OFFER_TTL_MS
+    prompt: list[int],
+    reuse: dict[str, Any] | None,
+    verified: list[int] | None = None,
+    offer_ttl_ms: int = OFFER_TTL_MS,
+    offer_secret: bytes | None = E2E_SECRET,
 ) -> dict[str, Any]:
     """P's kv_transfer_params: plain, or pulling what ``reuse`` (D's params of an earlier turn) offers, with
-    the prefix digest of ``verified`` (default: the prompt), as the gateway sends it for the tokens it verified."""
+    the prefix digest of ``verified`` (default: the prompt), as the gateway sends it for the tokens it verified,
+    signed with ``offer_secret`` (None: unsigned, as from a caller that is not a gateway)."""
     if reuse is None:
         return {"do_remote_decode": True, "do_remote_prefill": False}
     params = {key: reuse[key] for key in REUSE_FIELDS if key in reuse}
@@ -83,6 +88,8 @@ def prefill_params_for(
         params[hashchain.KV_PARAMS_PREFIX_DIGEST] = hashchain.prefix_digest(verified, pulled)
     # As the gateway does right after a lookup: P must start its READ within the offer window (kvbridge.offers).
     params[offers.KV_PARAMS_OFFER_TTL_MS] = offer_ttl_ms
+    if offer_secret is not None:
+        kvsecret.sign_pull_offer(offer_secret, params, now=time.time())
     return params
 
 
@@ -97,10 +104,11 @@ def pd_turn(
     verified: list[int] | None = None,
     secret: bytes | None = None,
     offer_ttl_ms: int = OFFER_TTL_MS,
+    offer_secret: bytes | None = E2E_SECRET,
 ) -> TurnResult:
     """One disaggregated turn; ``reuse`` is D's params from an earlier turn (pull them back; see
     ``prefill_params_for``)."""
-    p_response = completion(prefill, prompt, 1, prefill_params_for(prompt, reuse, verified, offer_ttl_ms))
+    p_response = completion(prefill, prompt, 1, prefill_params_for(prompt, reuse, verified, offer_ttl_ms, offer_secret))
     prefill_params = dict(p_response["kv_transfer_params"])
     d_params = dict(prefill_params)
     d_params.update(decode_extra or {})

@@ -25,7 +25,7 @@ from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanContext
 
 from tests.e2e.conftest import HASH_SECRET, kvbridge_overrides
-from tests.e2e.pd_client import completion, random_tokens
+from tests.e2e.pd_client import E2E_SECRET, completion, random_tokens
 from tests.e2e.test_kvbridge_pd import wait_for_entry
 from tests.fixtures.control_plane_procs import ControlPlaneProcs
 from tests.fixtures.otlp_receiver import OtlpReceiver, ReceivedSpan, running_receiver
@@ -113,7 +113,7 @@ async def test_turn_two_trace_shows_decode_registration_and_prefill_pull(
                 prefill,
                 prompt,
                 1,
-                kvparams.reuse_prefill_params(source, tokens, BLOCK_SIZE, prompt_ids=prompt),
+                kvparams.reuse_prefill_params(source, tokens, BLOCK_SIZE, prompt_ids=prompt, secret=E2E_SECRET),
             )
             d_params = kvparams.decode_params(p_out["kv_transfer_params"], **_fields(epoch + 1))
             d_out = await asyncio.to_thread(completion, decode, prompt, 24, d_params)

@@ -270,6 +270,39 @@ def test_prefill_declines_an_offer_whose_read_window_has_passed(
         assert in_time.output_ids == expected
 
 
+def test_prefill_pulls_only_offers_a_gateway_signed(kvbridge_pd: PDEngines, control_plane: ControlPlaneProcs) -> None:
+    """Any HTTP caller of P can put vLLM's remote_* fields in kv_transfer_params: P pulls only an offer signed
+    with the deployment secret, so nobody else makes it READ D's blocks (another tenant's KV) or stretch the read
+    window. Unsigned, signed with another secret, or altered after signing (other block ids): declined, recomputed,
+    the right answer; the same offer signed by the gateway's secret is pulled."""
+    prefill, decode = kvbridge_pd.prefill, kvbridge_pd.decode
+    rng = random.Random(53)
+    prompt = random_tokens(rng, 130)
+    with Heartbeater(control_plane.lease_target) as heartbeater:
+        first = pd_turn(prefill, decode, prompt, 20, decode_extra=kvbridge_fields("conv-signed", 1))
+        heartbeater.lease_ids = {wait_for_entry(control_plane, "conv-signed", 1).lease_id}
+        follow_up = prompt + first.output_ids + random_tokens(rng, 20)
+        expected = pd_turn(prefill, decode, follow_up, 10).output_ids
+        offer = first.decode_params
+        unsigned = pd_turn(prefill, decode, follow_up, 10, reuse=offer, offer_secret=None)
+        foreign = pd_turn(prefill, decode, follow_up, 10, reuse=offer, offer_secret=b"another-secret-0123456789abcdef!")
+        altered = prefill_params_for(follow_up, offer)
+        altered["remote_block_ids"] = [list(reversed(g)) for g in altered["remote_block_ids"]]
+        tampered = completion(prefill, follow_up, 1, altered)["kv_transfer_params"]
+        for name, pulled in (
+            ("unsigned", unsigned.pulled_tokens),
+            ("another secret", foreign.pulled_tokens),
+            ("altered after signing", int(tampered.get("remote_prefill_cached_tokens") or 0)),
+        ):
+            assert pulled == 0, f"P pulled an offer no gateway signed ({name})"
+        assert unsigned.output_ids == expected and foreign.output_ids == expected
+        signed = pd_turn(prefill, decode, follow_up, 10, reuse=offer)
+        assert signed.pulled_tokens == offer["remote_num_tokens"]
+        assert signed.output_ids == expected
+    log = prefill.log_path.read_text(errors="replace")
+    assert "unsigned_offer" in log and "forged_offer" in log
+
+
 def test_killed_decode_ends_its_leases_and_prefill_recomputes(
     kvbridge_pd: PDEngines, control_plane: ControlPlaneProcs, engine_pool: EnginePool
 ) -> None:

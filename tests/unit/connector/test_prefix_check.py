@@ -1,4 +1,5 @@
-"""Prefill's own check before a pull: the verified prefix's digest must match P's prompt (real scheduler half)."""
+"""Prefill's own checks before a pull (real scheduler half): a gateway signed the offer, the verified prefix's
+digest matches P's prompt, and the read window has not passed."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from typing import Any
 
 import pytest
 from kvbridge import hashchain, offers
+from kvbridge import secret as kvsecret
 
 from tests.fixtures.common import VLLM_HINT, require
 
@@ -15,9 +17,21 @@ from .real_scheduler import FakeRequest, scheduler
 require("vllm", VLLM_HINT)
 
 PROMPT = list(range(10, 210))
+SECRET = bytes.fromhex("00112233445566778899aabbccddeeff")
+EXTRA = {"kvbridge_hash_secret": SECRET.hex()}
+_UNSET = object()
 
 
-def _offer(digest_tokens: list[int] | None, tokens: int = 96) -> dict[str, Any]:
+def _offer(
+    digest_tokens: list[int] | None,
+    tokens: int = 96,
+    *,
+    secret: bytes | None = SECRET,
+    issued: float | None = None,
+    **overrides: object,
+) -> dict[str, Any]:
+    """An offer as the gateway sends it, signed with ``secret`` (None: unsigned) after ``overrides`` (a value of
+    ``_UNSET`` removes the field)."""
     params: dict[str, Any] = {
         "do_remote_decode": True,
         "do_remote_prefill": False,
@@ -32,11 +46,15 @@ def _offer(digest_tokens: list[int] | None, tokens: int = 96) -> dict[str, Any]:
     }
     if digest_tokens is not None:
         params[hashchain.KV_PARAMS_PREFIX_DIGEST] = hashchain.prefix_digest(digest_tokens, tokens)
+    params.update(overrides)
+    params = {k: v for k, v in params.items() if v is not _UNSET}
+    if secret is not None:
+        kvsecret.sign_pull_offer(secret, params, now=time.time() if issued is None else issued)
     return params
 
 
 def test_a_matching_digest_pulls(vllm_configs: dict[str, Any]) -> None:
-    with scheduler(vllm_configs, "kv_producer", {}) as sched:
+    with scheduler(vllm_configs, "kv_producer", EXTRA) as sched:
         request = FakeRequest("ok", _offer(PROMPT), PROMPT)
         assert sched.get_num_new_matched_tokens(request, 0) == (96, True)
         assert request.kv_transfer_params["remote_block_ids"] == [[1, 2, 3]]
@@ -47,14 +65,14 @@ def test_a_matching_digest_pulls(vllm_configs: dict[str, Any]) -> None:
     [
         (_offer([*PROMPT[:50], 7, *PROMPT[51:]]), "a token inside the pulled prefix differs"),
         (_offer(None), "no digest"),
-        ({**_offer(PROMPT), hashchain.KV_PARAMS_PREFIX_DIGEST: 12}, "a digest of the wrong type"),
-        ({**_offer(PROMPT), "remote_num_tokens": 500}, "more tokens than the prompt has"),
+        (_offer(PROMPT, **{hashchain.KV_PARAMS_PREFIX_DIGEST: 12}), "a digest of the wrong type"),
+        (_offer(PROMPT, remote_num_tokens=500), "more tokens than the prompt has"),
     ],
 )
 def test_a_mismatching_or_missing_digest_declines_and_never_contacts_d(
     vllm_configs: dict[str, Any], offer: dict[str, Any], why: str
 ) -> None:
-    with scheduler(vllm_configs, "kv_producer", {}) as sched:
+    with scheduler(vllm_configs, "kv_producer", EXTRA) as sched:
         request = FakeRequest("bad", offer, PROMPT)
         assert sched.get_num_new_matched_tokens(request, 0) == (0, False), why
         # Without block ids vLLM's update_state_after_alloc neither reads from nor notifies D.
@@ -73,11 +91,8 @@ def test_a_mismatching_or_missing_digest_declines_and_never_contacts_d(
     ],
 )
 def test_an_offer_without_a_valid_read_deadline_declines(vllm_configs: dict[str, Any], ttl: object, why: str) -> None:
-    offer = _offer(PROMPT)
-    offer.pop(offers.KV_PARAMS_OFFER_TTL_MS)
-    if ttl is not None:
-        offer[offers.KV_PARAMS_OFFER_TTL_MS] = ttl
-    with scheduler(vllm_configs, "kv_producer", {}) as sched:
+    offer = _offer(PROMPT, **{offers.KV_PARAMS_OFFER_TTL_MS: _UNSET if ttl is None else ttl})
+    with scheduler(vllm_configs, "kv_producer", EXTRA) as sched:
         request = FakeRequest("no-deadline", offer, PROMPT)
         assert sched.get_num_new_matched_tokens(request, 0) == (0, False), why
         assert "remote_block_ids" not in request.kv_transfer_params
@@ -85,7 +100,7 @@ def test_an_offer_without_a_valid_read_deadline_declines(vllm_configs: dict[str,
 
 def test_an_offer_that_waited_in_the_queue_past_its_deadline_declines(vllm_configs: dict[str, Any]) -> None:
     """D frees a withdrawn entry's blocks once the offer window has passed: a READ after it could read reused KV."""
-    with scheduler(vllm_configs, "kv_producer", {}) as sched:
+    with scheduler(vllm_configs, "kv_producer", EXTRA) as sched:
         fresh = FakeRequest("fresh", _offer(PROMPT), PROMPT)
         assert sched.get_num_new_matched_tokens(fresh, 0) == (96, True)
         queued = FakeRequest("queued", _offer(PROMPT), PROMPT, arrival_time=time.time() - 4.9)
@@ -101,7 +116,7 @@ def test_an_offer_that_waited_in_the_queue_past_its_deadline_declines(vllm_confi
 def test_the_read_deadline_travels_to_the_worker(vllm_configs: dict[str, Any]) -> None:
     from kvbridge_connector.scheduler import META_READ_BY
 
-    with scheduler(vllm_configs, "kv_producer", {}) as sched:
+    with scheduler(vllm_configs, "kv_producer", EXTRA) as sched:
         request = FakeRequest("ok", _offer(PROMPT), PROMPT)
         assert sched.get_num_new_matched_tokens(request, 0) == (96, True)
         sched._reqs_need_recv.clear()
@@ -117,7 +132,40 @@ def _empty_scheduler_output() -> Any:
 
 
 def test_routers_without_digests_can_be_allowed_explicitly(vllm_configs: dict[str, Any]) -> None:
-    with scheduler(vllm_configs, "kv_producer", {"kvbridge_require_prefix_digest": False}) as sched:
+    with scheduler(vllm_configs, "kv_producer", {**EXTRA, "kvbridge_require_prefix_digest": False}) as sched:
         assert sched.get_num_new_matched_tokens(FakeRequest("plain", _offer(None), PROMPT), 0) == (96, True)
         wrong = FakeRequest("wrong", _offer([*PROMPT[:50], 7, *PROMPT[51:]]), PROMPT)
         assert sched.get_num_new_matched_tokens(wrong, 0) == (0, False)  # a digest given is still checked
+
+
+@pytest.mark.parametrize(
+    ("offer", "reason"),
+    [
+        (_offer(PROMPT, secret=None), "unsigned_offer"),
+        (_offer(PROMPT, secret=bytes(range(16))), "forged_offer"),
+        ({**_offer(PROMPT), "remote_block_ids": [[7, 8, 9]]}, "forged_offer"),
+        ({**_offer(PROMPT), offers.KV_PARAMS_OFFER_TTL_MS: 300_000}, "forged_offer"),
+        ({**_offer(PROMPT), "remote_engine_id": "decode-other"}, "forged_offer"),
+        (_offer(PROMPT, issued=time.time() - 120), "stale_offer"),
+    ],
+    ids=["unsigned", "another-secret", "other-blocks", "longer-window", "other-engine", "signed-long-ago"],
+)
+def test_an_offer_no_gateway_signed_declines_and_never_contacts_d(
+    vllm_configs: dict[str, Any], offer: dict[str, Any], reason: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Any HTTP caller of P can write vLLM's remote_* fields: only the gateway's signature makes P READ."""
+    with scheduler(vllm_configs, "kv_producer", EXTRA) as sched:
+        request = FakeRequest("unsigned", offer, PROMPT)
+        with caplog.at_level("WARNING"):
+            assert sched.get_num_new_matched_tokens(request, 0) == (0, False)
+        assert "remote_block_ids" not in request.kv_transfer_params
+        assert reason in caplog.text
+
+
+def test_signed_offers_are_optional_only_when_switched_off(vllm_configs: dict[str, Any]) -> None:
+    """kvbridge_require_signed_offer: false (a router that is not the gateway); without a secret P pulls nothing
+    by default."""
+    with scheduler(vllm_configs, "kv_producer", {**EXTRA, "kvbridge_require_signed_offer": False}) as sched:
+        assert sched.get_num_new_matched_tokens(FakeRequest("r", _offer(PROMPT, secret=None), PROMPT), 0) == (96, True)
+    with scheduler(vllm_configs, "kv_producer", {}) as sched:
+        assert sched.get_num_new_matched_tokens(FakeRequest("s", _offer(PROMPT), PROMPT), 0) == (0, False)

@@ -107,7 +107,7 @@ def _pull_params(tokens: int) -> dict[str, Any]:
         offer_window_s=5.0,
         looked_up_at=time.monotonic(),
     )
-    return kvparams.reuse_prefill_params(source, tokens, BLOCK, prompt_ids=PROMPT)
+    return kvparams.reuse_prefill_params(source, tokens, BLOCK, prompt_ids=PROMPT, secret=bytes.fromhex(SECRET))
 
 
 def named(spans: list[ReceivedSpan], name: str, request_id: str) -> list[ReceivedSpan]:
@@ -117,7 +117,9 @@ def named(spans: list[ReceivedSpan], name: str, request_id: str) -> list[Receive
 async def test_prefill_pull_spans_continue_the_turn_trace(vllm_configs: dict[str, Any], receiver: OtlpReceiver) -> None:
     from vllm.v1.outputs import KVConnectorOutput
 
-    with scheduler(vllm_configs, "kv_producer", {"kvbridge_otlp_endpoint": receiver.endpoint}) as sched:
+    with scheduler(
+        vllm_configs, "kv_producer", {"kvbridge_otlp_endpoint": receiver.endpoint, "kvbridge_hash_secret": SECRET}
+    ) as sched:
         assert sched.tracer.enabled
         with turn_span() as turn:
             ok = FakeRequest("p-ok", _pull_params(96), PROMPT)
@@ -174,7 +176,9 @@ async def test_vllm_trace_headers_are_the_fallback_parent(vllm_configs: dict[str
     """Without the gateway's field, a traceparent vLLM kept from the HTTP headers parents the span."""
     from vllm.v1.outputs import KVConnectorOutput
 
-    with scheduler(vllm_configs, "kv_producer", {"kvbridge_otlp_endpoint": receiver.endpoint}) as sched:
+    with scheduler(
+        vllm_configs, "kv_producer", {"kvbridge_otlp_endpoint": receiver.endpoint, "kvbridge_hash_secret": SECRET}
+    ) as sched:
         params = _pull_params(96)
         params.pop(tel.KV_PARAMS_TRACEPARENT, None)
         with turn_span() as turn:

@@ -27,10 +27,13 @@ def test_reusable_tokens_floors_to_blocks_and_leaves_one_token_to_compute() -> N
     assert kvparams.reusable_tokens(64, 1, 16) == 0
 
 
+SECRET = bytes(range(16))
+
+
 def test_reuse_prefill_params_use_only_the_source_record() -> None:
     src = kvparams.PullSource(engine_id="d0", request_id="r1", host="10.0.0.5", port=5600, block_groups=[[7, 8, 9, 10]])
     prompt = list(range(40))
-    p = kvparams.reuse_prefill_params(src, 32, 16, prompt_ids=prompt)
+    p = kvparams.reuse_prefill_params(src, 32, 16, prompt_ids=prompt, secret=SECRET)
     assert p["do_remote_decode"] is True and p["do_remote_prefill"] is False
     assert p[hashchain.KV_PARAMS_PREFIX_DIGEST] == hashchain.prefix_digest(prompt, 32)
     assert p["remote_block_ids"] == [[7, 8]] and p["remote_num_tokens"] == 32
@@ -40,6 +43,9 @@ def test_reuse_prefill_params_use_only_the_source_record() -> None:
         "10.0.0.5",
         5600,
     )
+    # Signed last, over everything P acts on: P pulls only what a gateway sharing the secret offered.
+    assert kvsecret.verify_pull_offer(SECRET, p, accepted_at=time.time()) == ""
+    assert kvsecret.verify_pull_offer(bytes(16), p, accepted_at=time.time()) == "bad_signature"
 
 
 def test_p_gets_what_is_left_of_the_engines_offer_window() -> None:
@@ -57,7 +63,9 @@ def test_p_gets_what_is_left_of_the_engines_offer_window() -> None:
         offer_window_s=5.0,
         looked_up_at=looked_up,
     )
-    ttl = kvparams.reuse_prefill_params(src, 32, 16, prompt_ids=list(range(40)))[offers.KV_PARAMS_OFFER_TTL_MS]
+    ttl = kvparams.reuse_prefill_params(src, 32, 16, prompt_ids=list(range(40)), secret=SECRET)[
+        offers.KV_PARAMS_OFFER_TTL_MS
+    ]
     assert 3300 <= ttl <= 3500
     assert (
         kvparams.offer_ttl_ms(
@@ -67,7 +75,7 @@ def test_p_gets_what_is_left_of_the_engines_offer_window() -> None:
     )
     no_promise = kvparams.PullSource(engine_id="d0", request_id="r1", host="h", port=1, block_groups=[[7, 8]])
     assert offers.KV_PARAMS_OFFER_TTL_MS not in kvparams.reuse_prefill_params(
-        no_promise, 32, 16, prompt_ids=list(range(40))
+        no_promise, 32, 16, prompt_ids=list(range(40)), secret=SECRET
     )
 
 
