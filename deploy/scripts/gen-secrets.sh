@@ -4,6 +4,7 @@
 #   tls.crt, tls.key      Envoy's server certificate, signed by that CA
 #   api-keys.json         API keys -> principals (services/common/auth.py format)
 #   service.env           keys the services present to each other + the hash-chain secret
+#   engine.env            the engines' connector key (KVBRIDGE_API_KEY, engine role) + the same secret
 #   client.env            a demo tenant key for first requests
 # Usage: deploy/scripts/gen-secrets.sh [out dir] [extra DNS SAN ...]
 # Existing files are kept (re-run safe); delete a file to rotate it.
@@ -51,6 +52,13 @@ KVBRIDGE_HASH_SECRET=$(openssl rand -hex 32)
 ENV
   printf 'KVBRIDGE_OPERATOR_API_KEY=%s\nKVBRIDGE_DEMO_API_KEY=%s\n' "$operator" "$demo" > client.env
 fi
+# The engines' connector: its key (engine role) under the connector's setting name, and the same secret.
+if [ ! -f engine.env ]; then
+  {
+    grep '^KVBRIDGE_CONNECTOR_API_KEY=' service.env | sed 's/^KVBRIDGE_CONNECTOR_API_KEY=/KVBRIDGE_API_KEY=/'
+    grep '^KVBRIDGE_HASH_SECRET=' service.env
+  } > engine.env
+fi
 # Containers run as non-root and must read the mounted files.
-chmod 644 ca.crt tls.crt tls.key api-keys.json service.env
+chmod 644 ca.crt tls.crt tls.key api-keys.json service.env engine.env
 echo "secrets in $out"

@@ -527,7 +527,15 @@ def test_generated_secrets_are_usable() -> None:
     assert principals["registry"].roles == {Role.OPERATOR}
     assert principals["demo-client"].tenant == "demo" and principals["demo-client"].roles == {Role.TENANT}
     env = _secret_env_keys("service.env")
-    assert {"KVBRIDGE_GATEWAY_CONTROL_API_KEY", "KVBRIDGE_HASH_SECRET"} <= env
+    assert {"KVBRIDGE_GATEWAY_CONTROL_API_KEY", "KVBRIDGE_CONNECTOR_API_KEY", "KVBRIDGE_HASH_SECRET"} <= env
+    # The engines' env file: the connector's key under the connector's setting name, the same secret.
+    values = dict(line.split("=", 1) for line in (out / "service.env").read_text().splitlines() if "=" in line)
+    engine = dict(line.split("=", 1) for line in (out / "engine.env").read_text().splitlines() if "=" in line)
+    assert engine == {
+        "KVBRIDGE_API_KEY": values["KVBRIDGE_CONNECTOR_API_KEY"],
+        "KVBRIDGE_HASH_SECRET": values["KVBRIDGE_HASH_SECRET"],
+    }
+    assert principals["connector"] == auth.authenticate_key(engine["KVBRIDGE_API_KEY"])
     verify = subprocess.run(
         ["openssl", "verify", "-CAfile", str(out / "ca.crt"), str(out / "tls.crt")], capture_output=True, text=True
     )

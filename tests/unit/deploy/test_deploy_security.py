@@ -159,3 +159,49 @@ def test_compose_services_run_with_keys_and_the_secret_env() -> None:
         assert "./secrets/service.env" in svc.get("env_file", []), name
         mounts = [v.split(":")[1] for v in svc.get("volumes", [])]
         assert str(Path(svc["environment"][KEYS_FILE])) in mounts, name
+
+
+def _transfer_config(command: list[str] | str) -> Doc:
+    """The --kv-transfer-config JSON of a vLLM command line (one folded YAML string in the manifests)."""
+    import json
+
+    text = " ".join(command) if isinstance(command, list) else command
+    start = text.index("--kv-transfer-config=") + len("--kv-transfer-config=")
+    config, _ = json.JSONDecoder().raw_decode(text[start:])
+    return dict(config)
+
+
+def _assert_connector_mode(name: str, config: Doc) -> None:
+    assert config["kv_connector"] == "KvbridgeConnector", name
+    assert config["kv_connector_module_path"] == "kvbridge_connector.connector", name
+    extra = config["kv_connector_extra_config"]
+    assert extra["bidirectional_kv_xfer"] is True, name
+    assert extra["kvbridge_registry"] == "registry:50051" and extra["kvbridge_lease"] == "lease:50052", name
+    assert extra["kvbridge_http_url"].endswith(":8000"), name
+    # Keys and the secret come from the environment (Secrets), never from the command line.
+    assert not {"kvbridge_api_key", "kvbridge_hash_secret"} & set(extra), name
+
+
+def test_engines_run_the_kvbridge_connector_with_its_key_and_the_secret_from_secrets() -> None:
+    """Connector mode as shipped: every engine registers itself (engine role), D retains under leases, P pulls
+    only signed offers; the gateway routes by the registry's engine list (stock engines would leave every
+    turn unregistered: compatibility mode needs the gateway to register them, with the engine role)."""
+    workloads = _workloads()
+    for name in ENGINES:
+        container = _container(workloads[name])
+        _assert_connector_mode(name, _transfer_config(container["args"]))
+        env = _env(container)
+        for var, key in (("KVBRIDGE_API_KEY", "KVBRIDGE_CONNECTOR_API_KEY"), ("KVBRIDGE_HASH_SECRET", None)):
+            ref = env[var]["secretKeyRef"]
+            assert ref["name"] == "kvbridge-service-env" and ref["key"] == (key or var), (name, var)
+    gateway_env = _env(_container(_service_workloads()["gateway"]))
+    assert gateway_env["KVBRIDGE_GATEWAY_ENGINES_FROM_REGISTRY"] == "true"
+    assert (
+        "KVBRIDGE_GATEWAY_PREFILL_ENGINES" not in gateway_env and "KVBRIDGE_GATEWAY_DECODE_ENGINES" not in gateway_env
+    )
+
+    compose = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    for name in ENGINES:
+        _assert_connector_mode(name, _transfer_config(compose[name]["command"]))
+        assert "./secrets/engine.env" in compose[name]["env_file"], name
+    assert compose["gateway"]["environment"]["KVBRIDGE_GATEWAY_ENGINES_FROM_REGISTRY"] == "true"
