@@ -41,12 +41,18 @@ class StoreSettings(BaseSettings):
     etcd_endpoints: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Versioned key prefix of every kvbridge key in etcd.
     etcd_prefix: str = "/kvbridge/v1"
-    etcd_timeout_s: float = Field(default=5.0, gt=0, le=60)
+    etcd_timeout_s: float = Field(default=5.0, gt=0, le=60, description="Deadline of each etcd call.")
     # TLS towards etcd (PEM files). CA alone: verify etcd's server certificate. CA + cert + key: mutual TLS,
     # for etcd started with --client-cert-auth. Unset: plaintext.
     etcd_ca_file: Path | None = None
-    etcd_cert_file: Path | None = None
-    etcd_key_file: Path | None = None
+    etcd_cert_file: Path | None = Field(
+        default=None,
+        description=(
+            "Client certificate (PEM) for etcd's --client-cert-auth; with KVBRIDGE_ETCD_KEY_FILE and "
+            "KVBRIDGE_ETCD_CA_FILE."
+        ),
+    )
+    etcd_key_file: Path | None = Field(default=None, description="Client key (PEM) of KVBRIDGE_ETCD_CERT_FILE.")
 
     @field_validator("etcd_endpoints", mode="before")
     @classmethod
@@ -131,20 +137,33 @@ class ServerSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVBRIDGE_", extra="ignore")
 
-    host: str = "127.0.0.1"
+    host: str = Field(
+        default="127.0.0.1",
+        description=(
+            "Bind address of the service's gRPC server (loopback unless API keys are set or KVBRIDGE_INSECURE=1)."
+        ),
+    )
     # JSON file mapping API keys to principals; unset = insecure development mode (loopback only, see insecure).
     api_keys_file: Path | None = None
     # KVBRIDGE_INSECURE=1: allow a non-loopback bind without API keys (development mode reachable from elsewhere).
     insecure: bool = False
-    max_message_bytes: int = Field(default=4 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 * 1024)
-    max_concurrent_rpcs: int = Field(default=1024, ge=1, le=100_000)
-    shutdown_grace_s: float = Field(default=5.0, ge=0, le=120)
-    log_level: str = "INFO"
+    max_message_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 * 1024, description="Largest gRPC message received or sent."
+    )
+    max_concurrent_rpcs: int = Field(
+        default=1024, ge=1, le=100_000, description="RPCs served at once; more are refused with RESOURCE_EXHAUSTED."
+    )
+    shutdown_grace_s: float = Field(
+        default=5.0, ge=0, le=120, description="On SIGTERM, how long RPCs in flight may finish before the server stops."
+    )
+    log_level: str = Field(default="INFO", description="Python logging level.")
     # TLS (PEM files). Cert + key: serve TLS. Client CA too: mutual TLS, clients without a cert it signed are
     # refused during the handshake. Unset: plaintext (loopback or inside a mesh).
     tls_cert_file: Path | None = None
-    tls_key_file: Path | None = None
-    tls_client_ca_file: Path | None = None
+    tls_key_file: Path | None = Field(default=None, description="Private key (PEM) of KVBRIDGE_TLS_CERT_FILE.")
+    tls_client_ca_file: Path | None = Field(
+        default=None, description="CA (PEM) that must have signed clients' certificates: mutual TLS."
+    )
 
     @model_validator(mode="after")
     def _check_tls(self) -> ServerSettings:
@@ -162,9 +181,14 @@ class PeerTlsSettings(BaseSettings):
 
     model_config = SettingsConfigDict(env_prefix="KVBRIDGE_PEER_", extra="ignore")
 
-    ca_file: Path | None = None
-    cert_file: Path | None = None
-    key_file: Path | None = None
+    ca_file: Path | None = Field(
+        default=None, description="CA (PEM) verifying the peer service's certificate; unset: plaintext."
+    )
+    cert_file: Path | None = Field(
+        default=None,
+        description="Our client certificate (PEM) for a peer serving mutual TLS; with KVBRIDGE_PEER_KEY_FILE.",
+    )
+    key_file: Path | None = Field(default=None, description="Private key (PEM) of KVBRIDGE_PEER_CERT_FILE.")
     # The name the peer's certificate must carry, when it differs from the target's host name.
     server_name: str = ""
 

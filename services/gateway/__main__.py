@@ -8,7 +8,8 @@ import contextlib
 import logging
 import signal
 
-from kvbridge_services.common.config import PeerTlsSettings
+from kvbridge_services.common.config import PeerTlsSettings, ServerSettings
+from kvbridge_services.common.settings_doc import NOT_READ, SettingsModels, help_text
 from kvbridge_services.common.telemetry import Telemetry
 
 from .app import GatewayApp
@@ -16,30 +17,25 @@ from .config import GatewaySettings
 
 _HELP = """KV-cache-aware gateway for P/D-disaggregated vLLM (OpenAI HTTP + gRPC front doors).
 
-Settings come from KVBRIDGE_GATEWAY_* environment variables (and the stack-wide KVBRIDGE_API_KEYS_FILE,
-KVBRIDGE_API_KEY, KVBRIDGE_HASH_SECRET, KVBRIDGE_INSECURE), e.g.
-  KVBRIDGE_GATEWAY_HTTP_PORT=8080 KVBRIDGE_GATEWAY_GRPC_PORT=50053
-  KVBRIDGE_GATEWAY_REGISTRY_ADDRESS=127.0.0.1:50051 KVBRIDGE_GATEWAY_LEASE_ADDRESS=127.0.0.1:50052
-  KVBRIDGE_GATEWAY_REGISTRY_CONNECTIONS=1 (more: spread lookups over a registry's server processes)
-  KVBRIDGE_GATEWAY_PREFILL_ENGINES=http://p0:8000  KVBRIDGE_GATEWAY_DECODE_ENGINES=http://d0:8000
-    (or a JSON list of {"url", "model", "engine_id", "kv_host", "kv_port", "block_size", "register_in_registry"})
-  KVBRIDGE_API_KEYS_FILE=keys.json (client and service keys; unset: insecure dev mode, loopback only unless
-    KVBRIDGE_INSECURE=1; older name KVBRIDGE_GATEWAY_API_KEYS_FILE)
-  KVBRIDGE_API_KEY=<service key> presented to registry and lease manager (override:
-    KVBRIDGE_GATEWAY_CONTROL_API_KEY)
-  KVBRIDGE_HASH_SECRET=<32..128 hex digits> the deployment secret shared with every connector; required with
-    API keys (`openssl rand -hex 32`; older name KVBRIDGE_GATEWAY_HASH_SECRET_HEX)
-  KVBRIDGE_GATEWAY_REUSE_THRESHOLD_TOKENS=64  KVBRIDGE_GATEWAY_COMPAT_REGISTRATION=true
-  KVBRIDGE_GATEWAY_TOKENIZERS='{"<model>": "/path/to/model"}'  (tokenize in-process with the model's HF
-    tokenizer + chat template instead of P's /tokenize; see docs/gateway.md, "Tokenization")
-  KVBRIDGE_GATEWAY_TOKENIZER_PREFIX_CACHE_MB=256 (a conversation's next turn encodes only its new text; 0: off)
-  KVBRIDGE_GATEWAY_ENTRY_MIRROR=true  KVBRIDGE_GATEWAY_ENTRY_MIRROR_MAX_ENTRIES=50000
-    (keyed lookups answered from a WatchEntries-fed copy of the registry's entries; docs/gateway.md, "Lookups")
-TLS: KVBRIDGE_TLS_CERT_FILE/_KEY_FILE (+ _CLIENT_CA_FILE: mTLS) for the gRPC front door; towards the registry
-  and lease manager KVBRIDGE_PEER_CA_FILE (+ KVBRIDGE_PEER_CERT_FILE/_KEY_FILE: mTLS, _SERVER_NAME).
-Tracing: OTEL_EXPORTER_OTLP_ENDPOINT=http://jaeger:4317 (OTLP/gRPC; off when unset), OTEL_SERVICE_NAME,
-  KVBRIDGE_TELEMETRY_HASH_KEY_HEX (key hashing tenant/conversation span attributes). Metrics: GET /metrics.
-Flags below override the environment."""
+Settings come from the environment (listed below with their defaults); flags override them. A secure stack
+needs three: KVBRIDGE_API_KEYS_FILE (client and service keys; unset: insecure development mode, loopback only
+unless KVBRIDGE_INSECURE=1), KVBRIDGE_API_KEY (the service key presented to the registry and lease manager)
+and KVBRIDGE_HASH_SECRET (hex, shared with every connector). Engines: registered by their connectors (the
+registry's list), or KVBRIDGE_GATEWAY_PREFILL_ENGINES / _DECODE_ENGINES. docs/gateway.md, docs/settings.md."""
+_TELEMETRY_HELP = """
+
+telemetry:
+  OTEL_EXPORTER_OTLP_ENDPOINT    OTLP/gRPC trace collector, e.g. http://jaeger:4317 (unset: tracing off);
+                                 OTEL_SERVICE_NAME (default kvbridge-gateway) and the other OTEL_* apply
+  KVBRIDGE_TELEMETRY_HASH_KEY_HEX key hashing tenant/conversation span attributes (share it across services)
+  Metrics: GET /metrics on the HTTP port."""
+# Every setting this process reads (--help and docs/settings.md are made from these). The gRPC front door takes
+# the common server settings but the gateway's own bind address, log level and keys file.
+SETTINGS: SettingsModels = (
+    (GatewaySettings, None),
+    (ServerSettings, {"host": NOT_READ, "log_level": NOT_READ, "api_keys_file": NOT_READ}),
+    (PeerTlsSettings, None),
+)
 
 
 async def _serve(settings: GatewaySettings) -> None:
@@ -60,6 +56,8 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog="python -m kvbridge_services.gateway",
         description=_HELP,
+        epilog=help_text("environment (KVBRIDGE_GATEWAY_*: gateway; KVBRIDGE_*: stack-wide):", SETTINGS)
+        + _TELEMETRY_HELP,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--http-port", type=int, help="HTTP port (default 8080)")

@@ -19,6 +19,7 @@ from pydantic import ValidationError
 from ..common.auth import Authenticator
 from ..common.config import ServerSettings, StoreSettings
 from ..common.keys import KeyLayout
+from ..common.settings_doc import SettingsModels, help_text
 from ..common.store import Store, StoreError, open_store
 from ..common.store.etcd import EtcdTlsError
 from ..common.store.wal import StoreOpenError
@@ -38,16 +39,18 @@ telemetry:
   KVBRIDGE_TELEMETRY_HASH_KEY_HEX key hashing tenant/conversation span attributes (share it across services)"""
 
 
+# Every setting this process reads (--help and docs/settings.md are made from these).
+SETTINGS: SettingsModels = (
+    (LeasePolicy, {"metrics_port": f"{DEFAULT_METRICS_PORT} (0: off)"}),
+    (StoreSettings, None),
+    (ServerSettings, None),
+)
+
+
 def _settings_help() -> str:
-    lines = ["environment (KVBRIDGE_LEASE_*: lease policy; KVBRIDGE_*: store and server):"]
-    models = (("KVBRIDGE_LEASE_", LeasePolicy), ("KVBRIDGE_", StoreSettings), ("KVBRIDGE_", ServerSettings))
-    for prefix, model in models:
-        for name, info in model.model_fields.items():
-            default = repr(info.get_default(call_default_factory=True))
-            if model is LeasePolicy and name == "metrics_port":  # turned on here, not by the policy
-                default = f"{DEFAULT_METRICS_PORT} (Prometheus /metrics; 0: off)"
-            lines.append(f"  {prefix}{name.upper():<28} default {default}")
-    return "\n".join(lines) + _TELEMETRY_HELP
+    return help_text("environment (KVBRIDGE_LEASE_*: lease policy; KVBRIDGE_*: store and server):", SETTINGS) + (
+        _TELEMETRY_HELP
+    )
 
 
 def _parse_args(argv: list[str]) -> argparse.Namespace:

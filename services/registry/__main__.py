@@ -11,6 +11,7 @@ import sys
 from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.common.config import PeerTlsSettings, ServerSettings, StoreSettings
 from kvbridge_services.common.keys import KeyLayout
+from kvbridge_services.common.settings_doc import SettingsModels, help_text
 from kvbridge_services.common.store.base import Store
 from kvbridge_services.common.telemetry import Telemetry
 
@@ -22,37 +23,20 @@ log = logging.getLogger("kvbridge_services.registry")
 # /metrics is on unless KVBRIDGE_REGISTRY_METRICS_PORT says otherwise (0 turns it off).
 DEFAULT_METRICS_PORT = 9151
 
-HELP = """\
-kvbridge metadata registry (gRPC kvbridge.registry.v1.RegistryService).
+HELP = "kvbridge metadata registry (gRPC kvbridge.registry.v1.RegistryService)."
+_TELEMETRY_HELP = """
 
-Configuration comes from the environment:
-  KVBRIDGE_ETCD_ENDPOINTS        host:port,...  (empty: embedded in-process store)
-  KVBRIDGE_ETCD_PREFIX           key prefix (default /kvbridge/v1)
-  KVBRIDGE_ETCD_CA_FILE          PEM CA verifying etcd's certificate (unset: plaintext to etcd)
-  KVBRIDGE_ETCD_CERT_FILE, KVBRIDGE_ETCD_KEY_FILE  client cert + key for etcd --client-cert-auth (mTLS)
-  KVBRIDGE_TLS_CERT_FILE, KVBRIDGE_TLS_KEY_FILE  serve TLS; + KVBRIDGE_TLS_CLIENT_CA_FILE: mutual TLS
-  KVBRIDGE_PEER_CA_FILE          PEM CA verifying the lease manager's certificate (unset: plaintext);
-                                 KVBRIDGE_PEER_CERT_FILE, KVBRIDGE_PEER_KEY_FILE: our client cert (mTLS)
-  KVBRIDGE_HOST                  listen address (default 127.0.0.1)
-  KVBRIDGE_API_KEYS_FILE         JSON API keys (unset: insecure dev mode, loopback only)
-  KVBRIDGE_INSECURE=1            allow a non-loopback KVBRIDGE_HOST without API keys (refused otherwise)
-  KVBRIDGE_API_KEY               the stack's service key, presented to the lease manager
-                                 (override: KVBRIDGE_REGISTRY_LEASE_SERVICE_API_KEY)
-  KVBRIDGE_LOG_LEVEL             default INFO
-  KVBRIDGE_REGISTRY_PORT         default 50051
-  KVBRIDGE_REGISTRY_METRICS_PORT Prometheus /metrics port (default 9151; 0: off)
+telemetry:
   OTEL_EXPORTER_OTLP_ENDPOINT    OTLP/gRPC trace collector, e.g. http://jaeger:4317 (unset: tracing off);
                                  OTEL_SERVICE_NAME (default kvbridge-registry) and the other OTEL_* apply
-  KVBRIDGE_TELEMETRY_HASH_KEY_HEX key hashing tenant/conversation span attributes (share it across services)
-  KVBRIDGE_REGISTRY_CHAIN_STRIDE, _MAX_BLOCKS_PER_CHAIN, _MAX_ENTRIES_PER_TENANT,
-  KVBRIDGE_REGISTRY_LEASE_SERVICE_TARGET (host:port of the lease manager) ...
-  KVBRIDGE_REGISTRY_REGISTER_BATCHING auto|on|off: group commit of registrations (auto: on etcd only;
-                                 docs/adr/0005), with _REGISTER_BATCH_WINDOW_MS (2), _REGISTER_BATCH_MAX (64),
-                                 _REGISTER_BATCH_MAX_TXN_OPS (128, etcd --max-txn-ops), _REGISTER_BATCH_MAX_INFLIGHT (1)
-  KVBRIDGE_REGISTRY_SERVE_PROCESSES server processes sharing the port (SO_REUSEPORT; default 1), each a replica
-                                 with its own index; etcd only, a fixed port; /metrics of process i on
-                                 METRICS_PORT + i. One process serves ~4-5k lookups/s (docs/registry.md)
-"""
+  KVBRIDGE_TELEMETRY_HASH_KEY_HEX key hashing tenant/conversation span attributes (share it across services)"""
+# Every setting this process reads (--help and docs/settings.md are made from these).
+SETTINGS: SettingsModels = (
+    (RegistrySettings, {"metrics_port": f"{DEFAULT_METRICS_PORT} (0: off)"}),
+    (StoreSettings, None),
+    (ServerSettings, None),
+    (PeerTlsSettings, None),
+)
 
 
 def _open_store(settings: StoreSettings) -> Store:
@@ -120,7 +104,11 @@ async def _serve(worker: int | None) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvbridge_services.registry", description=HELP, formatter_class=argparse.RawTextHelpFormatter
+        prog="python -m kvbridge_services.registry",
+        description=HELP,
+        epilog=help_text("environment (KVBRIDGE_REGISTRY_*: registry; KVBRIDGE_*: store and server):", SETTINGS)
+        + _TELEMETRY_HELP,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument(WORKER_FLAG, type=int, default=None, dest="worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)

@@ -11,8 +11,8 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 class RegistrySettings(BaseSettings):
     model_config = SettingsConfigDict(env_prefix="KVBRIDGE_REGISTRY_", extra="ignore")
 
-    port: int = Field(default=50051, ge=0, le=65535)
-    # Prometheus /metrics HTTP port; 0 = off (the composition root turns it on, see __main__).
+    port: int = Field(default=50051, ge=0, le=65535, description="gRPC RegistryService port; 0: any free port.")
+    # Prometheus /metrics HTTP port; 0: off.
     metrics_port: int = Field(default=0, ge=0, le=65535)
     # Hash record: keep every chain_stride-th block hash plus the last one.
     chain_stride: int = Field(default=4, ge=1, le=1024)
@@ -23,13 +23,27 @@ class RegistrySettings(BaseSettings):
     # Content-addressed lookups index every content_index_stride-th block hash (a multiple of
     # chain_stride) plus each entry's final one.
     content_index_stride: int = Field(default=16, ge=1, le=4096)
-    max_blocks_per_chain: int = Field(default=32768, ge=1, le=1 << 20)
-    max_kv_groups: int = Field(default=16, ge=1, le=256)
+    max_blocks_per_chain: int = Field(
+        default=32768,
+        ge=1,
+        le=1 << 20,
+        description=(
+            "Most blocks (hash-chain length) of one entry; a longer registration is refused with INVALID_ARGUMENT."
+        ),
+    )
+    max_kv_groups: int = Field(
+        default=16, ge=1, le=256, description="Most KV cache groups (block id lists) of one entry."
+    )
     # Per-tenant cap on entries; registering past it evicts the tenant's oldest-idle entry.
     max_entries_per_tenant: int = Field(default=10_000, ge=1, le=10_000_000)
     # Cap of the whole in-memory index (entries + engines); past it new registrations are refused.
     max_index_entries: int = Field(default=1_000_000, ge=1, le=100_000_000)
-    max_engines: int = Field(default=10_000, ge=1, le=1_000_000)
+    max_engines: int = Field(
+        default=10_000,
+        ge=1,
+        le=1_000_000,
+        description="Most registered engines; one more is refused with RESOURCE_EXHAUSTED.",
+    )
     # How long a request id is remembered for idempotent replays.
     idempotency_ttl_s: int = Field(default=600, ge=10, le=86_400)
     # Content-addressed lookups verify at most this many candidate entries.
@@ -52,14 +66,19 @@ class RegistrySettings(BaseSettings):
             "lease_service_api_key", "KVBRIDGE_REGISTRY_LEASE_SERVICE_API_KEY", "KVBRIDGE_API_KEY"
         ),
     )
-    lease_rpc_timeout_s: float = Field(default=2.0, gt=0, le=60)
+    lease_rpc_timeout_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=60,
+        description="Deadline of each call to the lease manager (revoking superseded and evicted entries' leases).",
+    )
 
     # Group commit of registrations (docs/adr/0005): "auto" batches on etcd, not on the embedded store
     # (where a txn costs no round trip or fsync, so batching only adds the window's latency).
     register_batching: Literal["auto", "on", "off"] = "auto"
     # Collect registrations for at most this long after the first one arrives (or until register_batch_max).
     register_batch_window_ms: float = Field(default=2.0, ge=0, le=100)
-    register_batch_max: int = Field(default=64, ge=1, le=1024)
+    register_batch_max: int = Field(default=64, ge=1, le=1024, description="Most registrations in one group commit.")
     # etcd's --max-txn-ops (compares, and ops per branch, of one txn); larger batches are split.
     register_batch_max_txn_ops: int = Field(default=128, ge=8, le=100_000)
     # Bytes of puts per txn: under etcd's --max-request-bytes (default 1.5 MiB).
