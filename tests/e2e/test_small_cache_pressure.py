@@ -9,7 +9,8 @@ withdrawn and the hot ones keep their KV. With all ten alike, whether any entry 
 depended on the host's speed (0 to 14 hits in 30 turns, issue 14). (The
 decode engine used to die there: vLLM's scheduler asserted on a "finished sending" for a request it had
 freed). Every turn's answer is compared with the same turn sent without reuse (greedy). Then D is killed and
-restarted under the same engine id, and every conversation goes on: no offer names the old process's blocks.
+restarted under the same engine id, and every conversation goes on for two turns: no offer names the old
+process's blocks, and the new process's own entries are reused.
 """
 
 from __future__ import annotations
@@ -205,11 +206,14 @@ async def test_small_decode_cache_under_concurrent_conversations_and_a_restart_n
         try:
             await asyncio.to_thread(wait_healthy, [restarted])
             assert restarted.engine_id == decode.engine_id
-            after_turns = await conversations(gw, prompts, 1, seed=2)
+            # Two turns each: the first finds only the old process's entries (never offered), the second reuses
+            # what the new process retained.
+            after_turns = await conversations(gw, prompts, 2, seed=2)
             after = summary(after_turns)
             print("small cache, after the restart:", after)
             assert after["errors"] == 0, [t for t in after_turns if t.status != 200]  # D's log: a new process
-            assert restarted.process.poll() is None
+            assert after["verdicts"].get("hit", 0) > 0, after
+            assert restarted.process.poll() is None and small_cache_pd.prefill.process.poll() is None
             wrong = await wrong_answers(control_plane, turns + after_turns)
         finally:
             await asyncio.to_thread(stop_engine, restarted)
