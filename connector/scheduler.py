@@ -46,6 +46,8 @@ META_HOLD = "kvbridge_hold"
 META_RELEASE = "kvbridge_release"
 # Prefill: request id -> Unix time by which its READ of D's blocks must start (offers.read_deadline).
 META_READ_BY = "kvbridge_read_by"
+# Prefill: remote engine ids seen under a new incarnation: the worker drops its NIXL state of the old process.
+META_FORGET_ENGINES = "kvbridge_forget_engines"
 # Bound on the requests whose pull decision was already traced (vLLM may ask again while a request waits).
 _MAX_DECIDED = 4096
 
@@ -123,6 +125,9 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         self._hold_ids: set[str] = set()
         # Prefill: read deadlines of offers being loaded (sent with the next metadata).
         self._read_by: dict[str, float] = {}
+        # Prefill: the last incarnation offered per remote engine id (bounded), and ids whose incarnation changed.
+        self._source_incarnations: FIFOCache[str, int] = FIFOCache(maxsize=_MAX_DECIDED)
+        self._forget_engines: set[str] = set()
         self.tracer = ConnectorTracer.from_settings(settings, engine_id)
         self._decided: OrderedDict[str, None] = OrderedDict()
         self._kv_groups = max(1, len(kv_cache_config.kv_cache_groups))
@@ -202,9 +207,28 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             )
             if deadline is not None:
                 self._read_by[request.request_id] = deadline  # the worker checks it again at the READ
+            self._note_incarnation(params)
         elif offered:
             self._trace_decline(request, num_computed_tokens)
         return count, is_async
+
+    def _note_incarnation(self, params: dict[str, Any]) -> None:
+        """A decode engine restarted under the same engine id has new NIXL memory registrations: what this
+        prefill cached of the old process (vLLM keys it by engine id) would fail every READ, so the worker drops it
+        before this request's READ and vLLM handshakes again. (The offer is signed: no caller fakes one.)"""
+        engine_id, incarnation = (
+            str(params.get("remote_engine_id", "")),
+            params.get(offers.KV_PARAMS_SOURCE_INCARNATION),
+        )
+        if not engine_id or isinstance(incarnation, bool) or not isinstance(incarnation, int) or incarnation <= 0:
+            return
+        previous = self._source_incarnations.get(engine_id)
+        self._source_incarnations[engine_id] = incarnation
+        if previous is not None and previous != incarnation:
+            log.info(
+                "kvbridge: engine %s has a new incarnation; its NIXL state is dropped before the next READ", engine_id
+            )
+            self._forget_engines.add(engine_id)
 
     def request_finished(self, request: Request, block_ids: Any) -> tuple[bool, dict[str, Any] | None]:
         delay_free, params = super().request_finished(request, block_ids)
@@ -272,8 +296,10 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         setattr(meta, META_HOLD, self._hold_ids)
         setattr(meta, META_RELEASE, decisions.release)
         setattr(meta, META_READ_BY, self._read_by)
+        setattr(meta, META_FORGET_ENGINES, self._forget_engines)
         self._hold_ids = set()
         self._read_by = {}
+        self._forget_engines = set()
         if decisions.release:
             log.info("kvbridge: releasing retained KV of %d request(s)", len(decisions.release))
         return meta

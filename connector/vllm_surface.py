@@ -294,6 +294,34 @@ SURFACE: tuple[Item, ...] = (
         params=("self", "done_sending"),
         why="overridden: a reaped hold is forgotten",
     ),
+    Item(
+        f"{NIXL}.base_worker",
+        "NixlBaseConnectorWorker",
+        attrs=("_remote_agents", "_handshake_futures", "_handshake_lock"),
+        why="P drops a restarted decode engine's cached NIXL state (keyed by engine id) before reading again",
+    ),
+    Item(
+        f"{NIXL}.base_worker",
+        "NixlBaseConnectorWorker._cleanup_remote_engine",
+        params=("self", "engine_id", "log_eviction"),
+        contains=("agents = self._remote_agents.pop(engine_id)",),
+        why="vLLM's own release of one remote engine's NIXL state (as for a replaced peer)",
+    ),
+    Item(
+        f"{NIXL}.base_worker",
+        "NixlBaseConnectorWorker._engines_with_inflight_transfers",
+        params=("self",),
+        why="an engine with a READ in flight keeps its NIXL state until the READ ends",
+    ),
+    Item(
+        f"{NIXL}.pull_worker",
+        "NixlPullConnectorWorker._read_blocks_for_req",
+        contains=(
+            "if engine_id not in self._remote_agents:",
+            "self._background_nixl_handshake(req_id, engine_id, meta)",
+        ),
+        why="a READ from an engine with no cached state handshakes first (after the connector dropped it)",
+    ),
     Item(f"{NIXL}.metadata", "ReqMeta", attrs=("remote",)),
     Item(f"{NIXL}.metadata", "RemoteMeta", attrs=("blocks_expiry_time", "engine_id")),
 )

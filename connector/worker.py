@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 from cachetools import FIFOCache
 from kvbridge import offers
-from kvbridge_connector.scheduler import META_HOLD, META_READ_BY, META_RELEASE
+from kvbridge_connector.scheduler import META_FORGET_ENGINES, META_HOLD, META_READ_BY, META_RELEASE
 from kvbridge_connector.settings import ConnectorSettings
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl import base_worker
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
@@ -72,10 +72,15 @@ class KvbridgeConnectorWorker(NixlPullConnectorWorker):
         # Refcount-held requests freed by the scheduler (bounded): their late read notifications are ours.
         self._kvbridge_released: FIFOCache[str, None] = FIFOCache(maxsize=_MAX_REMEMBERED)
         self._kvbridge_read_by: FIFOCache[str, float] = FIFOCache(maxsize=_MAX_REMEMBERED)
+        # Remote engines seen under a new incarnation whose old NIXL state is still to be dropped.
+        self._kvbridge_forget: set[str] = set()
 
     def start_load_kv(self, metadata: NixlConnectorMetadata) -> None:
         # Before the parent starts this step's READs, which check them.
         self._kvbridge_read_by.update(getattr(metadata, META_READ_BY, None) or {})
+        self._kvbridge_forget.update(getattr(metadata, META_FORGET_ENGINES, None) or ())
+        if self._kvbridge_forget:
+            self._forget_old_incarnations()
         super().start_load_kv(metadata)
         hold: set[str] = getattr(metadata, META_HOLD, set())
         release: set[str] = getattr(metadata, META_RELEASE, set())
@@ -93,6 +98,20 @@ class KvbridgeConnectorWorker(NixlPullConnectorWorker):
                 self._reqs_to_send[request_id] = 0.0  # reaped (freed) in this step's get_finished
             else:
                 self._kvbridge_released[request_id] = None
+
+    def _forget_old_incarnations(self) -> None:
+        """Drops the NIXL state (remote agents, descriptors) of engines restarted under the same id, so the next
+        READ from one handshakes with the new process; vLLM's own release of a replaced peer, done at once. An
+        engine with a READ or a handshake in flight is left for a later step."""
+        with self._handshake_lock:
+            if self._handshake_futures:
+                return
+            known = self._kvbridge_forget & self._remote_agents.keys()
+        self._kvbridge_forget -= self._kvbridge_forget - known  # nothing cached: the next READ handshakes anyway
+        for engine_id in known - self._engines_with_inflight_transfers():
+            self._cleanup_remote_engine(engine_id, log_eviction=False)
+            self._kvbridge_forget.discard(engine_id)
+            log.info("kvbridge: dropped the NIXL state of engine %s (restarted under the same id)", engine_id)
 
     def _read_blocks_for_req(self, req_id: str, meta: ReqMeta) -> None:
         """A READ past the offer's deadline is declined through vLLM's own expired-read path (P recomputes)."""

@@ -15,6 +15,10 @@ from collections.abc import Mapping
 from typing import Any
 
 KV_PARAMS_OFFER_TTL_MS = "kvbridge_offer_ttl_ms"
+# The source engine's incarnation (its node lease id in the registry): a decode engine restarted under the same
+# engine id has new NIXL memory registrations, so P drops what it cached of the old process (its handshake) when
+# an offer names another incarnation of an engine id it has read from.
+KV_PARAMS_SOURCE_INCARNATION = "kvbridge_source_incarnation"
 # P starts no READ this close to its deadline: the READ itself must end before D may free the blocks
 # (D's grace exceeds offer window + index lag by at least 1 s).
 READ_START_MARGIN_S = 0.25

@@ -61,6 +61,7 @@ OFFER_SIGNED_FIELDS = (
     "remote_blocks_expiry_time",
     hashchain.KV_PARAMS_PREFIX_DIGEST,
     offers.KV_PARAMS_OFFER_TTL_MS,
+    offers.KV_PARAMS_SOURCE_INCARNATION,
     OFFER_ISSUED_AT,
 )
 # How long a signature is good for, counted from signing to the engine accepting the request (both clocks).

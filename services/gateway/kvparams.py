@@ -104,6 +104,9 @@ class PullSource:
     # (time.monotonic()): P gets what is left of the window to start its READ (kvbridge.offers).
     offer_window_s: float | None = None
     looked_up_at: float = 0.0
+    # The engine's incarnation (its registry record's node lease id; 0: unknown): P re-handshakes with an engine
+    # id it sees under a new incarnation (kvbridge.offers.KV_PARAMS_SOURCE_INCARNATION).
+    incarnation: int = 0
 
 
 def plain_prefill_params() -> dict[str, Any]:
@@ -134,6 +137,8 @@ def reuse_prefill_params(
         params["remote_blocks_expiry_time"] = source.expiry_time
     if source.offer_window_s is not None:
         params[offers.KV_PARAMS_OFFER_TTL_MS] = offer_ttl_ms(source)
+    if source.incarnation:
+        params[offers.KV_PARAMS_SOURCE_INCARNATION] = source.incarnation
     kvsecret.sign_pull_offer(secret, params, now=time.time())
     return _with_traceparent(params)
 

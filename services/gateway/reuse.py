@@ -384,6 +384,7 @@ def decide(
         expiry_time=engine_expiry,
         offer_window_s=offer_window_s,
         looked_up_at=looked_up_at,
+        incarnation=int(engine.node_lease_id),
     )
     if (
         offer_window_s is not None

@@ -169,3 +169,29 @@ def test_signed_offers_are_optional_only_when_switched_off(vllm_configs: dict[st
         assert sched.get_num_new_matched_tokens(FakeRequest("r", _offer(PROMPT, secret=None), PROMPT), 0) == (96, True)
     with scheduler(vllm_configs, "kv_producer", {}) as sched:
         assert sched.get_num_new_matched_tokens(FakeRequest("s", _offer(PROMPT), PROMPT), 0) == (0, False)
+
+
+def test_a_new_incarnation_of_a_source_engine_makes_the_worker_drop_its_nixl_state(
+    vllm_configs: dict[str, Any],
+) -> None:
+    """vLLM caches a decode engine's NIXL handshake by engine id: after D restarts under the same id every READ
+    with the old process's registrations would fail. An offer naming another incarnation (D's node lease) tells
+    the worker to drop that state before the READ; the first sighting and the same incarnation do not."""
+    from kvbridge_connector.scheduler import META_FORGET_ENGINES
+
+    incarnation = offers.KV_PARAMS_SOURCE_INCARNATION
+
+    def pull(sched: Any, name: str, value: int) -> set[str]:
+        request = FakeRequest(name, _offer(PROMPT, **{incarnation: value}), PROMPT)
+        assert sched.get_num_new_matched_tokens(request, 0) == (96, True)
+        sched._reqs_need_recv.clear()
+        return set(getattr(sched.build_connector_meta(_empty_scheduler_output()), META_FORGET_ENGINES))
+
+    with scheduler(vllm_configs, "kv_producer", EXTRA) as sched:
+        assert pull(sched, "first", 11) == set()
+        assert pull(sched, "same", 11) == set()
+        assert pull(sched, "restarted", 12) == {"decode-0"}
+        assert pull(sched, "after", 12) == set()
+        # The incarnation is signed with the rest of the offer: changing it voids the signature.
+        forged = {**_offer(PROMPT, **{incarnation: 12}), incarnation: 13}
+        assert sched.get_num_new_matched_tokens(FakeRequest("forged", forged, PROMPT), 0) == (0, False)
