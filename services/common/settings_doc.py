@@ -10,7 +10,7 @@ from __future__ import annotations
 import inspect
 import re
 import textwrap
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -87,32 +87,30 @@ def describe(model: type[BaseSettings], overrides: dict[str, str] | None = None)
     return docs
 
 
-def help_text(title: str, models: SettingsModels) -> str:
-    """The environment section of a service's ``--help``: every setting, its default and what it does."""
-    lines = [title]
+def settings_of(models: SettingsModels) -> Iterator[SettingDoc]:
+    """Every setting of a process, once (models may share a variable, e.g. the keys file)."""
     seen: set[str] = set()
     for model, overrides in models:
         for doc in describe(model, overrides):
-            if doc.env[0] in seen:
-                continue
-            seen.add(doc.env[0])
-            lines.append(f"  {' / '.join(doc.env)}  (default {doc.default})")
-            if doc.description:
-                lines.extend(
-                    textwrap.wrap(doc.description, width=108, initial_indent="      ", subsequent_indent="      ")
-                )
+            if doc.env[0] not in seen:
+                seen.add(doc.env[0])
+                yield doc
+
+
+def help_text(title: str, models: SettingsModels) -> str:
+    """The environment section of a service's ``--help``: every setting, its default and what it does."""
+    lines = [title]
+    for doc in settings_of(models):
+        lines.append(f"  {' / '.join(doc.env)}  (default {doc.default})")
+        if doc.description:
+            lines.extend(textwrap.wrap(doc.description, width=108, initial_indent="      ", subsequent_indent="      "))
     return "\n".join(lines)
 
 
 def markdown_table(models: SettingsModels) -> str:
     rows = ["| variable | default | what it does |", "| --- | --- | --- |"]
-    seen: set[str] = set()
-    for model, overrides in models:
-        for doc in describe(model, overrides):
-            if doc.env[0] in seen:
-                continue
-            seen.add(doc.env[0])
-            names = "<br>".join(f"`{n}`" for n in doc.env)
-            text = doc.description.replace("|", "\\|")
-            rows.append(f"| {names} | `{doc.default}` | {text} |")
+    for doc in settings_of(models):
+        names = "<br>".join(f"`{n}`" for n in doc.env)
+        text = doc.description.replace("|", "\\|")
+        rows.append(f"| {names} | `{doc.default}` | {text} |")
     return "\n".join(rows)
