@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from kvbridge.errors import Reason, Unavailable
 from kvbridge.types.v1 import types_pb2
 
-from .upstream import TRANSPORT_ERRORS, EngineHttp
+from .upstream import TRANSPORT_ERRORS, EngineHttp, connection_refused
 
 log = logging.getLogger(__name__)
 
@@ -47,9 +47,9 @@ class EngineState:
     ejected_until: float = 0.0  # monotonic; no new traffic before it unless nothing else is left
     consecutive_timeouts: int = 0
     # A stock engine this gateway registers (compatibility mode). A restarted vLLM keeps its id and URL but not
-    # its blocks, and nothing else tells the registry: so once seen down, its entries may name a previous
-    # process's blocks, and no turn pulls from it until the gateway registered it again under a new node lease
-    # (a new incarnation, which retires every older entry).
+    # its blocks, and nothing else tells the registry: so once a health check could not connect, its entries
+    # may name a previous process's blocks, and no turn pulls from it until the gateway registered it again under
+    # a new node lease (a new incarnation, which retires every older entry).
     gateway_registered: bool = False
     needs_new_incarnation: bool = False
 
@@ -201,13 +201,17 @@ class EnginePool:
         if engine.healthy:
             log.warning("engine %s (%s) marked unhealthy: %s", engine.url, engine.role, why)
         engine.healthy = False
-        self._seen_down(engine)
 
     @staticmethod
-    def _seen_down(engine: EngineState) -> None:
+    def _seen_gone(engine: EngineState) -> None:
         if engine.gateway_registered and not engine.needs_new_incarnation:
             engine.needs_new_incarnation = True
-            log.info("engine %s (%s) was down: no pulls from it until it is registered again", engine.url, engine.role)
+            log.info(
+                "engine %s (%s) refused the connection: maybe a new process next; no pulls from it until it is "
+                "registered again",
+                engine.url,
+                engine.role,
+            )
 
     # -- health --------------------------------------------------------------------------
     async def check(self, engine: EngineState) -> None:
@@ -220,12 +224,15 @@ class EnginePool:
         except TRANSPORT_ERRORS as exc:
             healthy = False
             log.debug("health check of %s failed: %s", engine.url, exc)
+            if connection_refused(exc):
+                # No connection: the process may be gone, and a restarted one has other blocks. A restart always
+                # shows here first: vLLM refuses connections for 45 s or more while it starts. A timeout or an error
+                # status is a live (slow, sick) process: its blocks are its own.
+                self._seen_gone(engine)
         if healthy:
             await self._refresh_load_info(engine, timeout)
         if healthy != engine.healthy:
             log.info("engine %s (%s) is now %s", engine.url, engine.role, "healthy" if healthy else "UNHEALTHY")
-        if not healthy:
-            self._seen_down(engine)  # before a recovery can be seen: a restart is always seen down first
         engine.healthy = healthy
         engine.last_check = time.monotonic()
 

@@ -25,6 +25,12 @@ RequestObserver = Callable[[str, str, Mapping[str, str]], None]
 TRANSPORT_ERRORS: tuple[type[BaseException], ...] = (aiohttp.ClientError, TimeoutError)
 
 
+def connection_refused(exc: BaseException) -> bool:
+    """Whether no connection could be made (refused, unreachable): the engine process may be gone. A timeout, an
+    error status or a dropped keep-alive connection (the server closing an idle one) come from a live process."""
+    return isinstance(exc, aiohttp.ClientConnectorError)
+
+
 class UpstreamError(Exception):
     """An engine failed (transport error, timeout, 5xx) or answered something unusable."""
 

@@ -140,3 +140,30 @@ def test_an_engine_that_timed_out_gets_no_new_traffic_for_a_while() -> None:
     hung.ejected_until = other.ejected_until = 0.0  # the ejections ran out
     pool.answered(hung)
     assert hung.consecutive_timeouts == 0 and pool.choose("tiny", PREFILL) is hung
+
+
+async def test_only_a_refused_connection_puts_a_registered_stock_engine_on_a_new_incarnation() -> None:
+    """A restarting vLLM refuses connections (45 s or more): its old blocks are gone, so the gateway must register
+    it again before anyone pulls. A timeout is a live (slow) process: its entries stay usable."""
+    slow = asyncio.Event()
+
+    async def handle(request: web.Request) -> web.StreamResponse:
+        if slow.is_set():
+            await asyncio.sleep(1.0)  # past the health deadline
+        return web.Response(status=200)
+
+    async with _pool(handle) as (pool, url):
+        engine = pool.add_static(url, DECODE)
+        engine.gateway_registered = True
+        await pool.check(engine)
+        assert engine.healthy and engine.offers_blocks
+        slow.set()
+        await pool.check(engine)  # timed out: unhealthy for now, but the same process
+        assert not engine.healthy and not engine.needs_new_incarnation
+        slow.clear()
+        await pool.check(engine)
+        assert engine.offers_blocks
+    await pool.check(engine)  # the engine's port is closed now: connection refused
+    assert not engine.healthy and engine.needs_new_incarnation
+    engine.healthy = True  # even once healthy again, no pulls until the gateway registered it anew
+    assert not engine.offers_blocks
