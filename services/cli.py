@@ -334,8 +334,9 @@ plays the agent: each assistant turn is what the model answered, then a tool res
                    content-addressed hit
   Every turn is also sent cold (new conversation id and cache_salt) to measure TTFT
   without reuse. Model: the "demo" shape (8 layers, hidden 768, fp32, random weights),
-  built once into <engines-dir>/demo-model. 6-7 minutes on a busy 2-core machine,
-  most of it the engines starting (progress every 10 s; bench/results/demo.md).
+  built once into <engines-dir>/demo-model. About 2 minutes on an idle 2-core machine,
+  half of it the engines starting (progress every 10 s); 6-7 minutes on a busy one
+  (bench/results/demo.md).
 
 --control-plane-only: the earlier fast demo: registry + lease manager in-process and a
   simulated decode engine over the gRPC API (seconds; no vLLM needed). --data-dir
