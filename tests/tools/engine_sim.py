@@ -724,8 +724,12 @@ class SimServer:
     """Runs a simulator in the current event loop (for tests): ``async with SimServer(cfg) as sim``."""
 
     def __init__(self, cfg: SimConfig) -> None:
-        if not cfg.port:
-            cfg.port = free_port()
+        # Bound here and handed to uvicorn: a port picked free and bound later could be taken meanwhile (by a
+        # parallel test), and uvicorn answers a failed bind with SystemExit, which breaks the test runner's loop.
+        self._socket = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+        self._socket.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart on the same port
+        self._socket.bind((cfg.host, cfg.port or 0))
+        cfg.port = int(self._socket.getsockname()[1])
         self.cfg = cfg
         self.app, self.engine = build_app(cfg)
         self._server = uvicorn.Server(
@@ -738,7 +742,7 @@ class SimServer:
         return f"http://{self.cfg.host}:{self.cfg.port}"
 
     async def __aenter__(self) -> SimServer:
-        self._task = asyncio.create_task(self._server.serve())
+        self._task = asyncio.create_task(self._server.serve(sockets=[self._socket]))
         while not self._server.started:
             if self._task.done():
                 self._task.result()
@@ -751,6 +755,7 @@ class SimServer:
         if self._task is not None:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
+        self._socket.close()
         await self.engine.http.aclose()
 
 
