@@ -107,7 +107,7 @@ class KvbridgeConnectorWorker(NixlPullConnectorWorker):
             if self._handshake_futures:
                 return
             known = self._kvbridge_forget & self._remote_agents.keys()
-        self._kvbridge_forget -= self._kvbridge_forget - known  # nothing cached: the next READ handshakes anyway
+        self._kvbridge_forget &= known  # an engine with nothing cached handshakes on its next READ anyway
         for engine_id in known - self._engines_with_inflight_transfers():
             self._cleanup_remote_engine(engine_id, log_eviction=False)
             self._kvbridge_forget.discard(engine_id)

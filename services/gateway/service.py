@@ -157,8 +157,9 @@ class GatewayCore:
                 log.exception("health check round failed")
 
     async def _register_restarted_engines(self) -> None:
-        """Stock engines seen down and healthy again get a new incarnation: registered under a new node lease
-        (the registry then refuses every entry of the old one), the old lease revoked, D's clock learned anew."""
+        """Stock engines that refused a health check's connection (maybe restarted) and answer again get a new
+        incarnation: registered under a new node lease (the registry then refuses every entry of the old one), the
+        old lease revoked, D's clock learned anew."""
         for spec, role in self._static_specs():
             state = self.pool.find(spec.engine_id)
             if state is None or not (state.needs_new_incarnation and state.healthy):
@@ -168,7 +169,7 @@ class GatewayCore:
                 continue  # still flagged: no pulls from it; tried again next round
             state.needs_new_incarnation = False
             self.router.forget_clock(spec.engine_id)
-            log.info("engine %s was down and is back: registered as a new incarnation", spec.engine_id)
+            log.info("engine %s refused connections and is back: registered as a new incarnation", spec.engine_id)
             if old_lease:
                 with contextlib.suppress(ControlPlaneError):
                     await self.control.revoke_lease(old_lease)
