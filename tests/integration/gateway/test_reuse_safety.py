@@ -263,6 +263,7 @@ async def test_a_stock_decode_engine_restarted_under_its_id_is_never_read_for_it
         other = [{"role": "user", "content": LONG.replace("word", "other")}]
         await turn(stack, other, conv="someone-else")  # the restarted D's blocks now hold other KV
         got, verdict = await post(stack.client, chat(msgs, "restart"))
+        await stack.settle()  # its registration (on the new incarnation) lands before the next turn looks up
         stats = await stack.sim_stats(restarted)
         assert not verdict.startswith("hit"), verdict
         assert stats["unsafe_reads"] == 0, stats
