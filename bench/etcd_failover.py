@@ -33,13 +33,13 @@ from google.protobuf import duration_pb2
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from tests.fixtures.etcd import DEFAULT_RAFT_FLAGS, FAST_RAFT_FLAGS, EtcdCluster
+
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.store.etcd import EtcdStore
 from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
-
-from tests.fixtures.etcd import DEFAULT_RAFT_FLAGS, FAST_RAFT_FLAGS, EtcdCluster
 
 
 @dataclass

@@ -31,6 +31,7 @@ from pathlib import Path
 
 import grpc
 from google.protobuf import duration_pb2
+
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 
 ENTRY = lease_pb2.LEASE_KIND_ENTRY

@@ -32,13 +32,13 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the repo root: tests.* helpers
 
+from tests.fixtures.control_plane_procs import run_control_plane
+from tests.tools.engine_sim import SimConfig, SimServer
+
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge_services.gateway.app import GatewayApp
 from kvbridge_services.gateway.config import GatewaySettings, StaticEngine
-
-from tests.fixtures.control_plane_procs import run_control_plane
-from tests.tools.engine_sim import SimConfig, SimServer
 
 MODEL, BLOCK, SECRET_HEX = "sim-model", 16, "00112233445566778899aabbccddeeff"
 

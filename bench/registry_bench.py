@@ -38,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+
 from kvbridge import hashchain
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc

@@ -27,10 +27,10 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from tests.fixtures.bpe_tokenizer import build_bpe_tokenizer, sample_text  # noqa: E402
+
 from kvbridge_services.devengines.model import build_tokenizer  # noqa: E402
 from kvbridge_services.gateway.tokenizer import LocalTokenizers  # noqa: E402
-
-from tests.fixtures.bpe_tokenizer import build_bpe_tokenizer, sample_text  # noqa: E402
 
 
 def dev_text(rng: random.Random, words: int) -> str:

@@ -22,7 +22,7 @@ TTLs, so nothing expires during a slow run) and goes idle between turns. ``--con
 NixlConnector with bidirectional transfer (D keeps stepping while it holds KV). Writes <out>.md and <out>.png.
 
 On GPUs (``KVBRIDGE_ENGINE_DEVICE=cuda`` with ``KVBRIDGE_ENGINE_MODEL`` and the GPU settings of
-services/devengines/launcher.py, docs/gpu.md; ``scripts/gpu-runbook.sh bench``): the engines serve the
+kvbridge_services.devengines.launcher, docs/gpu.md; ``scripts/gpu-runbook.sh bench``): the engines serve the
 operator's model on their GPUs (``--prefill-kv-gib``/``--decode-kv-gib`` do not apply), and the raw NIXL READ
 comparison is skipped (it is a DRAM->DRAM READ over TCP, not the GPU path).
 """
@@ -46,11 +46,11 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from kvbridge import secret as kvsecret  # noqa: E402
-
 from tests.e2e.pd_client import completion, prefill_params_for, random_tokens  # noqa: E402
 from tests.fixtures.tiny_model import BENCH, ModelShape, model_dir_for_engines  # noqa: E402
 from tests.fixtures.vllm_engines import BLOCK_SIZE, ENGINE_MODE, Engine, run_pd_engines  # noqa: E402
+
+from kvbridge import secret as kvsecret  # noqa: E402
 
 # The deployment secret of the bench's connectors (hex in their config; the gateway's fields are signed with it).
 BENCH_SECRET = b"bench-hash-secret-0123456789abcdef"
@@ -276,9 +276,9 @@ def run_engines(args: argparse.Namespace, contexts: list[int]) -> list[TurnRow]:
     kvbridge = args.connector == "kvbridge"
     with contextlib.ExitStack() as stack:
         if kvbridge:
-            from kvbridge_services.devengines.launcher import kvbridge_connector_overrides
-
             from tests.fixtures.control_plane_procs import run_control_plane
+
+            from kvbridge_services.devengines.launcher import kvbridge_connector_overrides
 
             print("[ttft] starting the control plane (etcd, registry, lease manager)", file=sys.stderr, flush=True)
             procs = stack.enter_context(run_control_plane(args.log_dir / "control-plane"))
@@ -481,7 +481,7 @@ def write_markdown(rows: list[TurnRow], args: argparse.Namespace, command: str, 
             if key.startswith(("KVBRIDGE_ENGINE_", "KVBRIDGE_PREFILL_", "KVBRIDGE_DECODE_", "UCX_"))
         )
         setup = (
-            f"{run}GPU mode (services/devengines/launcher.py), vllm {_vllm_version()}: P on GPU "
+            f"{run}GPU mode (kvbridge_services.devengines.launcher), vllm {_vllm_version()}: P on GPU "
             f"{ENGINE_MODE.prefill_gpus}, D on GPU {ENGINE_MODE.decode_gpus} (`CUDA_VISIBLE_DEVICES`), "
             f"`--gpu-memory-utilization {ENGINE_MODE.gpu_memory_utilization:g}` each, `--dtype {ENGINE_MODE.dtype}`, "
             f"block size {BLOCK_SIZE}, `kv_buffer_device: cuda`, {connector}, `bidirectional_kv_xfer`, "

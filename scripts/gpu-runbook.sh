@@ -4,7 +4,7 @@
 #
 # UNTESTED ON A GPU: written where no GPU was available. Steps 1-2 are the same checks CI runs on CPU;
 # `up` is plain `vllm serve`-style api_server; `e2e` and `bench` start their engines through
-# services/devengines/launcher.py in its GPU mode (KVBRIDGE_ENGINE_DEVICE=cuda, set here).
+# services/kvbridge_services/devengines/launcher.py in its GPU mode (KVBRIDGE_ENGINE_DEVICE=cuda, set here).
 #
 #   KVBRIDGE_ENGINE_MODEL=/models/Llama-3.1-8B-Instruct  local model directory the host has (required)
 #   KVBRIDGE_PREFILL_GPUS=0  KVBRIDGE_DECODE_GPUS=1       one GPU index per engine (the same index = one GPU)
@@ -33,7 +33,7 @@ export KVBRIDGE_ENGINE_DEVICE=cuda KVBRIDGE_ENGINE_MODEL
 export KVBRIDGE_PREFILL_GPUS=${KVBRIDGE_PREFILL_GPUS:-0} KVBRIDGE_DECODE_GPUS=${KVBRIDGE_DECODE_GPUS:-1}
 logs=${KVBRIDGE_GPU_LOGS:-./gpu-runbook-logs}
 
-say "0. settings (services/devengines/launcher.py engine_mode_from_env: a bad one stops here, by name)"
+say "0. settings (services/kvbridge_services/devengines/launcher.py engine_mode_from_env: a bad one stops here, by name)"
 mem=$("$py" -c 'import sys
 from kvbridge_services.devengines.launcher import EngineModeError, engine_mode_from_env
 try:
@@ -54,7 +54,7 @@ say "2. connector unit tests against this vllm"
 case "$mode" in
   check) say "checks passed (up, e2e or bench next)"; exit 0 ;;
   e2e)
-    # The `kvbridge up --engines` / demo tests start engines through services/devengines/local.py, which
+    # The `kvbridge up --engines` / demo tests start engines through services/kvbridge_services/devengines/local.py, which
     # stays CPU-only: left out here (docs/gpu.md).
     say "3. e2e suite on GPUs $KVBRIDGE_PREFILL_GPUS (prefill) / $KVBRIDGE_DECODE_GPUS (decode), logs under pytest's basetemp"
     exec "$py" -m pytest tests/e2e -q -rA \

@@ -2,7 +2,7 @@
 # Generates everything secret a kvbridge fleet needs, into deploy/secrets/ (git-ignored):
 #   ca.crt, ca.key        a private CA (keep ca.key offline in production)
 #   tls.crt, tls.key      Envoy's server certificate, signed by that CA
-#   api-keys.json         API keys -> principals (services/common/auth.py format)
+#   api-keys.json         API keys -> principals (services/kvbridge_services/common/auth.py format)
 #   service.env           keys the services present to each other + the hash-chain secret
 #   engine.env            the engines' connector key (KVBRIDGE_API_KEY, engine role) + the same secret
 #   client.env            a demo tenant key for first requests

@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 import pytest
+
 from kvbridge_services.common.store import (
     Compacted,
     Compare,
@@ -24,7 +25,6 @@ from kvbridge_services.common.store import (
 )
 from kvbridge_services.common.store.etcd import EtcdStore
 from kvbridge_services.common.store.memory import MemoryStore
-
 from tests.fixtures.etcd import EtcdServer
 
 WAIT_S = 15.0  # generous bound for anything that waits on etcd's lease clock

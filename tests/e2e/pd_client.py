@@ -13,7 +13,6 @@ from typing import Any
 
 from kvbridge import hashchain, offers
 from kvbridge import secret as kvsecret
-
 from tests.fixtures.vllm_engines import Engine
 
 # The e2e deployment secret (tests/e2e/conftest.py HASH_SECRET is its hex).

@@ -15,15 +15,15 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
-from kvbridge import telemetry as tel
-from kvbridge_connector import tracing
-from kvbridge_services.gateway import kvparams
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor
 from opentelemetry.trace import SpanContext
 
+from kvbridge import telemetry as tel
+from kvbridge_connector import tracing
+from kvbridge_services.gateway import kvparams
 from tests.e2e.conftest import HASH_SECRET, kvbridge_overrides
 from tests.e2e.pd_client import E2E_SECRET, completion, random_tokens
 from tests.e2e.test_kvbridge_pd import wait_for_entry

@@ -12,8 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from kvbridge_services.gateway.tokenizer import LocalTokenizers
 
+from kvbridge_services.gateway.tokenizer import LocalTokenizers
 from tests.fixtures.vllm_engines import PDEngines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

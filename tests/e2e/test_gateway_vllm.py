@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+
 from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.store.memory import MemoryStore
@@ -20,7 +21,6 @@ from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
-
 from tests.fixtures.vllm_engines import BLOCK_SIZE, PDEngines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]

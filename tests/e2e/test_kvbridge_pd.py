@@ -12,11 +12,11 @@ from typing import Any
 
 import grpc
 import pytest
+
 from kvbridge import hashchain
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.types.v1 import types_pb2
-
 from tests.e2e.conftest import ENTRY_LEASE_TTL_S, HASH_SECRET, OLD_TTL_S
 from tests.e2e.pd_client import completion, pd_turn, prefill_params_for, random_tokens
 from tests.fixtures.control_plane_procs import ControlPlaneProcs

@@ -25,10 +25,10 @@ from typing import Any
 
 import httpx
 import pytest
+
 from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.gateway.app import GatewayApp
 from kvbridge_services.gateway.config import GatewaySettings
-
 from tests.e2e.conftest import HASH_SECRET, kvbridge_overrides
 from tests.fixtures.control_plane_procs import ControlPlaneProcs
 from tests.fixtures.vllm_engines import (

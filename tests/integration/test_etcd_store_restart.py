@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvbridge_services.common.store.etcd import EtcdStore
 
+from kvbridge_services.common.store.etcd import EtcdStore
 from tests.fixtures.etcd import EtcdServer
 
 pytestmark = pytest.mark.etcd

@@ -17,6 +17,7 @@ import grpc
 import httpx
 import pytest
 from google.protobuf.duration_pb2 import Duration
+
 from kvbridge import ids
 from kvbridge.errors import KvbridgeError, from_rpc_error
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
@@ -30,7 +31,6 @@ from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
-
 from tests.fixtures.common import wait_leader
 
 TENANT_HEADER = "x-kvbridge-tenant"

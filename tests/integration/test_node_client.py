@@ -19,11 +19,11 @@ from typing import Any
 import grpc
 import pytest
 from google.protobuf import duration_pb2
+
 from kvbridge import hashchain
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.types.v1 import types_pb2
-
 from tests.fixtures.gateway_stack import BLOCK, LONG, MODEL, SECRET_HEX, SERVICE_KEY, Stack, running_stack, turn
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -8,6 +8,7 @@ import contextlib
 import socket
 
 import pytest
+
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.gateway.config import GatewaySettings

@@ -18,6 +18,7 @@ import grpc
 import httpx
 import pytest
 from google.protobuf.duration_pb2 import Duration
+
 from kvbridge import hashchain
 from kvbridge.errors import KvbridgeError, from_rpc_error
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
@@ -33,7 +34,6 @@ from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
 from kvbridge_services.stack import ServiceStack
-
 from tests.tools.engine_sim import SimConfig, SimServer
 
 MODEL = "sim-model"

@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 import httpx
+
 from kvbridge.lease.v1 import lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2_grpc
 from kvbridge_services.common.config import ServerSettings
@@ -14,7 +15,6 @@ from kvbridge_services.gateway.config import GatewaySettings, StaticEngine
 from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.registry.config import RegistrySettings
 from kvbridge_services.stack import ServiceStack
-
 from tests.tools.engine_sim import SimConfig, SimServer
 
 from .conftest import BLOCK, MODEL, SECRET_HEX

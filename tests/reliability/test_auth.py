@@ -6,6 +6,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from kvbridge.errors import KvbridgeError, Reason
 from kvbridge.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvbridge.lease.v1 import lease_pb2

@@ -12,11 +12,12 @@ import pkgutil
 from typing import Any
 
 import grpc
-import kvbridge
 import pytest
 from google.protobuf import message_factory
 from google.protobuf.descriptor import MethodDescriptor
 from google.protobuf.duration_pb2 import Duration
+
+import kvbridge
 from kvbridge.errors import KvbridgeError, Reason, from_rpc_error
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2
@@ -45,7 +46,7 @@ def test_every_rpc_of_every_proto_has_a_row() -> None:
     names = {f"{m.containing_service.full_name}/{m.name}" for m in METHODS}
     assert len({m.containing_service.full_name for m in METHODS}) >= 3  # registry, lease, gateway
     missing = sorted(n for n in names if authz.rule_for(n) is None)
-    assert not missing, f"RPCs without a row in services/common/authz.py TABLE: {missing}"
+    assert not missing, f"RPCs without a row in kvbridge_services.common.authz TABLE: {missing}"
     stale = sorted(k for k in authz.TABLE if k not in names)
     assert not stale, f"rows naming no RPC: {stale}"
 

@@ -16,6 +16,7 @@ import pytest
 from google.protobuf.message import Message
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from kvbridge.errors import KvbridgeError, Reason, from_rpc_error
 from kvbridge.gateway.v1 import gateway_pb2
 from kvbridge.lease.v1 import lease_pb2

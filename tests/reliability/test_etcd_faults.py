@@ -18,10 +18,10 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
+
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.types.v1 import types_pb2
-
 from tests.fixtures.etcd import EtcdCluster
 
 from .conftest import BLOCK, MODEL, chain

@@ -18,13 +18,13 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf.duration_pb2 import Duration
+
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.config import EtcdTls, StoreSettings
 from kvbridge_services.common.store.base import StoreUnavailable
 from kvbridge_services.common.store.etcd import EtcdStore
-
 from tests.fixtures.common import free_port
 from tests.fixtures.control_plane_procs import _spawn, _stop, _wait_for_grpc
 from tests.fixtures.etcd import EtcdServer, EtcdTlsFiles

@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import httpx
 import pytest
+
 from kvbridge.errors import KvbridgeError, Reason
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2

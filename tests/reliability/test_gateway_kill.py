@@ -18,9 +18,9 @@ from pathlib import Path
 import grpc
 import httpx
 import pytest
+
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
-
 from tests.fixtures.common import free_port
 from tests.fixtures.etcd import EtcdServer
 from tests.tools.engine_sim import SimConfig, SimServer

@@ -17,11 +17,11 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from kvbridge.errors import KvbridgeError
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.sdk import ClientOptions
 from kvbridge.sdk.lease import Heartbeater, LeaseClient
-
 from tests.fixtures.etcd import EtcdServer
 
 from .procs import ServiceProcess, lease_process

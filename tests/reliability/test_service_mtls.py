@@ -13,10 +13,10 @@ import asyncio
 from pathlib import Path
 
 import pytest
+
 from kvbridge.errors import NotFound
 from kvbridge.sdk import ClientOptions, LeaseClient, RegistryClient
 from kvbridge_services.common.config import PeerTlsSettings, ServerSettings
-
 from tests.fixtures.gateway_stack import LONG, MODEL, running_stack, turn
 
 from .pki import make_pki

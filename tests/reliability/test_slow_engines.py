@@ -17,6 +17,7 @@ import time
 
 import httpx
 import pytest
+
 from kvbridge.errors import NotFound
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2

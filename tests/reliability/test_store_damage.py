@@ -25,10 +25,10 @@ from pathlib import Path
 import grpc
 import pytest
 from google.protobuf import duration_pb2
+
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.common.store.wal import _HEADER
-
 from tests.fixtures.common import free_port
 from tests.fixtures.control_plane_procs import _stop, _wait_for_grpc
 

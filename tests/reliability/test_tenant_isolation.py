@@ -13,6 +13,7 @@ import grpc
 import httpx
 import pytest
 from google.protobuf.duration_pb2 import Duration
+
 from kvbridge.errors import KvbridgeError, Reason
 from kvbridge.registry.v1 import registry_pb2
 

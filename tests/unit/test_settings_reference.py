@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvbridge_services.common.settings_doc import describe
 from kvbridge_services.settings_reference import SERVICES, markdown
 

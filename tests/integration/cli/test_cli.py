@@ -7,6 +7,7 @@ import subprocess
 import sys
 
 import pytest
+
 from kvbridge_services.cli import build_parser
 
 

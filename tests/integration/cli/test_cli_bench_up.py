@@ -12,10 +12,10 @@ from pathlib import Path
 
 import httpx
 import pytest
-from kvbridge_services.cli import BENCHES
-
 from tests.fixtures.cli_proc import wait_for_output
 from tests.fixtures.common import free_port, require_etcd_binary
+
+from kvbridge_services.cli import BENCHES
 
 REPO = Path(__file__).resolve().parents[3]
 

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from kvbridge_services.devengines.launcher import Engine, EngineSpec, HealthWatch, free_port, group_alive, stop_engine
 
 

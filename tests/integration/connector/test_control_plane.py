@@ -8,6 +8,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from kvbridge import hashchain
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
@@ -15,7 +16,6 @@ from kvbridge.types.v1 import types_pb2
 from kvbridge_connector import control_plane as cp
 from kvbridge_connector.params import ConversationRef
 from kvbridge_connector.settings import ConnectorSettings
-
 from tests.fixtures.common import require_etcd_binary
 from tests.fixtures.control_plane_procs import ControlPlaneProcs, run_control_plane
 

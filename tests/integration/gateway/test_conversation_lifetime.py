@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from kvbridge.errors import NotFound
 from kvbridge.sdk import ClientOptions, GatewayClient, LeaseClient, RegistryClient
 from kvbridge_services.common.config import ServerSettings
@@ -12,7 +13,6 @@ from kvbridge_services.gateway.control import ControlPlaneError
 from kvbridge_services.gateway.renewer import ConversationRenewer
 from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
-
 from tests.fixtures.gateway_stack import LONG, MODEL, running_stack, turn
 
 TTL_S = 1.5

@@ -7,7 +7,6 @@ import asyncio
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge_services.gateway.mirror import EntryMirror
-
 from tests.fixtures.gateway_stack import LONG, reference, turn
 
 from .conftest import MODEL, Stack

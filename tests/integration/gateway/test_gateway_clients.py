@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import grpc
 import openai
+
 from kvbridge.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 
 from .conftest import MODEL, Stack

@@ -10,8 +10,8 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
-from kvbridge_services.devengines.model import build_tokenizer
 
+from kvbridge_services.devengines.model import build_tokenizer
 from tests.fixtures.gateway_stack import Stack, reference, running_stack, turn
 
 LONG = " ".join(f"w{i % 400}" for i in range(120))  # 120 tokens: above the 64-token reuse threshold

@@ -15,11 +15,11 @@ from typing import Any
 import grpc
 import httpx
 import pytest
+
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.gateway.app import GatewayApp
 from kvbridge_services.gateway.config import StaticEngine
-
 from tests.fixtures.gateway_stack import KEYS, LONG, chat, reference, running_stack, turn
 from tests.tools.engine_sim import SimServer
 

@@ -8,6 +8,7 @@ from contextlib import asynccontextmanager
 from typing import Any
 
 import grpc
+
 from kvbridge.lease.v1 import lease_pb2_grpc
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.store.base import Store

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from kvbridge.errors import from_rpc_error
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.types.v1 import types_pb2
@@ -21,7 +22,6 @@ from kvbridge_services.common.store.etcd import EtcdStore
 from kvbridge_services.gateway.control import ControlPlane
 from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
-
 from tests.fixtures.control_plane_procs import ControlPlaneProcs, run_control_plane
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]

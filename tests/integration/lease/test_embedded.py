@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from google.protobuf import duration_pb2
+
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge_services.common.store.memory import MemoryStore
 

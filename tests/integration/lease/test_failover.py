@@ -12,11 +12,11 @@ import time
 import grpc
 import pytest
 from google.protobuf import duration_pb2
+
 from kvbridge.errors import from_rpc_error
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.etcd import EtcdStore
-
 from tests.fixtures.common import free_port
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]

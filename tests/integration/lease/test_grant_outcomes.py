@@ -17,13 +17,13 @@ from dataclasses import dataclass, field
 import grpc
 import pytest
 from google.protobuf import duration_pb2
+
 from kvbridge.errors import from_rpc_error
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.etcd import EtcdStore
 from kvbridge_services.lease.app import LeaseApp
-
 from tests.fixtures.etcd import EtcdServer
 
 from .harness import lease_app, wait_until

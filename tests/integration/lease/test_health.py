@@ -6,10 +6,10 @@ from __future__ import annotations
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.store.etcd import EtcdStore
 from kvbridge_services.lease.app import LIVENESS, SERVICE_NAME, LeaseApp
-
 from tests.fixtures.etcd import EtcdServer
 
 from .harness import lease_app, wait_until

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import grpc
 from google.protobuf import duration_pb2
+
 from kvbridge.errors import reason_name
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge_services.common.auth import Authenticator, Principal, Role

@@ -8,6 +8,7 @@ import time
 import grpc
 import pytest
 from google.protobuf import duration_pb2
+
 from kvbridge.errors import from_rpc_error
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2

@@ -7,14 +7,14 @@ import asyncio
 
 import httpx
 from google.protobuf import duration_pb2
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.fixtures.common import free_port
 
 from .harness import lease_app

@@ -7,6 +7,7 @@ from typing import Any
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
+
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.server import GrpcServer, ServiceBinding
 

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+from opentelemetry.proto.trace.v1 import trace_pb2
+from prometheus_client.parser import text_string_to_metric_families
+
 from kvbridge import telemetry as tel
 from kvbridge_services.common.auth import Authenticator, Principal
 from kvbridge_services.common.config import ServerSettings
@@ -20,9 +23,6 @@ from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
-from opentelemetry.proto.trace.v1 import trace_pb2
-from prometheus_client.parser import text_string_to_metric_families
-
 from tests.fixtures.common import free_port, wait_leader
 from tests.fixtures.otlp_receiver import OtlpReceiver, ReceivedSpan
 from tests.tools.engine_sim import SimConfig, SimServer

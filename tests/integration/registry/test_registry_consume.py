@@ -7,6 +7,7 @@ import asyncio
 
 import grpc
 import pytest
+
 from kvbridge.errors import Reason, from_rpc_error
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2

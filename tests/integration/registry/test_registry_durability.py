@@ -13,10 +13,10 @@ from typing import Any
 
 import grpc
 import pytest
+
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.keys import KeyLayout
-
 from tests.fixtures.common import free_port
 
 from .conftest import MODEL, Env, chain, etcd_store, start_env, stop_env

@@ -12,10 +12,10 @@ from collections.abc import AsyncIterator
 
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from kvbridge.registry.v1 import registry_pb2
-from kvbridge_services.common.store.memory import MemoryStore
 from prometheus_client import generate_latest
 
+from kvbridge.registry.v1 import registry_pb2
+from kvbridge_services.common.store.memory import MemoryStore
 from tests.fixtures.etcd import EtcdServer
 
 from .conftest import Env, etcd_store, start_env, stop_env

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 import pytest
+
 from kvbridge.errors import KvbridgeError, Reason
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge_services.common.auth import DEV_PRINCIPAL

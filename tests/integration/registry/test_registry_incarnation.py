@@ -7,6 +7,7 @@ import asyncio
 
 import grpc
 import pytest
+
 from kvbridge.errors import from_rpc_error
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import grpc
 import pytest
-from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
-from kvbridge_services.common.keys import KeyLayout
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
+from kvbridge_services.common.keys import KeyLayout
 from tests.fixtures.common import consecutive_free_ports, free_port
 
 from .conftest import Env, etcd_store

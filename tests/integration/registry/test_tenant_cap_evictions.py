@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 
 import pytest
+
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.store.memory import MemoryStore

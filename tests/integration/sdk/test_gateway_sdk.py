@@ -11,10 +11,10 @@ from __future__ import annotations
 import asyncio
 
 import pytest
-from kvbridge.errors import InvalidArgument, NotFound, Reason, Unauthenticated
-from kvbridge.sdk import ClientOptions, GatewayClient, LeaseClient, RegistryClient, Sampling
 from prometheus_client import CollectorRegistry
 
+from kvbridge.errors import InvalidArgument, NotFound, Reason, Unauthenticated
+from kvbridge.sdk import ClientOptions, GatewayClient, LeaseClient, RegistryClient, Sampling
 from tests.fixtures.gateway_stack import LONG, MODEL, OPERATOR_KEY, Stack, reference, turn
 
 from .conftest import ACME_KEY, ENTRY_LEASE_TTL_S

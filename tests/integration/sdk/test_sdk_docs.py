@@ -15,12 +15,12 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 import pytest
+
 from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
-
 from tests.fixtures.gateway_stack import KEYS, MODEL, OPERATOR_KEY, OPERATOR_PRINCIPAL, Stack
 from tests.reliability.pki import make_pki
 

@@ -9,6 +9,7 @@ import asyncio
 import threading
 
 import pytest
+
 from kvbridge.errors import InvalidArgument, NotFound, Reason, Unavailable
 from kvbridge.sdk import ClientOptions, Sampling
 from kvbridge.sdk import RegistryClient as AsyncRegistryClient
@@ -17,7 +18,6 @@ from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
-
 from tests.fixtures.common import free_port
 from tests.fixtures.gateway_stack import LONG, MODEL, OPERATOR_KEY, Stack, turn
 

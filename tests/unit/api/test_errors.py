@@ -1,5 +1,6 @@
 import grpc
 import pytest
+
 from kvbridge import errors
 from kvbridge.types.v1 import types_pb2
 

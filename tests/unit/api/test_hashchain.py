@@ -3,6 +3,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kvbridge import hashchain as hc
 
 S = b"0123456789abcdef"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvbridge import ids
 from kvbridge import secret as kvsecret
 from kvbridge.errors import InvalidArgument

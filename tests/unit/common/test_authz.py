@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+
 from kvbridge.errors import PermissionDenied, Reason
 from kvbridge_services.common import authz
 from kvbridge_services.common.auth import DEV_PRINCIPAL, SERVICE_ROLES, Authenticator, Principal, Role
@@ -78,5 +79,5 @@ def test_docs_show_the_table_of_the_code() -> None:
     assert begin in text and end in text, "docs/security.md lost its table markers"
     shown = text[text.index(begin) + len(begin) : text.index(end)]
     assert shown == authz.markdown_table(), (
-        "docs/security.md's table differs from services/common/authz.py: paste authz.markdown_table()"
+        "docs/security.md's table differs from kvbridge_services.common.authz: paste authz.markdown_table()"
     )

@@ -1,6 +1,7 @@
 import pytest
-from kvbridge_services.common.config import StoreSettings
 from pydantic import ValidationError
+
+from kvbridge_services.common.config import StoreSettings
 
 
 def test_comma_separated_etcd_endpoints_from_env(monkeypatch: pytest.MonkeyPatch) -> None:

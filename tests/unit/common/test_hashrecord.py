@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvbridge import hashchain
 from kvbridge_services.common.hashrecord import HashRecord, stored_bytes
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvbridge_services.common.keys import KeyLayout
 
 LAYOUT = KeyLayout("/kvbridge/v1")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvbridge_services.common.store import Compacted, Delete, LeaseNotFound, Put
 from kvbridge_services.common.store.memory import MemoryStore
 

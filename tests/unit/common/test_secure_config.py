@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvbridge_services.common.auth import Authenticator, Principal, Role
 from kvbridge_services.common.config import ServerSettings, check_bind, is_loopback
 from kvbridge_services.common.server import GrpcServer

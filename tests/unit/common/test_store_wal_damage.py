@@ -11,6 +11,7 @@ import stat
 from pathlib import Path
 
 import pytest
+
 from kvbridge_services.common.store import StoreUnavailable
 from kvbridge_services.common.store import wal as wal_mod
 from kvbridge_services.common.store.memory import MemoryStore

@@ -7,6 +7,9 @@ from typing import Any
 
 import grpc
 import pytest
+from opentelemetry import trace
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
 from kvbridge import telemetry as api_telemetry
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.metered_store import MeteredStore
@@ -14,8 +17,6 @@ from kvbridge_services.common.server import GrpcServer, ServiceBinding
 from kvbridge_services.common.store.base import StoreUnavailable
 from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.common.telemetry import Telemetry, TelemetrySettings, client_interceptors, tracing_enabled
-from opentelemetry import trace
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 SERVICE = "test.Echo"
 

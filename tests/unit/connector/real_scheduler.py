@@ -12,7 +12,6 @@ from pathlib import Path
 from typing import Any
 
 from kvbridge_connector.settings import ConnectorSettings
-
 from tests.fixtures.common import VLLM_HINT, require
 
 torch = require("torch", VLLM_HINT)

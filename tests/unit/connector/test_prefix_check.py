@@ -7,9 +7,9 @@ import time
 from typing import Any
 
 import pytest
+
 from kvbridge import hashchain, offers
 from kvbridge import secret as kvsecret
-
 from tests.fixtures.common import VLLM_HINT, require
 
 from .real_scheduler import FakeRequest, scheduler

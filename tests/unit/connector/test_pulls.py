@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvbridge_connector import pulls
 from kvbridge_connector.pulls import PullReporter
 

@@ -9,6 +9,7 @@ import logging
 from typing import Any
 
 import pytest
+
 from kvbridge import secret as kvsecret
 from kvbridge_connector import params as cparams
 from kvbridge_services.gateway import kvparams

@@ -17,6 +17,10 @@ from typing import Any
 
 import grpc
 import pytest
+from opentelemetry import trace
+from opentelemetry.proto.trace.v1 import trace_pb2
+from opentelemetry.sdk.trace import TracerProvider
+
 from kvbridge import telemetry as tel
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge_connector import tracing
@@ -32,10 +36,6 @@ from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
-from opentelemetry import trace
-from opentelemetry.proto.trace.v1 import trace_pb2
-from opentelemetry.sdk.trace import TracerProvider
-
 from tests.fixtures.common import VLLM_HINT, require, wait_leader
 from tests.fixtures.otlp_receiver import OtlpReceiver, ReceivedSpan, running_receiver
 

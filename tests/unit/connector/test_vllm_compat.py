@@ -6,6 +6,7 @@ import logging
 from typing import Any
 
 import pytest
+
 from kvbridge_connector import compat
 
 from .real_scheduler import kv_cache_config
@@ -61,8 +62,9 @@ def test_the_installed_vllm_is_supported() -> None:
 def test_the_connector_refuses_to_construct_on_an_unsupported_vllm(
     vllm_configs: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from kvbridge_connector import connector
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+
+    from kvbridge_connector import connector
 
     monkeypatch.delenv(compat.ENV_ALLOW_UNSUPPORTED, raising=False)
     monkeypatch.setattr(connector, "installed_vllm_version", lambda: "0.34.0")

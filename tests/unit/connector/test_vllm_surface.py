@@ -15,11 +15,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
 from kvbridge_connector import compat
 from kvbridge_connector.vllm_surface import SURFACE, Item, SurfaceSource, _Resolver, check, check_item
 
 ROOT = Path(__file__).resolve().parents[3]
-CONNECTOR = ROOT / "connector"
+CONNECTOR = ROOT / "connector" / "kvbridge_connector"
 WHEELS = ROOT / ".venv" / "vllm-wheels"
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 

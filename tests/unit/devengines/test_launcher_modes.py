@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+
 from kvbridge_services.devengines.launcher import (
     CPU_MODE,
     Engine,

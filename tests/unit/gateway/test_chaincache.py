@@ -3,6 +3,7 @@ from __future__ import annotations
 import random
 
 import pytest
+
 from kvbridge import hashchain
 from kvbridge_services.gateway.chaincache import ChainCache, Scope, common_blocks, pack
 

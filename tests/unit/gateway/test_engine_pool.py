@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 
 import pytest
 from aiohttp import web
+
 from kvbridge.errors import Unavailable
 from kvbridge_services.gateway.engines import DECODE, EnginePool
 from kvbridge_services.gateway.upstream import EngineHttp, UpstreamError

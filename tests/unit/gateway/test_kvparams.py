@@ -3,6 +3,7 @@ from __future__ import annotations
 import time
 
 import pytest
+
 from kvbridge import hashchain
 from kvbridge import secret as kvsecret
 from kvbridge_services.gateway import kvparams

@@ -5,6 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+
 from kvbridge_services.devengines.model import build_tokenizer
 from kvbridge_services.gateway.prefixcache import RESYNC_TOKENS, PrefixCache, encoded
 from kvbridge_services.gateway.tokenizer import LocalTokenizers

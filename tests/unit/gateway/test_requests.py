@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvbridge.errors import InvalidArgument
 from kvbridge_services.gateway.requests import Limits, conversation_key_of, parse_json_body, parse_turn
 

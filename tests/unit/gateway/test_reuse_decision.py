@@ -1,4 +1,4 @@
-"""The reuse decision (services/gateway/reuse.py): one case per reason it gives, the plan of a hit, and the
+"""The reuse decision (kvbridge_services.gateway.reuse): one case per reason it gives, the plan of a hit, and the
 reasons the router gives from the outcome of its own steps, each named with the test that produces it."""
 
 from __future__ import annotations
@@ -7,6 +7,7 @@ import re
 from pathlib import Path
 
 import pytest
+
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.gateway import reuse

@@ -12,10 +12,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from pydantic import ValidationError
+
 from kvbridge_services.devengines.model import build_tokenizer
 from kvbridge_services.gateway.config import GatewaySettings
 from kvbridge_services.gateway.tokenizer import LocalTokenizers, ModelTokenizer, TokenizerConfigError
-from pydantic import ValidationError
 
 USER, ASSISTANT, SYSTEM, COLON, BOS = 4, 5, 6, 7, 1
 

@@ -1,5 +1,5 @@
 """One deployment secret: one encoding (hex), required with API keys, and a canary the gateway checks against
-each engine's registration before any reuse (services/gateway/trust.py, kvbridge.secret)."""
+each engine's registration before any reuse (kvbridge_services.gateway.trust, kvbridge.secret)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import logging
 from pathlib import Path
 
 import pytest
+
 from kvbridge import secret as kvsecret
 from kvbridge.types.v1 import types_pb2
 from kvbridge_connector.settings import ConnectorSettings

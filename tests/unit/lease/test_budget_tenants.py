@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvbridge.errors import Reason, ResourceExhausted
 from kvbridge_services.lease.table import ENTRY, LeaseTable, TableLimits
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from kvbridge.errors import Unavailable
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge_services.lease.manager import GrantSpec, LeaseManager

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from pydantic import ValidationError
+
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.lease.table import ENTRY, LeaseRecord
 from kvbridge_services.lease.watchers import ACTIVE, ENDED, RENEWED, WatchHub
-from pydantic import ValidationError
 
 
 def record(lease_id: int, engine: str = "e") -> LeaseRecord:

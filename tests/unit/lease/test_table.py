@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvbridge.errors import ResourceExhausted
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.lease.table import ENTRY, NODE, LeaseTable, TableLimits

@@ -7,6 +7,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import pytest
+
 from kvbridge.errors import Unavailable
 from kvbridge_services.common.store.base import Compare, Get, KeyValue, Op, Put, TxnResult
 from kvbridge_services.common.store.memory import MemoryStore

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+
 from kvbridge import hashchain
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2

@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 import pytest
+
 from kvbridge.errors import KvbridgeError
 from kvbridge.gateway.v1 import gateway_pb2 as pb
 from kvbridge.gateway.v1 import gateway_pb2_grpc as pb_grpc

@@ -8,6 +8,7 @@ import contextlib
 from collections.abc import AsyncIterator, Callable
 
 import pytest
+
 from kvbridge.errors import DeadlineExceeded, Reason, Unavailable
 from kvbridge.sdk import ClientOptions, GatewayClient, Heartbeater, LeaseClient
 

