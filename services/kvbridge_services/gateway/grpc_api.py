@@ -15,7 +15,7 @@ from kvbridge_services.common.boundary import rpc_boundary, stream_boundary
 
 from .control import ControlPlaneError
 from .requests import Turn, TurnKind, conversation_key_of, parse_turn
-from .router import ReuseVerdict
+from .reuse import ReuseVerdict
 from .service import TENANT_HEADER, GatewayCore
 from .upstream import ClientError, sse_events
 

@@ -19,8 +19,8 @@ from kvbridge.errors import InvalidArgument, KvbridgeError, Reason, ResourceExha
 from kvbridge_services.common import authz
 
 from .requests import SESSION_HEADER, TurnKind, parse_json_body, parse_turn
-from .router import TurnResult
 from .service import TENANT_HEADER, GatewayCore
+from .turnstate import TurnResult
 from .upstream import ClientError
 
 REUSE_HEADER = "x-kvbridge-reuse"

@@ -168,7 +168,7 @@ async def test_p_recomputing_a_pull_past_ds_deadline_is_named(stack: Stack) -> N
     assert time.time() < deadline <= time.time() + stack.gateway.core.settings.compat_decoder_kv_blocks_ttl_s
     stack.prefill.cfg.kv_load_failure_policy = "recompute"
     router = stack.gateway.core.router
-    router._clock_offsets["d0"] -= 10_000.0  # as if D's clock were far behind: the deadline P gets has passed
+    router.clocks._by_engine["d0"] -= 10_000.0  # as if D's clock were far behind: the deadline P gets has passed
     msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "more"}]
     answer, verdict = await turn(stack, msgs, conv="x1")
     assert verdict.startswith("declined:recomputed;"), verdict

@@ -61,26 +61,3 @@ def test_no_conversation_or_off_or_over_budget_is_computed_and_bounded() -> None
 def test_ids_out_of_range_are_refused() -> None:
     with pytest.raises(ValueError):
         ChainCache(SECRET, max_bytes=1 << 20).chain(SCOPE, "c1", [1, 2, 3, 2**32])
-
-
-def test_decode_response_sequence_is_prompt_then_output_and_refuses_bad_ids() -> None:
-    from kvbridge_services.gateway.requests import Limits, parse_turn
-    from kvbridge_services.gateway.router import _sequence
-
-    limits = Limits(max_messages=10, max_prompt_tokens=100)
-    chat = parse_turn(
-        "chat",
-        {"model": "m", "messages": [{"role": "user", "content": "x"}]},
-        tenant="t",
-        session_header=None,
-        limits=limits,
-    )
-    data = {"prompt_token_ids": [5, 6, 2**32 - 1], "choices": [{"token_ids": [7, 8]}]}
-    assert list(_sequence(chat, data) or []) == [5, 6, 2**32 - 1, 7, 8]
-    for bad in ([5, -1], [5, 2**32], [5, 1.5], [5, "6"]):
-        assert _sequence(chat, {"prompt_token_ids": bad, "choices": [{"token_ids": [7]}]}) is None
-    assert _sequence(chat, {"prompt_token_ids": [5], "choices": [{"token_ids": [None]}]}) is None
-    completion = parse_turn(
-        "completion", {"model": "m", "prompt": [1, 2]}, tenant="t", session_header=None, limits=limits
-    )
-    assert list(_sequence(completion, {"choices": [{"prompt_token_ids": [1, 2], "token_ids": [3]}]}) or []) == [1, 2, 3]

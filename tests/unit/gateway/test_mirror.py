@@ -50,7 +50,9 @@ def entry(
 
 
 def message(
-    *events: tuple[int, registry_pb2.Entry, int], complete: bool = False, revision: int = 0
+    *events: tuple[registry_pb2.EntryEvent.Type.ValueType, registry_pb2.Entry, int],
+    complete: bool = False,
+    revision: int = 0,
 ) -> registry_pb2.WatchEntriesResponse:
     return registry_pb2.WatchEntriesResponse(
         events=[registry_pb2.EntryEvent(type=t, entry=e, revision=r) for t, e, r in events],

@@ -1,0 +1,120 @@
+"""Step 2 of a turn: the prefill on P, with D's params cut to the verified prefix (a hit) or plain.
+
+Any failure on the reuse path retries once without D's params (slower, never wrong); a single-use entry
+is already consumed, so nobody tries it again. A plain prefill that timed out gets one try on another P.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Any
+
+from kvbridge import telemetry as tel
+from kvbridge.errors import Unavailable
+
+from . import kvparams
+from .config import GatewaySettings
+from .enginecalls import EngineCalls, completion_path, upstream_failure
+from .engines import PREFILL, EnginePool, EngineState
+from .metrics import GatewayMetrics
+from .requests import Turn
+from .reuse import NoReuse
+from .turnstate import TurnPlan
+from .upstream import ClientError, EngineHttp, UpstreamError
+
+log = logging.getLogger(__name__)
+
+# Fields of the client's body that P must not see: P generates one token and answers at once.
+_NOT_FOR_PREFILL = ("stream_options", "max_completion_tokens", "min_tokens", "session_id")
+
+
+def prefill_body(turn: Turn, params: dict[str, Any]) -> dict[str, Any]:
+    """The client's request as P gets it: one token, not streamed, with ``params`` as its kv_transfer_params."""
+    body = {k: v for k, v in turn.body.items() if k not in _NOT_FOR_PREFILL}
+    body.update(max_tokens=1, stream=False, kv_transfer_params=params)
+    return body
+
+
+class Prefiller:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        pool: EnginePool,
+        http: EngineHttp,
+        calls: EngineCalls,
+        metrics: GatewayMetrics,
+        secret: bytes,
+    ) -> None:
+        self._s = settings
+        self._pool = pool
+        self._http = http
+        self._calls = calls
+        self._metrics = metrics
+        self._secret = secret
+        # (engine id, request id) of D's blocks some P is pulling now: the reuse decision declines a second
+        # pull of the same blocks while one runs.
+        self.pulling: set[tuple[str, str]] = set()
+
+    async def run(self, turn: Turn, plan: TurnPlan, engine: EngineState) -> dict[str, Any]:
+        """P's returned kv_transfer_params (what D pulls from P)."""
+        if plan.pull is not None:
+            pull = plan.pull
+            params = kvparams.reuse_prefill_params(
+                pull.source, pull.tokens, plan.block_size, prompt_ids=plan.prompt_ids or (), secret=self._secret
+            )
+            self.pulling.add(pull.key)
+            try:
+                returned = await self._once(turn, plan, engine, params)
+                cached = returned.get("remote_prefill_cached_tokens")
+                if isinstance(cached, int) and cached == 0:
+                    plan.verdict.outcome = NoReuse.RECOMPUTED  # P chose (or had) to recompute
+                return returned
+            except (UpstreamError, ClientError) as exc:
+                log.warning("prefill with D params failed; retrying without them: %s", exc)
+                self._metrics.reuse_retries.inc()
+                timed_out = isinstance(exc, UpstreamError) and exc.timed_out
+                plan.verdict.outcome = NoReuse.PREFILL_TIMEOUT if timed_out else NoReuse.PREFILL_FAILED
+            finally:
+                self.pulling.discard(pull.key)
+            with contextlib.suppress(Unavailable):  # the retry may go to another P if this one looks broken
+                engine = await self._pool.choose_live(turn.model, PREFILL)
+        try:
+            return await self._once(turn, plan, engine, kvparams.plain_prefill_params())
+        except UpstreamError as exc:
+            other = (
+                self._pool.choose(turn.model, PREFILL, exclude=frozenset({engine.url}))
+                if exc.timed_out and self._pool.count(turn.model, PREFILL) > 1
+                else None
+            )
+            if other is None:
+                raise upstream_failure("prefill", exc) from exc
+            log.warning("prefill on %s timed out; trying %s", engine.url, other.url)
+        try:
+            return await self._once(turn, plan, other, kvparams.plain_prefill_params())
+        except UpstreamError as exc:
+            raise upstream_failure("prefill", exc) from exc
+
+    async def _once(self, turn: Turn, plan: TurnPlan, engine: EngineState, params: dict[str, Any]) -> dict[str, Any]:
+        started = time.perf_counter()
+        with self._calls.span("kvbridge.gateway.prefill", engine) as span:
+            span.set_attribute(tel.ATTR_PULLED_TOKENS, int(params.get("remote_num_tokens") or 0))
+            async with self._pool.using(engine):
+                try:
+                    data = await self._http.post_json(
+                        engine.url + completion_path(turn),
+                        prefill_body(turn, params),
+                        timeout_s=turn.timeout_s or self._s.prefill_timeout_s,
+                        headers=tel.trace_headers(),
+                    )
+                except UpstreamError as exc:
+                    self._calls.failed(engine, exc)
+                    raise
+                finally:
+                    plan.engine_seconds += time.perf_counter() - started
+                self._pool.answered(engine)
+        try:
+            return kvparams.check_prefill_returned(data.get("kv_transfer_params"))
+        except ValueError as exc:
+            raise UpstreamError(f"prefill on {engine.url}: {exc}") from exc

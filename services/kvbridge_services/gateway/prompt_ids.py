@@ -1,0 +1,92 @@
+"""A turn's prompt token ids, from the cheapest source that has them: the client's own ids, the gateway's
+local tokenizer (incremental per conversation), else P's /tokenize."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from opentelemetry import trace
+
+from kvbridge import telemetry as tel
+
+from .config import GatewaySettings
+from .enginecalls import EngineCalls
+from .engines import EnginePool, EngineState
+from .metrics import GatewayMetrics
+from .requests import Turn
+from .tokenizer import ATTR_TOKENIZE_PATH, LocalTokenizers
+from .upstream import EngineHttp, UpstreamError
+
+# The chat fields that change what the chat template renders (and so the prompt's tokens).
+_CHAT_TEMPLATE_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_special_tokens",
+)
+
+
+def tokenize_request(turn: Turn) -> dict[str, Any]:
+    """The body of vLLM's /tokenize that renders the prompt P will see for this turn."""
+    if turn.kind == "chat":
+        req: dict[str, Any] = {"model": turn.model, "messages": turn.body["messages"]}
+        req.update((k, turn.body[k]) for k in _CHAT_TEMPLATE_FIELDS if k in turn.body)
+        return req
+    return {
+        "model": turn.model,
+        "prompt": turn.body["prompt"],
+        "add_special_tokens": turn.body.get("add_special_tokens", True),
+    }
+
+
+class PromptIds:
+    def __init__(
+        self,
+        settings: GatewaySettings,
+        pool: EnginePool,
+        http: EngineHttp,
+        calls: EngineCalls,
+        metrics: GatewayMetrics,
+        tokenizers: LocalTokenizers | None,
+    ) -> None:
+        self._s = settings
+        self._pool = pool
+        self._http = http
+        self._calls = calls
+        self._metrics = metrics
+        self._tokenizers = tokenizers
+
+    async def of(self, turn: Turn, engine: EngineState) -> list[int]:
+        """The prompt's token ids (``engine``: the prefill engine asked when no other source has them).
+        Raises UpstreamError when the engine cannot tokenize, ClientError when it rejects the request."""
+        if turn.prompt_token_ids is not None:
+            self._metrics.tokenize.labels("request").inc()
+            return turn.prompt_token_ids
+        if self._tokenizers is not None:
+            local = await self._tokenizers.ids(
+                turn.model,
+                turn.kind,
+                turn.body,
+                (turn.tenant, turn.conversation_key) if turn.conversation_key else None,
+            )
+            if local is not None:
+                self._metrics.tokenize.labels("local").inc()
+                trace.get_current_span().set_attribute(ATTR_TOKENIZE_PATH, "local")
+                return local
+        self._metrics.tokenize.labels("engine").inc()
+        trace.get_current_span().set_attribute(ATTR_TOKENIZE_PATH, "engine")
+        with self._calls.span("kvbridge.gateway.tokenize", engine) as span:
+            async with self._pool.using(engine):
+                data = await self._http.post_json(
+                    f"{engine.url}/tokenize",
+                    tokenize_request(turn),
+                    timeout_s=self._s.tokenize_timeout_s,
+                    headers=tel.trace_headers(),
+                )
+            tokens = data.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise UpstreamError("tokenize answered without token ids")
+            span.set_attribute("kvbridge.prompt_tokens", len(tokens))
+        return tokens

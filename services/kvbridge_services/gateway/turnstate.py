@@ -1,0 +1,61 @@
+"""What one turn carries between its steps: the plan made before prefill, and the result the front doors serve."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from . import reuse
+from .reuse import ReusePlan, ReuseVerdict
+
+
+@dataclass(slots=True)
+class TurnResult:
+    verdict: ReuseVerdict
+    # Non-streaming: D's response (internal fields removed). Streaming: D's SSE bytes as they arrive.
+    body: dict[str, Any] | None = None
+    stream: AsyncIterator[bytes] | None = None
+    after: list[Callable[[], None]] = field(default_factory=list)
+
+    def finish(self) -> None:
+        """Starts the post-turn work (the renewal's write, compatibility-mode registration, the turn's log line).
+        Front doors call it once the client has its answer (or the stream ended), so none of that work
+        runs between D's answer and the client's."""
+        after, self.after = self.after, []
+        for step in after:
+            step()
+
+
+@dataclass(slots=True)
+class TurnPlan:
+    """What the turn decided before prefill, and the timings its later steps add."""
+
+    prompt_ids: list[int] | None = None
+    block_size: int = 16
+    verdict: ReuseVerdict = field(default_factory=ReuseVerdict)
+    features: reuse.RequestFeatures = field(default_factory=reuse.RequestFeatures)
+    pull: ReusePlan | None = None  # what P pulls (a hit), single-use entries already consumed
+    next_epoch: int | None = None
+    verified_tokens: int = 0  # what the registry verified (before flooring / declining)
+    started: float = field(default_factory=time.perf_counter)
+    engine_seconds: float = 0.0  # time inside prefill calls (excluded from router overhead)
+    decode_sent_s: float = 0.0  # wall time the decode request went out / its response came back
+    decode_answered_s: float = 0.0
+
+    @property
+    def epoch(self) -> int:
+        """The epoch this turn's new state registers under: microseconds of wall time, and above the one
+        the lookup saw.
+
+        Time-based epochs order a conversation's turns across gateway replicas and across a registration
+        that lands after the next turn's lookup (reading the stored epoch and adding one would let an older
+        turn's state supersede a newer one).
+        """
+        return max(self.next_epoch or 0, time.time_ns() // 1_000)
+
+    @property
+    def reuse_label(self) -> str:
+        """The TTFT metric's label."""
+        return "hit" if self.verdict.hit else "none"
