@@ -20,6 +20,7 @@ import contextlib
 import logging
 from urllib.parse import unquote
 
+from kvbridge.backoff import Backoff, retry
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.keys import KeyLayout
@@ -30,8 +31,14 @@ from .index import RegistryIndex
 log = logging.getLogger(__name__)
 
 _PAGE = 1000
+_FIRST_BACKOFF_S = 0.1
 _MAX_BACKOFF_S = 5.0
 _HEALTHY_RUN_S = 30.0  # a follow task that ran this long restarts after the shortest backoff
+_STORE_FAILURES = (StoreError, TimeoutError, OSError)  # a watch or re-list retries these
+
+
+def _backoff() -> Backoff:
+    return Backoff(_FIRST_BACKOFF_S, _MAX_BACKOFF_S)
 
 
 async def _cancel(task: asyncio.Task[None]) -> None:
@@ -114,7 +121,7 @@ class IndexFeeder:
     async def _supervise(self) -> None:
         """Runs the follow task; restarts it when it fails or its watch goes silent (with backoff)."""
         loop = asyncio.get_running_loop()
-        backoff = 0.1
+        backoff = _backoff()
         while True:
             started = loop.time()
             follow = loop.create_task(self._follow(), name="registry-index-follow")
@@ -134,7 +141,7 @@ class IndexFeeder:
                     log.error(
                         "registry index follow task ended (%r); restarting it from a fresh list in %.1fs",
                         exc,
-                        backoff,
+                        backoff.upcoming_s,
                         exc_info=exc,
                     )
                     self._need_relist = True
@@ -143,14 +150,13 @@ class IndexFeeder:
                 raise
             self.restarts += 1
             if loop.time() - started > _HEALTHY_RUN_S:
-                backoff = 0.1
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                backoff.reset()
+            await backoff.sleep()
 
     async def _follow(self) -> None:
         if self._need_relist:  # after an unexpected error the index may hold half a batch: start afresh
             await self._relist_until_done()
-        backoff = 0.1
+        backoff = _backoff()
         while True:
             try:
                 async for batch in self._store.watch_prefix(
@@ -163,27 +169,22 @@ class IndexFeeder:
                         else:
                             self._apply_delete(event.kv.key, event.kv.mod_revision)
                     self.revision = max(self.revision, batch.revision)
-                    backoff = 0.1
+                    backoff.reset()
             except Compacted:
                 log.warning("registry watch compacted at revision %d; re-listing", self.revision)
                 await self._relist_until_done()
-            except (StoreError, TimeoutError, OSError) as exc:
-                log.warning(
-                    "registry watch failed (%s); resuming from revision %d in %.1fs", exc, self.revision, backoff
-                )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            except _STORE_FAILURES as exc:
+                delay = backoff.next_delay()
+                log.warning("registry watch failed (%s); resuming from revision %d in %.1fs", exc, self.revision, delay)
+                await asyncio.sleep(delay)
 
     async def _relist_until_done(self) -> None:
-        backoff = 0.1
-        while True:
-            try:
-                await self._relist()
-                return
-            except (StoreError, TimeoutError, OSError) as exc:
-                log.warning("registry re-list failed (%s); retry in %.1fs", exc, backoff)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+        await retry(
+            self._relist,
+            _backoff(),
+            retry_on=_STORE_FAILURES,
+            on_retry=lambda exc, delay: log.warning("registry re-list failed (%s); retry in %.1fs", exc, delay),
+        )
 
     def _apply_put(self, kv: KeyValue) -> None:
         try:

@@ -14,6 +14,7 @@ from typing import Protocol
 
 import grpc
 
+from kvbridge.backoff import Backoff
 from kvbridge.errors import KvbridgeError
 from kvbridge.sdk.channel import ClientOptions
 from kvbridge.sdk.lease import LeaseClient
@@ -23,6 +24,8 @@ from ..common.channels import peer_channel
 from ..common.config import PeerTlsSettings
 
 log = logging.getLogger(__name__)
+
+_MAX_DELAY_S = 10.0
 
 
 class LeaseReleaser(Protocol):
@@ -99,13 +102,16 @@ class BackgroundRevoker:
                 self._queue.task_done()
 
     async def _revoke_with_retries(self, lease_id: int, reason: types_pb2.RevokeReason.ValueType) -> None:
-        for attempt in range(self._max_attempts):
+        # Not kvbridge.backoff.retry: a failed last attempt is followed by its pause too, which keeps a queue
+        # of revokes from hammering a lease manager that is down.
+        backoff = Backoff(self._base_delay_s, _MAX_DELAY_S)
+        for _ in range(self._max_attempts):
             try:
                 await self._releaser.revoke(lease_id, reason)
                 self.revoked += 1
                 return
             except Exception as exc:  # noqa: BLE001 - any failure is retried, then logged
-                delay = min(self._base_delay_s * 2**attempt, 10.0)
+                delay = backoff.next_delay()
                 log.warning("revoking lease %d failed (%s); retry in %.1fs", lease_id, exc, delay)
                 await asyncio.sleep(delay)
         self.dropped += 1

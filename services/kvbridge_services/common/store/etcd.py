@@ -42,6 +42,8 @@ from etcd3aio.connections import ConnectionManager
 from etcd3aio.kv import KVService
 from etcd3aio.lease import LeaseService
 
+from kvbridge.backoff import Backoff
+
 from ..config import EtcdTls
 from .base import (
     DEFAULT_TIMEOUT_S,
@@ -204,7 +206,7 @@ class EtcdStore(Store):
         """Run ``fn(remaining_s)`` until it succeeds or the deadline passes."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        backoff = _RETRY_BACKOFF_S
+        backoff = Backoff(_RETRY_BACKOFF_S, _MAX_BACKOFF_S)
         last: BaseException | None = None
         while (remaining := deadline - loop.time()) > 0:
             # A read may hang on a member that lost its leader: cap each try so a retry can reach
@@ -224,8 +226,7 @@ class EtcdStore(Store):
                 if not idempotent and not _not_applied(exc):
                     raise StoreUnavailable(f"etcd {name}: outcome unknown ({exc})") from exc
                 last = exc
-            await asyncio.sleep(min(backoff, max(deadline - loop.time(), 0)))
-            backoff = min(backoff * 2, _MAX_BACKOFF_S)
+            await backoff.sleep(deadline)
         if last is not None and _tls_failure(last):
             raise EtcdTlsError(
                 f"etcd {name}: TLS handshake with etcd failed (check KVBRIDGE_ETCD_CA_FILE, "
@@ -369,12 +370,13 @@ class EtcdStore(Store):
         end = prefix_range_end(prefix) if prefix else b"\x00"
         loop = asyncio.get_running_loop()
         failing_since: float | None = None
-        backoff = _RETRY_BACKOFF_S
+        backoff = Backoff(_RETRY_BACKOFF_S, _MAX_BACKOFF_S)
         while True:
             stream = _WatchStream(WatchStub(self._channel_now()), key, end, next_rev, progress_interval_s > 0)
             try:
                 async for resp in stream.responses(progress_interval_s):
-                    failing_since, backoff = None, _RETRY_BACKOFF_S
+                    failing_since = None
+                    backoff.reset()
                     if resp.events:
                         events = [self._event(e) for e in resp.events]
                         next_rev = events[-1].kv.mod_revision + 1
@@ -388,8 +390,7 @@ class EtcdStore(Store):
                 if now - failing_since > self._watch_unavailable_after_s:
                     raise StoreUnavailable(f"etcd watch down for {now - failing_since:.1f}s: {exc}") from exc
                 _log.info("etcd watch on %r broke (%s); resuming from revision %d", prefix, exc, next_rev)
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, _MAX_BACKOFF_S)
+                await backoff.sleep()
             finally:
                 await stream.close()
 
