@@ -22,6 +22,7 @@ import grpc
 from google.protobuf import duration_pb2
 
 from kvbridge import hashchain
+from kvbridge.backoff import Backoff
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.sdk.channel import ClientOptions, tls_channel
@@ -229,7 +230,7 @@ class ControlPlane:
 
     # Node: register the engine under a node lease and keep it alive.
     async def _node_loop(self) -> None:
-        backoff = _BACKOFF_INITIAL_S
+        backoff = Backoff(_BACKOFF_INITIAL_S, _BACKOFF_MAX_S)
         while not self._stop.is_set():
             try:
                 grant = await self._unary(
@@ -246,13 +247,12 @@ class ControlPlane:
                 await self._unary(self._registry.RegisterEngine, registry_pb2.RegisterEngineRequest(engine=engine))
                 self._node_lease_id = int(grant.lease.lease_id)
                 log.info("kvbridge: engine %s registered (node lease %d)", engine.engine_id, grant.lease.lease_id)
-                backoff = _BACKOFF_INITIAL_S
+                backoff.reset()
                 await self._keep_node_alive(grant.lease.lease_id)
             except (grpc.aio.AioRpcError, TimeoutError) as exc:
                 self._lease_failed(exc)
                 log.warning("kvbridge: node registration/keep-alive failed: %s", _describe(exc))
-            await self._sleep(backoff)
-            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            await self._sleep(backoff.next_delay())
 
     async def _keep_node_alive(self, lease_id: int) -> None:
         interval = max(self._settings.node_lease_ttl_s / 3, 0.2)
@@ -279,7 +279,7 @@ class ControlPlane:
 
     # Entries: follow WatchLeases(engine_id); a (re)connect starts with a snapshot.
     async def _watch_loop(self) -> None:
-        backoff = _BACKOFF_INITIAL_S
+        backoff = Backoff(_BACKOFF_INITIAL_S, _BACKOFF_MAX_S)
         while not self._stop.is_set():
             snapshot: set[int] = set()
             in_snapshot = True
@@ -295,13 +295,12 @@ class ControlPlane:
                         in_snapshot = False
                         self._emit(LeaseSnapshot(frozenset(snapshot)))
                         self._emit(Connection(up=True))
-                        backoff = _BACKOFF_INITIAL_S
+                        backoff.reset()
             except grpc.aio.AioRpcError as exc:
                 self._lease_failed(exc)
                 log.warning("kvbridge: lease watch broken: %s", _describe(exc))
             self._emit(Connection(up=False))
-            await self._sleep(backoff)
-            backoff = min(backoff * 2, _BACKOFF_MAX_S)
+            await self._sleep(backoff.next_delay())
 
     def _handle_lease_event(self, event: lease_pb2.LeaseEvent, snapshot: set[int] | None) -> None:
         lease = event.lease

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import AsyncGenerator, Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, Self
 
 import grpc
 
+from kvbridge.backoff import Backoff
 from kvbridge.errors import KvbridgeError, Reason, from_rpc_error
 
 DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
@@ -51,10 +51,9 @@ def backoff_delays(options: ClientOptions) -> Iterator[float]:
 
     Yields ``max_attempts - 1`` delays; exhausting it means no attempt is left.
     """
-    delay = options.backoff_initial_s
+    backoff = Backoff(options.backoff_initial_s, options.backoff_max_s, jitter=0.5)
     for _ in range(options.max_attempts - 1):
-        yield min(delay * (0.5 + random.random()), options.backoff_max_s)
-        delay = min(delay * 2, options.backoff_max_s)
+        yield backoff.next_delay()
 
 
 def tls_channel(

@@ -11,6 +11,7 @@ from typing import Any
 import grpc
 from google.protobuf import duration_pb2
 
+from kvbridge.backoff import Backoff
 from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable, from_rpc_error, reason_name
 from kvbridge.lease.v1 import lease_pb2 as pb
 from kvbridge.lease.v1 import lease_pb2_grpc as pb_grpc
@@ -24,6 +25,9 @@ log = logging.getLogger(__name__)
 KEEPALIVE_BATCH = 1000
 # Floor of the renewal interval however short the leases' TTL.
 MIN_INTERVAL_S = 0.05
+# Pauses before re-opening a broken KeepAlive stream: doubling from the first to the last.
+_RECONNECT_FIRST_S = 0.1
+_RECONNECT_MAX_S = 5.0
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:
@@ -222,7 +226,7 @@ class Heartbeater:
         return out
 
     async def _run(self) -> None:
-        backoff = 0.1
+        backoff = Backoff(_RECONNECT_FIRST_S, _RECONNECT_MAX_S)
         # Redirected addresses that gave no answer since the stream last worked (see BaseClient._follow).
         unreachable: set[str] = set()
         while True:
@@ -236,23 +240,23 @@ class Heartbeater:
             except Exception as exc:  # noqa: BLE001 - keep heartbeating through outages
                 failure = exc
             if self.rounds > rounds:  # the stream worked: whatever ended it is a fresh outage
-                backoff = 0.1
+                backoff.reset()
                 unreachable.clear()
             if isinstance(failure, TimeoutError):  # a renewal went unanswered: as good as a dead address
                 failure = DeadlineExceeded("", "no KeepAlive response within the deadline")
             if isinstance(failure, KvbridgeError):
                 # Reconnects to the leader a NOT_LEADER names, or falls back from a dead redirected one.
                 self._client._follow(failure, tried, unreachable)
+            delay = backoff.next_delay()
             if failure is not None:
                 log.warning(
                     "lease keep-alive stream to %s failed (%s); retrying in %.1fs via %s",
                     tried,
                     failure,
-                    backoff,
+                    delay,
                     self._client.target,
                 )
-            await asyncio.sleep(backoff)
-            backoff = min(backoff * 2, 5.0)
+            await asyncio.sleep(delay)
 
     async def _stream_once(self) -> None:
         call = self._client._lease.KeepAlive(metadata=self._client.options.metadata())

@@ -18,6 +18,7 @@ from typing import Any
 
 from prometheus_client import CollectorRegistry
 
+from kvbridge.backoff import Backoff, retry
 from kvbridge.errors import AlreadyExists, DeadlineExceeded, NotFound, Reason, Unavailable
 from kvbridge.types.v1 import types_pb2
 
@@ -316,22 +317,23 @@ class LeaseManager:
             del self._requests[record.request_id]
 
     async def _take_back(self, record: LeaseRecord, value: bytes) -> None:
-        for attempt in range(1, _TAKE_BACK_ATTEMPTS + 1):
-            try:
-                if await self.persistence.take_back(record, value):
-                    self.taken_back += 1
-                    log.info("grant of lease %d was not acknowledged; taken back", record.lease_id)
-                return
-            except Exception as exc:  # noqa: BLE001 - retried, then logged
-                if attempt == _TAKE_BACK_ATTEMPTS:
-                    log.error(
-                        "could not take back unacknowledged lease %d (%s); if its write landed it stays "
-                        "until its TTL passes unrenewed",
-                        record.lease_id,
-                        exc,
-                    )
-                    return
-                await asyncio.sleep(_END_RETRY_S)
+        try:
+            taken = await retry(
+                lambda: self.persistence.take_back(record, value),
+                Backoff(_END_RETRY_S, _END_RETRY_S),  # the same pause between all attempts
+                attempts=_TAKE_BACK_ATTEMPTS,
+            )
+        except Exception as exc:  # noqa: BLE001 - retried, then logged
+            log.error(
+                "could not take back unacknowledged lease %d (%s); if its write landed it stays "
+                "until its TTL passes unrenewed",
+                record.lease_id,
+                exc,
+            )
+            return
+        if taken:
+            self.taken_back += 1
+            log.info("grant of lease %d was not acknowledged; taken back", record.lease_id)
 
     async def _replay(self, spec: GrantSpec, request_id: str, pending: _Pending, time_left: TimeLeft) -> LeaseRecord:
         if pending.spec != spec:
