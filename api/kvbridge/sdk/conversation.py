@@ -9,10 +9,11 @@ from typing import TYPE_CHECKING, Self
 from kvbridge.gateway.v1 import gateway_pb2 as pb
 
 from .channel import ClientOptions
+from .completion import collected
 from .lease import Heartbeater, LeaseClient
 
 if TYPE_CHECKING:
-    from .gateway import Completion, GatewayClient, Sampling
+    from .gateway import GatewayClient, Sampling
 
 # The tenant a gateway without API keys (development mode) files every conversation under.
 DEV_TENANT = "default"
@@ -124,27 +125,6 @@ class Conversation:
             message["tool_call_id"] = tool_call_id
         return [*self.messages, message]
 
-    async def send(
-        self,
-        content: str,
-        *,
-        role: str = "user",
-        name: str = "",
-        tool_call_id: str = "",
-        sampling: Sampling | None = None,
-    ) -> Completion:
-        """Sends the history plus this message; on success both it and the reply join the history."""
-        messages = self._turn(content, role, name, tool_call_id)
-        result = await self._gateway.chat(
-            messages,
-            model=self.model,
-            conversation_id=self.key,
-            sampling=sampling or self.sampling,
-            cache_salt=self.cache_salt,
-        )
-        self.messages = [*messages, {"role": "assistant", "content": result.text}]
-        return result
-
     async def stream(
         self,
         content: str,
@@ -154,7 +134,8 @@ class Conversation:
         tool_call_id: str = "",
         sampling: Sampling | None = None,
     ) -> AsyncGenerator[pb.CreateChatCompletionResponse, None]:
-        """Like :meth:`send`, chunk by chunk; the history is updated once the whole reply arrived."""
+        """Sends the history plus this message, and yields the reply chunk by chunk; once the whole reply
+        arrived, both join the history (:meth:`send`: the same, the reply as one :class:`Completion`)."""
         messages = self._turn(content, role, name, tool_call_id)
         text = ""
         async for chunk in self._gateway.stream_chat(
@@ -167,6 +148,10 @@ class Conversation:
             text += chunk.delta_content
             yield chunk
         self.messages = [*messages, {"role": "assistant", "content": text}]
+
+    send = collected(
+        stream, "send", "Sends the history plus this message; on success both it and the reply join the history."
+    )
 
     async def close(self) -> bool:
         """Stops the heartbeats and releases the decode-held KV; True if the gateway released any.

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncGenerator, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import grpc
@@ -13,12 +13,12 @@ from kvbridge.gateway.v1 import gateway_pb2 as pb
 from kvbridge.gateway.v1 import gateway_pb2_grpc as pb_grpc
 
 from .channel import BaseClient, ClientOptions
+from .completion import Completion as Completion  # re-exported: kvbridge.sdk.gateway.Completion
+from .completion import collected
 from .conversation import Conversation, ConversationLeases
 
 # A chat message: the proto, or a mapping like OpenAI's {"role": "user", "content": "..."}.
 Message = pb.ChatMessage | Mapping[str, str]
-ReuseReport = pb.ReuseReport
-Usage = pb.Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,32 +40,6 @@ class Sampling:
             if value is not None:
                 setattr(sp, name, value)
         return sp
-
-
-@dataclass(slots=True)
-class Completion:
-    """A whole answer: the concatenated chunks of one streamed call."""
-
-    id: str = ""
-    model: str = ""
-    # Generated text (chat: the assistant message's content).
-    text: str = ""
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str = ""
-    # How the turn used decode-held KV ("hit", "miss", "declined:<why>"), from the first chunk.
-    reuse: ReuseReport = field(default_factory=ReuseReport)
-    usage: Usage = field(default_factory=Usage)
-
-    def add(self, chunk: pb.CreateChatCompletionResponse | pb.CreateCompletionResponse) -> None:
-        self.id = self.id or chunk.id
-        self.model = self.model or chunk.model
-        self.text += chunk.delta_content if isinstance(chunk, pb.CreateChatCompletionResponse) else chunk.delta_text
-        self.token_ids.extend(chunk.delta_token_ids)
-        self.finish_reason = chunk.finish_reason or self.finish_reason
-        if chunk.HasField("reuse"):
-            self.reuse = chunk.reuse
-        if chunk.HasField("usage"):
-            self.usage = chunk.usage
 
 
 def chat_message(message: Message) -> pb.ChatMessage:
@@ -159,30 +133,7 @@ class GatewayClient(BaseClient):
             req.timeout.CopyFrom(_duration(engine_timeout_s))
         return self._server_stream("CreateChatCompletion", req, timeout_s=timeout_s)
 
-    async def chat(
-        self,
-        messages: Sequence[Message],
-        *,
-        model: str,
-        conversation_id: str = "",
-        sampling: Sampling | None = None,
-        cache_salt: str = "",
-        engine_timeout_s: float | None = None,
-        timeout_s: float | None = None,
-    ) -> Completion:
-        """The whole answer (see :meth:`stream_chat`)."""
-        out = Completion()
-        async for chunk in self.stream_chat(
-            messages,
-            model=model,
-            conversation_id=conversation_id,
-            sampling=sampling,
-            cache_salt=cache_salt,
-            engine_timeout_s=engine_timeout_s,
-            timeout_s=timeout_s,
-        ):
-            out.add(chunk)
-        return out
+    chat = collected(stream_chat, "chat", "The whole answer (see :meth:`stream_chat`).")
 
     # -- text completion -----------------------------------------------------------------------
     def stream_complete(
@@ -211,30 +162,7 @@ class GatewayClient(BaseClient):
             req.timeout.CopyFrom(_duration(engine_timeout_s))
         return self._server_stream("CreateCompletion", req, timeout_s=timeout_s)
 
-    async def complete(
-        self,
-        prompt: str | Sequence[int],
-        *,
-        model: str,
-        conversation_id: str = "",
-        sampling: Sampling | None = None,
-        cache_salt: str = "",
-        engine_timeout_s: float | None = None,
-        timeout_s: float | None = None,
-    ) -> Completion:
-        """The whole completion (see :meth:`stream_complete`)."""
-        out = Completion()
-        async for chunk in self.stream_complete(
-            prompt,
-            model=model,
-            conversation_id=conversation_id,
-            sampling=sampling,
-            cache_salt=cache_salt,
-            engine_timeout_s=engine_timeout_s,
-            timeout_s=timeout_s,
-        ):
-            out.add(chunk)
-        return out
+    complete = collected(stream_complete, "complete", "The whole completion (see :meth:`stream_complete`).")
 
     # -- the rest ------------------------------------------------------------------------------
     async def list_models(self) -> list[pb.Model]:

@@ -11,21 +11,19 @@ from __future__ import annotations
 import asyncio
 import functools
 import threading
-from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Generator
 from typing import Any, Concatenate, Generic, ParamSpec, Self, TypeVar
-
-from kvbridge.gateway.v1 import gateway_pb2
 
 from . import conversation as aio_conversation
 from . import gateway as aio_gateway
 from . import lease as aio_lease
 from . import registry as aio_registry
 from .channel import BaseClient, ClientOptions
-from .gateway import Completion, Message, Sampling
 
 P = ParamSpec("P")
 R = TypeVar("R")
 T = TypeVar("T")
+A = TypeVar("A")
 C = TypeVar("C", bound=BaseClient)
 
 
@@ -73,7 +71,19 @@ class LoopThread:
             self.loop.close()
 
 
-class SyncClient(Generic[C]):
+class _Facade(Generic[A]):
+    """A blocking facade over the async object ``A`` that lives on the loop thread ``_runner``."""
+
+    _runner: LoopThread
+    _aio: A
+
+    @property
+    def aio(self) -> A:
+        """The async object underneath (call it only through this facade's loop)."""
+        return self._aio
+
+
+class SyncClient(_Facade[C]):
     """A blocking facade over the async client ``C``, which lives on this facade's own loop thread."""
 
     def __init__(self, factory: Callable[[], C]) -> None:
@@ -87,11 +97,6 @@ class SyncClient(Generic[C]):
         except BaseException:
             self._runner.stop()
             raise
-
-    @property
-    def aio(self) -> C:
-        """The async client underneath (call it only through this facade's loop)."""
-        return self._aio
 
     @property
     def target(self) -> str:
@@ -112,24 +117,24 @@ class SyncClient(Generic[C]):
 
 
 def _blocking(
-    method: Callable[Concatenate[C, P], Coroutine[Any, Any, R]],
-) -> Callable[Concatenate[SyncClient[C], P], R]:
-    """The blocking version of an async client method (same signature and docstring)."""
+    method: Callable[Concatenate[A, P], Coroutine[Any, Any, R]],
+) -> Callable[Concatenate[_Facade[A], P], R]:
+    """The blocking version of an async method (same signature and docstring)."""
 
     @functools.wraps(method)
-    def call(self: SyncClient[C], /, *args: P.args, **kwargs: P.kwargs) -> R:
+    def call(self: _Facade[A], /, *args: P.args, **kwargs: P.kwargs) -> R:
         return self._runner.run(method(self._aio, *args, **kwargs))
 
     return call
 
 
 def _iterating(
-    method: Callable[Concatenate[C, P], AsyncIterator[R]],
-) -> Callable[Concatenate[SyncClient[C], P], Generator[R, None, None]]:
-    """The blocking-iterator version of an async client method returning a stream."""
+    method: Callable[Concatenate[A, P], AsyncIterator[R]],
+) -> Callable[Concatenate[_Facade[A], P], Generator[R, None, None]]:
+    """The blocking-iterator version of an async method returning a stream."""
 
     @functools.wraps(method)
-    def call(self: SyncClient[C], /, *args: P.args, **kwargs: P.kwargs) -> Generator[R, None, None]:
+    def call(self: _Facade[A], /, *args: P.args, **kwargs: P.kwargs) -> Generator[R, None, None]:
         async def start() -> AsyncIterator[R]:  # built on the loop: the call binds to it
             return method(self._aio, *args, **kwargs)
 
@@ -164,6 +169,19 @@ class LeaseClient(SyncClient[aio_lease.LeaseClient]):
     watch = _iterating(aio_lease.LeaseClient.watch)
 
 
+def _conversation(
+    method: Callable[Concatenate[aio_gateway.GatewayClient, P], aio_conversation.Conversation],
+) -> Callable[Concatenate[GatewayClient, P], Conversation]:
+    """The sync client's version of ``GatewayClient.conversation``: the same arguments, a blocking Conversation."""
+
+    @functools.wraps(method)
+    def call(self: GatewayClient, /, *args: P.args, **kwargs: P.kwargs) -> Conversation:
+        return Conversation(self._runner, method(self._aio, *args, **kwargs))
+
+    call.__doc__ = "A blocking :class:`Conversation` (see :meth:`kvbridge.sdk.GatewayClient.conversation`)."
+    return call
+
+
 class GatewayClient(SyncClient[aio_gateway.GatewayClient]):
     __doc__ = aio_gateway.GatewayClient.__doc__
 
@@ -188,31 +206,15 @@ class GatewayClient(SyncClient[aio_gateway.GatewayClient]):
     list_models = _blocking(aio_gateway.GatewayClient.list_models)
     close_conversation = _blocking(aio_gateway.GatewayClient.close_conversation)
 
-    def conversation(
-        self,
-        *,
-        model: str,
-        key: str | None = None,
-        system: str | None = None,
-        history: Iterable[Message] = (),
-        sampling: Sampling | None = None,
-        cache_salt: str = "",
-    ) -> Conversation:
-        """A blocking :class:`Conversation` (see :meth:`kvbridge.sdk.GatewayClient.conversation`)."""
-        return Conversation(
-            self._runner,
-            self._aio.conversation(
-                model=model, key=key, system=system, history=history, sampling=sampling, cache_salt=cache_salt
-            ),
-        )
+    conversation = _conversation(aio_gateway.GatewayClient.conversation)
 
 
-class Conversation:
+class Conversation(_Facade[aio_conversation.Conversation]):
     """The blocking twin of :class:`kvbridge.sdk.Conversation`; its heartbeats run on the client's loop thread."""
 
     def __init__(self, runner: LoopThread, conversation: aio_conversation.Conversation) -> None:
         self._runner = runner
-        self.aio = conversation
+        self._aio = conversation
 
     @property
     def key(self) -> str:
@@ -226,35 +228,9 @@ class Conversation:
     def messages(self) -> list[dict[str, str]]:
         return self.aio.messages
 
-    def send(
-        self,
-        content: str,
-        *,
-        role: str = "user",
-        name: str = "",
-        tool_call_id: str = "",
-        sampling: Sampling | None = None,
-    ) -> Completion:
-        return self._runner.run(
-            self.aio.send(content, role=role, name=name, tool_call_id=tool_call_id, sampling=sampling)
-        )
-
-    def stream(
-        self,
-        content: str,
-        *,
-        role: str = "user",
-        name: str = "",
-        tool_call_id: str = "",
-        sampling: Sampling | None = None,
-    ) -> Generator[gateway_pb2.CreateChatCompletionResponse, None, None]:
-        async def start() -> AsyncIterator[gateway_pb2.CreateChatCompletionResponse]:
-            return self.aio.stream(content, role=role, name=name, tool_call_id=tool_call_id, sampling=sampling)
-
-        return self._runner.iterate(self._runner.run(start()))
-
-    def close(self) -> bool:
-        return self._runner.run(self.aio.close())
+    send = _blocking(aio_conversation.Conversation.send)
+    stream = _iterating(aio_conversation.Conversation.stream)
+    close = _blocking(aio_conversation.Conversation.close)
 
     def open(self) -> None:
         """Starts keeping the conversation's lease alive (done by ``with`` and the first turn)."""
