@@ -14,6 +14,21 @@ from kvbridge.types.v1 import types_pb2
 from .channel import BaseClient
 
 
+def lookup_request(
+    tenant: str, model: str, conversation_key: str, block_hashes: Sequence[bytes], block_size: int, min_tokens: int
+) -> pb.LookupEntryRequest:
+    """A keyed lookup of the chain ``block_hashes``, packed: one bytes field instead of one per block, far cheaper
+    for the registry to parse."""
+    return pb.LookupEntryRequest(
+        tenant=tenant,
+        model=model,
+        conversation_key=conversation_key,
+        block_hashes_packed=b"".join(block_hashes),
+        block_size=block_size,
+        min_tokens=min_tokens,
+    )
+
+
 class RegistryClient(BaseClient):
     def _bind(self, channel: grpc.aio.Channel) -> None:
         self._registry = pb_grpc.RegistryServiceStub(channel)
@@ -49,15 +64,7 @@ class RegistryClient(BaseClient):
         block_size: int,
         min_tokens: int = 0,
     ) -> pb.LookupEntryResponse:
-        req = pb.LookupEntryRequest(
-            tenant=tenant,
-            model=model,
-            conversation_key=conversation_key,
-            # Packed: one bytes field instead of one per block, far cheaper for the registry to parse.
-            block_hashes_packed=b"".join(block_hashes),
-            block_size=block_size,
-            min_tokens=min_tokens,
-        )
+        req = lookup_request(tenant, model, conversation_key, block_hashes, block_size, min_tokens)
         resp: pb.LookupEntryResponse = await self._unary("LookupEntry", req)
         return resp
 

@@ -21,6 +21,7 @@ from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.sdk.channel import ClientOptions
 from kvbridge.sdk.lease import LeaseClient
+from kvbridge.sdk.registry import lookup_request
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.channels import peer_channel
 from kvbridge_services.common.config import PeerTlsSettings
@@ -149,15 +150,7 @@ class ControlPlane:
         block_size: int,
         min_tokens: int,
     ) -> registry_pb2.LookupEntryResponse:
-        # Packed chain: one bytes field, far cheaper for the registry to parse than one field per block.
-        req = registry_pb2.LookupEntryRequest(
-            tenant=tenant,
-            model=model,
-            conversation_key=conversation_key,
-            block_hashes_packed=b"".join(block_hashes),
-            block_size=block_size,
-            min_tokens=min_tokens,
-        )
+        req = lookup_request(tenant, model, conversation_key, block_hashes, block_size, min_tokens)
         try:
             resp: registry_pb2.LookupEntryResponse = await self._reg().LookupEntry(
                 req, timeout=self._timeout, metadata=self._metadata
