@@ -15,15 +15,15 @@ from collections.abc import Sequence
 from grpc_health.v1 import health_pb2
 
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
+from kvbridge_services.common.auth import Authenticator
+from kvbridge_services.common.config import ServerSettings
+from kvbridge_services.common.keys import KeyLayout
+from kvbridge_services.common.metered_store import MeteredStore
+from kvbridge_services.common.metrics_http import MetricsEndpoint
+from kvbridge_services.common.server import GrpcServer, ServiceBinding
+from kvbridge_services.common.store.base import Compare, Store
+from kvbridge_services.common.telemetry import Telemetry
 
-from ..common.auth import Authenticator
-from ..common.config import ServerSettings
-from ..common.keys import KeyLayout
-from ..common.metered_store import MeteredStore
-from ..common.metrics_http import MetricsEndpoint
-from ..common.server import GrpcServer, ServiceBinding
-from ..common.store.base import Compare, Store
-from ..common.telemetry import Telemetry
 from .election import LeaderElection
 from .manager import LeaseManager
 from .metrics import LeaseMetrics

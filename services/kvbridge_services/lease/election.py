@@ -14,7 +14,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 
-from ..common.store.base import (
+from kvbridge_services.common.store.base import (
     Compare,
     CompareTarget,
     EventType,

@@ -16,9 +16,19 @@ from kvbridge.errors import Reason, Unavailable
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common.keys import KeyLayout
+from kvbridge_services.common.store.base import (
+    Compare,
+    CompareTarget,
+    Delete,
+    Get,
+    KeyValue,
+    Op,
+    Put,
+    Store,
+    StoreUnavailable,
+)
 
-from ..common.keys import KeyLayout
-from ..common.store.base import Compare, CompareTarget, Delete, Get, KeyValue, Op, Put, Store, StoreUnavailable
 from .codec import from_proto, to_proto
 from .table import NODE, Ended, LeaseRecord
 

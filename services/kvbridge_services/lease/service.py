@@ -22,10 +22,10 @@ from kvbridge.errors import (
 )
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common.auth import Authenticator, Principal
+from kvbridge_services.common.authz import caller
+from kvbridge_services.common.boundary import rpc_boundary, stream_boundary
 
-from ..common.auth import Authenticator, Principal
-from ..common.authz import caller
-from ..common.boundary import rpc_boundary, stream_boundary
 from . import validation as v
 from .codec import duration_s, set_duration, set_timestamp, to_proto
 from .manager import GrantSpec, LeaseManager

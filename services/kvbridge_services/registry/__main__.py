@@ -1,18 +1,18 @@
-"""Composition root: ``python -m kvbridge_services.registry`` (settings from KVBRIDGE_* env)."""
+"""Composition root: ``python -m kvbridge_services.registry`` (settings from KVBRIDGE_* env, flags override)."""
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
-import signal
 import sys
+from dataclasses import dataclass
+from pathlib import Path
 
+from kvbridge_services.common import entrypoint
 from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.common.config import PeerTlsSettings, ServerSettings, StoreSettings
 from kvbridge_services.common.keys import KeyLayout
-from kvbridge_services.common.settings_doc import SettingsModels, help_text
-from kvbridge_services.common.store.base import Store
+from kvbridge_services.common.settings_doc import SettingsModels
 from kvbridge_services.common.telemetry import Telemetry
 
 from .app import RegistryApp
@@ -24,12 +24,6 @@ log = logging.getLogger("kvbridge_services.registry")
 DEFAULT_METRICS_PORT = 9151
 
 HELP = "kvbridge metadata registry (gRPC kvbridge.registry.v1.RegistryService)."
-_TELEMETRY_HELP = """
-
-telemetry:
-  OTEL_EXPORTER_OTLP_ENDPOINT    OTLP/gRPC trace collector, e.g. http://jaeger:4317 (unset: tracing off);
-                                 OTEL_SERVICE_NAME (default kvbridge-registry) and the other OTEL_* apply
-  KVBRIDGE_TELEMETRY_HASH_KEY_HEX key hashing tenant/conversation span attributes (share it across services)"""
 # Every setting this process reads (--help and docs/settings.md are made from these).
 SETTINGS: SettingsModels = (
     (RegistrySettings, {"metrics_port": f"{DEFAULT_METRICS_PORT} (0: off)"}),
@@ -39,94 +33,94 @@ SETTINGS: SettingsModels = (
 )
 
 
-def _open_store(settings: StoreSettings) -> Store:
-    if settings.embedded:
-        from kvbridge_services.common.store.memory import MemoryStore
-
-        log.warning("no KVBRIDGE_ETCD_ENDPOINTS: using the embedded in-memory store (single node, not durable)")
-        return MemoryStore()
-    from kvbridge_services.common.store.etcd import EtcdStore
-
-    store: Store = EtcdStore(settings.etcd_endpoints, timeout=settings.etcd_timeout_s, tls=settings.etcd_tls())
-    return store
+@dataclass(frozen=True)
+class _Config:
+    registry: RegistrySettings
+    store: StoreSettings
+    server: ServerSettings
+    auth: Authenticator
+    data_dir: Path | None
+    worker: int | None  # this process's index among serve_processes processes sharing the port
 
 
-def _settings() -> RegistrySettings:
-    settings = RegistrySettings()
-    if "metrics_port" not in settings.model_fields_set:
-        settings = settings.model_copy(update={"metrics_port": DEFAULT_METRICS_PORT})
-    return settings
+def _load(args: argparse.Namespace) -> _Config:
+    server = ServerSettings(**entrypoint.overrides(args, {"host": "host"}))
+    registry = RegistrySettings(**entrypoint.overrides(args, {"port": "port"}))
+    if "metrics_port" not in registry.model_fields_set:
+        registry = registry.model_copy(update={"metrics_port": DEFAULT_METRICS_PORT})
+    if args.worker is not None and registry.metrics_port:
+        registry = registry.model_copy(update={"metrics_port": registry.metrics_port + args.worker})
+    store = StoreSettings()
+    return _Config(registry, store, server, Authenticator.from_file(server.api_keys_file), args.data_dir, args.worker)
 
 
-def _multi_process_problem(settings: RegistrySettings, store: StoreSettings) -> str | None:
-    if store.embedded:
+def _multi_process_problem(cfg: _Config) -> str | None:
+    if cfg.store.embedded:
         return (
             "KVBRIDGE_REGISTRY_SERVE_PROCESSES > 1 needs etcd (KVBRIDGE_ETCD_ENDPOINTS): the embedded "
             "in-process store cannot be shared between processes"
         )
-    if settings.port == 0:
+    if cfg.registry.port == 0:
         return "KVBRIDGE_REGISTRY_SERVE_PROCESSES > 1 needs a fixed KVBRIDGE_REGISTRY_PORT, not 0"
     return None
 
 
-async def _serve(worker: int | None) -> None:
-    """One server process; ``worker``: its index among serve_processes processes sharing the port."""
-    store_settings = StoreSettings()
-    server_settings = ServerSettings()
-    settings = _settings()
-    if worker is not None and settings.metrics_port:
-        settings = settings.model_copy(update={"metrics_port": settings.metrics_port + worker})
+async def _serve(cfg: _Config) -> None:
+    """One server process (of serve_processes sharing the port, or the only one)."""
     telemetry = Telemetry.from_env("kvbridge-registry")
-    store = _open_store(store_settings)
-    app = RegistryApp(
-        store,
-        settings=settings,
-        server_settings=server_settings,
-        keys=KeyLayout(store_settings.etcd_prefix),
-        auth=Authenticator.from_file(server_settings.api_keys_file),
-        store_timeout_s=store_settings.etcd_timeout_s,
-        telemetry=telemetry,
-        peer_tls=PeerTlsSettings(),
-        share_port=worker is not None,
-    )
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await app.start()
-    print(f"registry listening on {app.address}", flush=True)
-    await stop.wait()
-    log.info("shutting down")
-    await app.stop()
-    await store.close()
-    telemetry.shutdown()
+    try:
+        store = await entrypoint.open_checked_store(cfg.store, data_dir=cfg.data_dir, log=log)
+        app = RegistryApp(
+            store,
+            settings=cfg.registry,
+            server_settings=cfg.server,
+            keys=KeyLayout(cfg.store.etcd_prefix),
+            auth=cfg.auth,
+            store_timeout_s=cfg.store.etcd_timeout_s,
+            telemetry=telemetry,
+            peer_tls=PeerTlsSettings(),
+            share_port=cfg.worker is not None,
+        )
+        await app.start()
+        print(f"registry listening on {app.address}", flush=True)
+        await entrypoint.wait_for_stop()
+        log.info("shutting down")
+        await app.stop(cfg.server.shutdown_grace_s)
+        await store.close()
+    finally:
+        telemetry.shutdown()
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="python -m kvbridge_services.registry",
+    argv = sys.argv[1:] if argv is None else argv
+    parser = entrypoint.parser(
+        module="kvbridge_services.registry",
         description=HELP,
-        epilog=help_text("environment (KVBRIDGE_REGISTRY_*: registry; KVBRIDGE_*: store and server):", SETTINGS)
-        + _TELEMETRY_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        env_heading="environment (KVBRIDGE_REGISTRY_*: registry; KVBRIDGE_*: store and server):",
+        settings=SETTINGS,
+        service_name="kvbridge-registry",
     )
+    entrypoint.add_bind_flags(parser, ports={"--port": "gRPC port (overrides KVBRIDGE_REGISTRY_PORT; default 50051)"})
+    entrypoint.add_data_dir_flag(parser)
     parser.add_argument(WORKER_FLAG, type=int, default=None, dest="worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=ServerSettings().log_level.upper(), format="%(asctime)s %(levelname)s %(process)d %(name)s %(message)s"
-    )
-    settings = _settings()
-    if args.worker is None and settings.serve_processes > 1:
-        problem = _multi_process_problem(settings, StoreSettings())
+    try:
+        cfg = _load(args)
+    except (ValueError, TypeError) as exc:
+        print(f"invalid configuration: {exc}", file=sys.stderr)
+        return entrypoint.EXIT_BAD_CONFIG
+    entrypoint.configure_logging(cfg.server.log_level)
+    if cfg.worker is None and cfg.registry.serve_processes > 1:
+        problem = _multi_process_problem(cfg)
         if problem:
-            parser.error(problem)
-        # Each worker prints its own "registry listening" line once it serves.
+            print(f"invalid configuration: {problem}", file=sys.stderr)
+            return entrypoint.EXIT_BAD_CONFIG
+        # Each worker prints its own "registry listening" line once it serves; flags go to every worker.
         log.info(
-            "registry: %d server processes on %s:%d", settings.serve_processes, ServerSettings().host, settings.port
+            "registry: %d server processes on %s:%d", cfg.registry.serve_processes, cfg.server.host, cfg.registry.port
         )
-        return supervise(settings.serve_processes)
-    asyncio.run(_serve(args.worker))
-    return 0
+        return supervise(cfg.registry.serve_processes, argv)
+    return entrypoint.run(lambda: cfg, _serve)
 
 
 if __name__ == "__main__":

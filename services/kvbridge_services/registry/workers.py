@@ -18,6 +18,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from types import FrameType
 
 log = logging.getLogger(__name__)
@@ -38,8 +39,9 @@ def _die_with_parent() -> None:
 
 
 class _Worker:
-    def __init__(self, index: int) -> None:
+    def __init__(self, index: int, argv: Sequence[str]) -> None:
         self.index = index
+        self.argv = list(argv)
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = 0.0
         self.delay_s = _FIRST_RESTART_DELAY_S
@@ -47,7 +49,7 @@ class _Worker:
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "kvbridge_services.registry", WORKER_FLAG, str(self.index)],
+            [sys.executable, "-m", "kvbridge_services.registry", *self.argv, WORKER_FLAG, str(self.index)],
             preexec_fn=_die_with_parent,  # safe: this parent runs no threads (no gRPC, no store)
         )
         self.started = time.monotonic()
@@ -79,9 +81,10 @@ class _Worker:
             self.proc.send_signal(signum)
 
 
-def supervise(count: int) -> int:
-    """Runs ``count`` workers until SIGTERM / SIGINT, then stops them; the process's exit code."""
-    workers = [_Worker(i) for i in range(count)]
+def supervise(count: int, argv: Sequence[str] = ()) -> int:
+    """Runs ``count`` workers (each given the parent's flags ``argv``) until SIGTERM / SIGINT, then stops them;
+    the process's exit code."""
+    workers = [_Worker(i, argv) for i in range(count)]
     stopping: list[int] = []
 
     def on_signal(signum: int, _frame: FrameType | None) -> None:

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from ..config import StoreSettings
+from kvbridge_services.common.config import StoreSettings
+
 from .base import (
     DEFAULT_TIMEOUT_S,
     Compacted,
