@@ -15,11 +15,11 @@ from __future__ import annotations
 
 import sys
 from array import array
-from collections import OrderedDict
-from collections.abc import Hashable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbridge import hashchain
+from kvbridge_services.common.lru import SizedLru
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,9 +73,9 @@ class ChainCache:
     def __init__(self, secret: bytes, *, max_bytes: int, max_conversations: int = 100_000) -> None:
         self._secret = hashchain.check_secret(secret)
         self._max_bytes = max_bytes
-        self._max_conversations = max_conversations
-        self._by_key: OrderedDict[Hashable, _Hashed] = OrderedDict()
-        self._bytes = 0
+        self._by_key: SizedLru[_Hashed] = SizedLru(
+            max_bytes=max_bytes, max_entries=max_conversations, nbytes=lambda h: h.nbytes
+        )
         self.reused_blocks = 0  # blocks whose hash came from the cache instead of being computed
 
     def __len__(self) -> int:
@@ -83,7 +83,7 @@ class ChainCache:
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return self._by_key.nbytes
 
     def chain(self, scope: Scope, conversation: str, token_ids: Sequence[int]) -> list[bytes]:
         """The chain of ``token_ids`` (``hashchain.chain``), reusing the conversation's last chain where the
@@ -104,17 +104,5 @@ class ChainCache:
             self.reused_blocks += reuse
         else:
             hashes = hashchain.chain(self._secret, scope.tenant, scope.model, scope.cache_salt, b, token_ids)
-        self._store(key, _Hashed(packed, tuple(hashes)))
+        self._by_key.put(key, _Hashed(packed, tuple(hashes)))
         return hashes
-
-    def _store(self, key: Hashable, item: _Hashed) -> None:
-        old = self._by_key.pop(key, None)
-        if old is not None:
-            self._bytes -= old.nbytes
-        if item.nbytes > self._max_bytes:
-            return
-        self._by_key[key] = item
-        self._bytes += item.nbytes
-        while self._bytes > self._max_bytes or len(self._by_key) > self._max_conversations:
-            _, dropped = self._by_key.popitem(last=False)
-            self._bytes -= dropped.nbytes

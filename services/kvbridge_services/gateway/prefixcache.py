@@ -17,9 +17,10 @@ from __future__ import annotations
 
 import logging
 from array import array
-from collections import OrderedDict
 from collections.abc import Hashable
 from dataclasses import dataclass
+
+from kvbridge_services.common.lru import SizedLru
 
 log = logging.getLogger(__name__)
 
@@ -59,11 +60,10 @@ class PrefixCache:
     """Last prompt encoding per conversation, LRU, bounded by entries and by bytes."""
 
     def __init__(self, *, max_conversations: int, max_bytes: int, verify_every: int = 64) -> None:
-        self._max_conversations = max_conversations
-        self._max_bytes = max_bytes
         self._verify_every = verify_every
-        self._by_key: OrderedDict[Hashable, Encoded] = OrderedDict()
-        self._bytes = 0
+        self._by_key: SizedLru[Encoded] = SizedLru(
+            max_bytes=max_bytes, max_entries=max_conversations, nbytes=lambda e: e.nbytes
+        )
         self._splices = 0
         self.enabled = True
         self.reused_tokens = 0  # tokens taken from a previous encoding instead of encoded again
@@ -73,7 +73,7 @@ class PrefixCache:
 
     @property
     def nbytes(self) -> int:
-        return self._bytes
+        return self._by_key.nbytes
 
     def resume(self, key: Hashable, text: str) -> Resume | None:
         """Where to start encoding ``text`` for conversation ``key``; None: encode it whole."""
@@ -112,18 +112,8 @@ class PrefixCache:
             log.warning("incremental prompt encoding off for this model: %s", why)
         self.enabled = False
         self._by_key.clear()
-        self._bytes = 0
 
     def store(self, key: Hashable, enc: Encoded) -> None:
         if not self.enabled:
             return
-        old = self._by_key.pop(key, None)
-        if old is not None:
-            self._bytes -= old.nbytes
-        if enc.nbytes > self._max_bytes:
-            return
-        self._by_key[key] = enc
-        self._bytes += enc.nbytes
-        while self._bytes > self._max_bytes or len(self._by_key) > self._max_conversations:
-            _, dropped = self._by_key.popitem(last=False)
-            self._bytes -= dropped.nbytes
+        self._by_key.put(key, enc)

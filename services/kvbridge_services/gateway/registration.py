@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
+from cachetools import LRUCache
+
 from kvbridge.errors import Reason
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2
@@ -120,19 +122,16 @@ def plan_registration(
 class ClockOffsets:
     """Each stock D's clock minus wall time: the largest lower bound learned from its responses (D finished
     before our receive time). Turns an entry's deadline into the remote_blocks_expiry_time P checks on D's
-    clock. Bounded: one row per decode engine, the oldest dropped past the cap."""
+    clock. Bounded: one row per decode engine, the least recently used dropped past the cap."""
 
     def __init__(self, *, max_engines: int = _MAX_CLOCKS) -> None:
-        self._max = max_engines
-        self._by_engine: dict[str, float] = {}
+        self._by_engine: LRUCache[str, float] = LRUCache(maxsize=max_engines)
 
     def get(self, engine_id: str) -> float | None:
         return self._by_engine.get(engine_id)
 
     def learn(self, engine_id: str, offset_low: float) -> None:
         old = self._by_engine.get(engine_id)
-        if old is None and len(self._by_engine) >= self._max:
-            self._by_engine.pop(next(iter(self._by_engine)))
         self._by_engine[engine_id] = offset_low if old is None else max(old, offset_low)
 
     def forget(self, engine_id: str) -> None:

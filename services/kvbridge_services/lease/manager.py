@@ -11,11 +11,11 @@ import contextlib
 import gc
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from cachetools import FIFOCache
 from prometheus_client import CollectorRegistry
 
 from kvbridge.backoff import Backoff, retry
@@ -117,7 +117,8 @@ class LeaseManager:
         )
         self.hub = WatchHub(queue_capacity=policy.watch_queue_size, max_subscribers=policy.max_watchers)
         self.serving = False
-        self._requests: OrderedDict[str, _Pending] = OrderedDict()
+        # Idempotency: a grant's request id -> its outcome, the oldest forgotten past max_request_ids.
+        self._requests: FIFOCache[str, _Pending] = FIFOCache(maxsize=policy.max_request_ids)
         # Grants whose store write (or take-back) runs: not cancelled with their RPC, awaited by step_down.
         self._granting: set[asyncio.Task[None]] = set()
         self.taken_back = 0  # grants that landed but were never acknowledged, deleted again
@@ -175,8 +176,6 @@ class LeaseManager:
                     future: asyncio.Future[int] = loop.create_future()
                     future.set_result(record.lease_id)
                     self._requests[record.request_id] = _Pending(GrantSpec.of(record), future)
-                    if len(self._requests) > self.policy.max_request_ids:
-                        self._requests.popitem(last=False)
         finally:
             if collecting:
                 gc.enable()
@@ -253,8 +252,6 @@ class LeaseManager:
         )
         if request_id:
             self._requests[request_id] = pending
-            while len(self._requests) > self.policy.max_request_ids:
-                self._requests.popitem(last=False)
         task = asyncio.create_task(self._commit(pending, record, evicted))
         self._granting.add(task)
         task.add_done_callback(self._granting.discard)
