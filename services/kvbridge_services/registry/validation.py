@@ -31,7 +31,7 @@ def too_large(field: str, message: str) -> InvalidArgument:
 
 # The identifier rules are kvbridge.ids (one per kind, shared with every service and the connector).
 check_model = ids.MODEL.check
-check_id = ids.ENGINE_ID.check  # engine ids (core.py, service.py)
+check_id = ids.ENGINE_ID.check  # engine ids (engines.py, entries.py, service.py)
 check_conversation_key = ids.CONVERSATION_KEY.check
 
 

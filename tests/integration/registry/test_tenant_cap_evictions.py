@@ -24,7 +24,7 @@ async def test_a_cap_eviction_is_counted_logged_and_revoked(caplog: pytest.LogCa
         metric = "kvbridge_registry_entries_evicted_total"
         assert env.app.telemetry.registry.get_sample_value(metric, {"reason": "tenant_cap"}) is None
         leases = [(await env.register(HISTORY[:40], conv=f"c{i}")).entry.lease_id for i in range(2)]
-        with caplog.at_level(logging.INFO, logger="kvbridge_services.registry.core"):
+        with caplog.at_level(logging.INFO, logger="kvbridge_services.registry.evictions"):
             await env.register(HISTORY[:40], conv="c2")
             await env.register(HISTORY[:40], conv="c3")
         assert env.app.telemetry.registry.get_sample_value(metric, {"reason": "tenant_cap"}) == 2
