@@ -62,6 +62,21 @@ class SimConfig:
     hf_tokenizer: str = ""
     # LoRA adapter names /v1/models lists (with the model as their parent, as vLLM does); served like the model.
     lora_adapters: tuple[str, ...] = ()
+    # vLLM's automatic prefix caching (on by default in vLLM; off here so older tests keep their exact pulls): a
+    # prompt's longest prefix of whole blocks (at most all but its last token) already in this engine's blocks,
+    # held or freed but not yet reused, is neither computed nor pulled. A D that holds a conversation's previous
+    # turn pulls only the new suffix from P (vLLM's NIXL worker reads only the tail of P's block ids), and a plain
+    # request prefills only the uncached part. Blocks are hashed by the token ids they were computed for, as vLLM's.
+    prefix_caching: bool = False
+    # What a pull moves and how long it takes: bytes per token of KV, and the link's bytes/s (0: instant).
+    kv_bytes_per_token: int = 0
+    pull_bytes_per_s: float = 0.0
+    # One compute unit per engine: prefills run one at a time, and a decode step waits for the prefill running
+    # (D's local prefill stalls its decodes, P's queued prefills wait). False: requests never slow each other.
+    serialize_compute: bool = False
+    # Non-streaming responses carry "sim_timing": when the first token was generated (wall clock) and the
+    # prompt tokens hit in the local prefix cache, pulled and computed.
+    report_timing: bool = False
 
 
 # ---- tokenizer and "model" -------------------------------------------------------------
@@ -146,6 +161,19 @@ class KVError(Exception):
     pass
 
 
+_ROOT_HASH = 0x6B7662726964676
+
+
+def chain_hash(parent: int, tokens: list[int]) -> int:
+    """A block's prefix-cache hash: its parent's and its own token ids (vLLM's hash_block_tokens, simplified)."""
+    return hash((parent, tuple(tokens)))
+
+
+def root_hash(cache_salt: str) -> int:
+    """The chain's start: requests with another cache_salt share no prefix-cache blocks (as in vLLM)."""
+    return hash((_ROOT_HASH, cache_salt))
+
+
 @dataclass
 class Held:
     block_ids: list[int]
@@ -168,6 +196,12 @@ class BlockStore:
     in_use: set[int] = field(default_factory=set)
     # Reads that named blocks not (or no longer) held by the request they were offered for.
     unsafe_reads: int = 0
+    # Prefix cache: chain hash -> block id and back, for full blocks stored with their token ids; a block's hash
+    # goes when its id is reused (freed blocks stay findable until then, as in vLLM's block pool).
+    by_hash: dict[int, int] = field(default_factory=dict)
+    hash_of: dict[int, int] = field(default_factory=dict)
+    # References of blocks in use beyond the first (a prefix-cache hit shares blocks between requests).
+    extra_refs: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.free_ids.extend(range(self.total))
@@ -176,18 +210,52 @@ class BlockStore:
         self.reap()
         return len(self.in_use) / self.total
 
-    def store(self, tokens: list[int]) -> list[int]:
+    def store(self, tokens: list[int], hash_tokens: list[int] | None = None, parent: int = 0) -> list[int]:
+        """New blocks holding ``tokens`` (KV content). With ``hash_tokens`` (the token ids that content was
+        computed for) the full blocks enter the prefix cache, chained after ``parent``."""
         self.reap()
-        needed = -(-len(tokens) // self.block_size)
+        b = self.block_size
+        needed = -(-len(tokens) // b)
         if needed > len(self.free_ids):
             raise KVError("out of KV blocks")
         ids = []
         for i in range(needed):
             bid = self.free_ids.popleft()
+            old = self.hash_of.pop(bid, None)
+            if old is not None and self.by_hash.get(old) == bid:
+                del self.by_hash[old]
             self.in_use.add(bid)
-            self.blocks[bid] = tokens[i * self.block_size : (i + 1) * self.block_size]
+            self.blocks[bid] = tokens[i * b : (i + 1) * b]
+            if hash_tokens is not None and len(self.blocks[bid]) == b:
+                parent = chain_hash(parent, hash_tokens[i * b : (i + 1) * b])
+                self.by_hash[parent], self.hash_of[bid] = bid, parent
+            else:
+                hash_tokens = None  # the chain ends at the first partial block
             ids.append(bid)
         return ids
+
+    def prefix_hit(self, token_ids: list[int], limit: int, cache_salt: str) -> tuple[list[int], int]:
+        """The blocks of the longest cached prefix of ``token_ids`` (whole blocks, at most ``limit`` tokens), and
+        its chain hash (to store the rest after it)."""
+        b, parent = self.block_size, root_hash(cache_salt)
+        ids: list[int] = []
+        for i in range(max(0, limit) // b):
+            h = chain_hash(parent, token_ids[i * b : (i + 1) * b])
+            bid = self.by_hash.get(h)
+            if bid is None:
+                break
+            ids.append(bid)
+            parent = h
+        return ids, parent
+
+    def share(self, block_ids: list[int]) -> None:
+        """Takes a reference on cached blocks (a prefix hit): in use ones gain one, freed ones leave the free queue."""
+        for bid in block_ids:
+            if bid in self.in_use:
+                self.extra_refs[bid] = self.extra_refs.get(bid, 0) + 1
+            else:
+                self.free_ids.remove(bid)
+                self.in_use.add(bid)
 
     def hold(self, request_id: str, block_ids: list[int], ttl: float) -> float:
         deadline = time.time() + ttl
@@ -197,8 +265,13 @@ class BlockStore:
     def free(self, block_ids: list[int]) -> None:
         for bid in block_ids:
             if bid in self.in_use:
+                extra = self.extra_refs.pop(bid, 0)
+                if extra:
+                    if extra > 1:
+                        self.extra_refs[bid] = extra - 1
+                    continue
                 self.in_use.discard(bid)
-                self.free_ids.append(bid)  # content stays until the block is reused
+                self.free_ids.append(bid)  # content (and prefix-cache hash) stays until the block is reused
 
     def reap(self) -> None:
         now = time.time()
@@ -236,6 +309,10 @@ class ApiError(Exception):
 class Stats:
     requests: int = 0
     remote_pulled_tokens: int = 0
+    remote_pulled_bytes: int = 0  # remote_pulled_tokens x kv_bytes_per_token
+    remote_reads: int = 0  # NIXL READs issued (a full local hit still notifies: a read of no blocks)
+    local_hit_tokens: int = 0  # prompt tokens served by this engine's own prefix cache
+    computed_tokens: int = 0  # prompt tokens prefilled here (neither cached nor pulled)
     running: int = 0
     stalled: int = 0  # generations that hit the stall_s pause
     cancelled: int = 0  # non-streaming generations abandoned because the client went away
@@ -253,15 +330,19 @@ class Engine:
         self.fail_next = 0
         self.fail_tokenize = 0  # the next N /tokenize calls answer 503
         self.fail_reads = 0  # the next N NIXL READs of this engine's blocks fail (a transport error)
+        self.healthy = True  # False: /health answers 503 (the engine still serves requests)
         self.unstall = asyncio.Event()  # set: stalled generations go on (and new ones do not stall)
+        self.compute = asyncio.Lock()  # serialize_compute: the engine's one compute unit
         self.http = httpx.AsyncClient(timeout=10.0)
         self.hf = HfText(cfg.hf_tokenizer) if cfg.hf_tokenizer else None
 
     def detok(self, token_id: int) -> str:
         return self.hf.detokenize(token_id) if self.hf is not None else detokenize(token_id)
 
-    async def pull(self, params: dict[str, Any], n_tokens: int) -> list[int]:
-        """Read ``n_tokens`` tokens' KV from the remote engine named in ``params``."""
+    async def pull(self, params: dict[str, Any], n_tokens: int, start: int = 0) -> list[int]:
+        """Read tokens ``start..n_tokens`` of the KV of the remote engine named in ``params`` (``start``: a whole
+        number of blocks this engine holds already; vLLM's worker then reads only the tail of the remote block
+        ids). ``start >= n_tokens`` reads nothing but still notifies the remote engine, as vLLM does."""
         expiry = params.get("remote_blocks_expiry_time")
         if expiry is not None and float(expiry) <= time.time():
             raise KVError("declining expired remote read")
@@ -270,13 +351,14 @@ class Engine:
         need = -(-n_tokens // self.cfg.block_size)
         if len(ids) < need:
             raise KVError("fewer remote blocks than tokens")
+        first = min(start, n_tokens) // self.cfg.block_size
         url = f"http://{params['remote_host']}:{params['remote_port']}/sim/nixl/read"
         try:
             resp = await self.http.post(
                 url,
                 json={
                     "request_id": params["remote_request_id"],
-                    "block_ids": ids[:need],
+                    "block_ids": ids[first:need],
                     "engine_id": params.get("remote_engine_id"),
                 },
             )
@@ -284,8 +366,24 @@ class Engine:
             raise KVError(f"remote read failed: {exc}") from exc
         if resp.status_code != 200:
             raise KVError(f"remote read failed: {resp.text}")
-        tokens: list[int] = resp.json()["tokens"]
-        return tokens[:n_tokens]
+        tokens: list[int] = resp.json()["tokens"][: max(0, n_tokens - first * self.cfg.block_size)]
+        self.stats.remote_reads += 1
+        moved = len(tokens) * self.cfg.kv_bytes_per_token
+        self.stats.remote_pulled_bytes += moved
+        if moved and self.cfg.pull_bytes_per_s > 0:
+            await asyncio.sleep(moved / self.cfg.pull_bytes_per_s)
+        return tokens
+
+    def local_hit(self, prompt: list[int], cache_salt: str) -> tuple[list[int], list[int], int]:
+        """The prompt's longest prefix in this engine's prefix cache (whole blocks, at most all but the last
+        token, as vLLM's get_computed_blocks): its block ids (now referenced by the request), KV content, and
+        chain hash. Nothing without prefix caching."""
+        if not self.cfg.prefix_caching:
+            return [], [], root_hash(cache_salt)
+        self.kv.reap()
+        ids, parent = self.kv.prefix_hit(prompt, len(prompt) - 1, cache_salt)
+        self.kv.share(ids)
+        return ids, [t for bid in ids for t in self.kv.blocks[bid]], parent
 
     def prompt_ids(self, body: dict[str, Any], chat: bool) -> list[int]:
         if chat:
@@ -306,39 +404,58 @@ class Engine:
             return [BOS, *tokenize_text(prompt, self.cfg.vocab)]
         raise ApiError(400, "prompt must be a string or a list of token ids")
 
-    async def compute_kv(self, prompt: list[int], params: dict[str, Any] | None) -> tuple[list[int], int]:
-        """The KV content this engine computes on, and how many tokens it pulled."""
+    async def compute_kv(
+        self, prompt: list[int], params: dict[str, Any] | None, cached: list[int] | None = None
+    ) -> tuple[list[int], int]:
+        """The KV content this engine computes on, and how many tokens it pulled. ``cached``: the KV content of
+        the prompt's prefix in this engine's own prefix cache (whole blocks): as in vLLM's scheduler, local hits
+        count first and the connector is asked only for the rest."""
+        cached = cached or []
+        local = cached + prompt[len(cached) :]
         if not params:
-            return prompt, 0
+            return local, 0
         if params.get("do_remote_prefill") and params.get("remote_block_ids"):
             n = min(int(params.get("remote_num_tokens") or len(prompt)), len(prompt))
-            return await self._pull_or_recompute(prompt, params, n)
+            return await self._pull_or_recompute(prompt, params, n, cached)
         if (
             params.get("do_remote_decode")
             and params.get("remote_block_ids")
             and all(k in params for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port"))
         ):
             n = min(int(params.get("remote_num_tokens") or 0), len(prompt))
-            if n <= 0 or (self.cfg.kv_recompute_threshold and n < self.cfg.kv_recompute_threshold):
-                return prompt, 0
-            return await self._pull_or_recompute(prompt, params, n)
-        return prompt, 0
+            if n <= 0 or (self.cfg.kv_recompute_threshold and 0 < n - len(cached) < self.cfg.kv_recompute_threshold):
+                return local, 0
+            return await self._pull_or_recompute(prompt, params, n, cached)
+        return local, 0
 
-    async def _pull_or_recompute(self, prompt: list[int], params: dict[str, Any], n: int) -> tuple[list[int], int]:
+    async def _pull_or_recompute(
+        self, prompt: list[int], params: dict[str, Any], n: int, cached: list[int]
+    ) -> tuple[list[int], int]:
+        local = cached + prompt[len(cached) :]
         try:
-            pulled = await self.pull(params, n)
+            pulled = await self.pull(params, n, start=len(cached))
         except KVError as exc:
             if self.cfg.kv_load_failure_policy == "recompute":
-                return prompt, 0
+                return local, 0
             raise ApiError(500, f"KV load failed: {exc}") from exc
         self.stats.remote_pulled_tokens += len(pulled)
-        return pulled + prompt[len(pulled) :], len(pulled)
+        have = cached + pulled
+        return have + prompt[len(have) :], len(pulled)
 
-    def finish_params(self, kv: list[int], is_p: bool, request_id: str, computed: int) -> dict[str, Any] | None:
-        """What request_finished returns: P's params for D, or D's retained blocks (bidirectional)."""
+    def finish_params(
+        self, kv: list[int], is_p: bool, request_id: str, computed: int, head: dict[str, Any] | None = None
+    ) -> dict[str, Any] | None:
+        """What request_finished returns: P's params for D, or D's retained blocks (bidirectional). ``head``: the
+        request's prefix-cache hit (its blocks are kept, the rest stored after them) and token ids."""
         if not is_p and not self.cfg.bidirectional:
             return None
-        block_ids = self.kv.store(kv[:computed])
+        shared: list[int] = head.pop("shared", []) if head is not None else []
+        if self.cfg.prefix_caching and head is not None:
+            hit = len(shared) * self.cfg.block_size
+            ids = head["token_ids"]
+            block_ids = shared + self.kv.store(kv[hit:computed], ids[hit:computed], head["parent"])
+        else:
+            block_ids = self.kv.store(kv[:computed])
         ttl = self.cfg.kv_lease_duration if is_p else self.cfg.decoder_kv_blocks_ttl
         deadline = self.kv.hold(request_id, block_ids, ttl)
         return {
@@ -379,16 +496,26 @@ class Engine:
         if len(prompt) + max_tokens > self.cfg.max_model_len:
             raise ApiError(400, "prompt too long")
         is_p = bool(params and params.get("do_remote_decode"))
-        kv, pulled = await self.compute_kv(prompt, params)
+        shared, cached, parent = self.local_hit(prompt, str(body.get("cache_salt") or ""))
+        try:
+            kv, pulled = await self.compute_kv(prompt, params, cached)
+        except BaseException:
+            self.kv.free(shared)
+            raise
         request_id = f"{'cmpl' if not chat else 'chatcmpl'}-{uuid.uuid4().hex}"
         head = {
             "request_id": request_id,
             "prompt": prompt,
             "pulled": pulled,
+            "hit": len(cached),
+            "shared": shared,
+            "parent": parent,
             "is_p": is_p,
             "max_tokens": max_tokens,
             "params": params,
         }
+        self.stats.local_hit_tokens += len(cached)
+        self.stats.computed_tokens += len(prompt) - pulled - len(cached)
         return head, self._generate(kv, prompt, pulled, max_tokens, head)
 
     async def _generate(
@@ -396,25 +523,37 @@ class Engine:
     ) -> AsyncIterator[dict[str, Any]]:
         self.stats.running += 1
         try:
-            await asyncio.sleep((len(prompt) - pulled) * self.cfg.prefill_us_per_token / 1e6)
+            prefill_s = (len(prompt) - pulled - head["hit"]) * self.cfg.prefill_us_per_token / 1e6
+            if self.cfg.serialize_compute:
+                async with self.compute:
+                    await asyncio.sleep(prefill_s)
+            else:
+                await asyncio.sleep(prefill_s)
             seq = list(kv)
             out: list[int] = []
             for i, tok in enumerate(greedy_tokens(kv, max_tokens, self.cfg.vocab)):
                 if i:
+                    if self.cfg.serialize_compute:
+                        async with self.compute:  # a decode step waits for the prefill running now
+                            pass
                     await asyncio.sleep(self.cfg.decode_us_per_token / 1e6)
                 if self.cfg.stall_s and i == self.cfg.stall_after_tokens:
                     self.stats.stalled += 1
                     with contextlib.suppress(TimeoutError):
                         await asyncio.wait_for(self.unstall.wait(), self.cfg.stall_s)
+                if i == 0:
+                    head["first_token_time"] = time.time()
                 out.append(tok)
                 seq.append(tok)
                 yield {"token": tok, "last": i == max_tokens - 1}
             computed = len(seq) - 1 if not head["is_p"] else len(prompt)
+            head["token_ids"] = prompt + out
             head["final_params"] = (
-                self.finish_params(seq, head["is_p"], head["request_id"], computed) if head["params"] else None
+                self.finish_params(seq, head["is_p"], head["request_id"], computed, head) if head["params"] else None
             )
         finally:
             self.stats.running -= 1
+            self.kv.free(head.pop("shared", []))  # a prefix hit no retained state took over
 
 
 # ---- HTTP --------------------------------------------------------------------------------
@@ -500,17 +639,25 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
                 "prompt_tokens": len(head["prompt"]),
                 "completion_tokens": len(tokens),
                 "total_tokens": len(head["prompt"]) + len(tokens),
-                "prompt_tokens_details": {"cached_tokens": head["pulled"]},
+                "prompt_tokens_details": {"cached_tokens": head["pulled"] + head["hit"]},
             },
             "kv_transfer_params": head.get("final_params"),
         }
+        if cfg.report_timing:
+            resp["sim_timing"] = {
+                "first_token_time": head.get("first_token_time"),
+                "local_hit_tokens": head["hit"],
+                "pulled_tokens": head["pulled"],
+                "computed_tokens": len(head["prompt"]) - head["pulled"] - head["hit"],
+            }
         if want_ids:
             if chat:
                 resp["prompt_token_ids"] = head["prompt"]
             else:
                 choice["prompt_token_ids"] = head["prompt"]
         if head["is_p"] and resp["kv_transfer_params"] is not None:
-            resp["kv_transfer_params"]["remote_prefill_cached_tokens"] = head["pulled"]
+            # vLLM 0.32: P's cache hits, pulled and local (scheduler.py, prefill_stats.num_cached_tokens).
+            resp["kv_transfer_params"]["remote_prefill_cached_tokens"] = head["pulled"] + head["hit"]
         return JSONResponse(resp)
 
     async def completions(request: Request) -> Response:
@@ -573,7 +720,7 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         )
 
     async def health(_: Request) -> Response:
-        return Response(status_code=200)
+        return Response(status_code=200 if engine.healthy else 503)
 
     async def metrics(_: Request) -> Response:
         labels = f'engine="0",model_name="{cfg.model}"'
@@ -609,6 +756,10 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
                 "engine_id": engine.engine_id,
                 "requests": s.requests,
                 "remote_pulled_tokens": s.remote_pulled_tokens,
+                "remote_pulled_bytes": s.remote_pulled_bytes,
+                "remote_reads": s.remote_reads,
+                "local_hit_tokens": s.local_hit_tokens,
+                "computed_tokens": s.computed_tokens,
                 "running": s.running,
                 "stalled": s.stalled,
                 "cancelled": s.cancelled,
@@ -625,6 +776,7 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         engine.fail_next = int(body.get("fail_next", engine.fail_next))
         engine.fail_tokenize = int(body.get("fail_tokenize", engine.fail_tokenize))
         engine.fail_reads = int(body.get("fail_reads", engine.fail_reads))
+        engine.healthy = bool(body.get("healthy", engine.healthy))
         if body.get("expire_all"):
             for held in engine.kv.held.values():
                 held.deadline = 0.0
@@ -795,6 +947,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--hf-tokenizer", default="", help="directory with HF tokenizer files: tokenize and render chat prompts with it"
     )
+    parser.add_argument("--prefix-caching", action="store_true", help="model vLLM's automatic prefix caching")
+    parser.add_argument("--kv-bytes-per-token", type=int, default=0, help="KV bytes a pulled token moves")
+    parser.add_argument("--pull-bytes-per-s", type=float, default=0.0, help="pull bandwidth (0: instant)")
+    parser.add_argument(
+        "--serialize-compute", action="store_true", help="one compute unit: prefills queue, decode steps wait for them"
+    )
+    parser.add_argument("--report-timing", action="store_true", help="responses carry sim_timing")
     a = parser.parse_args(argv)
     cfg = SimConfig(
         role=a.role,
@@ -814,6 +973,11 @@ def main(argv: list[str] | None = None) -> None:
         stall_s=a.stall_s,
         stall_after_tokens=a.stall_after_tokens,
         hf_tokenizer=a.hf_tokenizer,
+        prefix_caching=a.prefix_caching,
+        kv_bytes_per_token=a.kv_bytes_per_token,
+        pull_bytes_per_s=a.pull_bytes_per_s,
+        serialize_compute=a.serialize_compute,
+        report_timing=a.report_timing,
     )
     app, _ = build_app(cfg)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
