@@ -178,6 +178,93 @@ class GatewaySettings(BaseSettings):
             "conversation's turns and heartbeats, never past D's hold)."
         ),
     )
+    # Placement (docs/gateway.md "Placement", ADR 0020): where each turn runs, by a cost model.
+    placement: bool = Field(
+        default=False,
+        description=(
+            "Route each turn by the placement cost model: decode on the D that holds the conversation (its prefix"
+            " cache serves the history, P sends only the new suffix) unless its load exceeds the cap, and choose per"
+            " turn among recompute, pull to P and a local prefill on the holder from measured prefill speed,"
+            " bandwidth and load; the reuse threshold is then one block (the model decides). false: today's"
+            " least-loaded D and the fixed reuse_threshold_tokens."
+        ),
+    )
+    placement_local_prefill: bool = Field(
+        default=True,
+        description=(
+            "With placement on, whether a turn may be sent straight to the holder D as a plain request (its prefix"
+            " cache holds the history: no P, no transfer); false: only recompute or pull to P."
+        ),
+    )
+    placement_prefill_s_per_token: float = Field(
+        default=1e-4,
+        gt=0,
+        le=1,
+        description=(
+            "Prefill seconds per token assumed for an engine until the gateway has timed its prefills (a decaying"
+            " least-squares fit of each P's plain prefill calls replaces it; a decode engine's local prefill is"
+            " taken to run at the mean of the measured P figures)."
+        ),
+    )
+    placement_attention_s_per_token_pair: float = Field(
+        default=0.0,
+        ge=0,
+        le=1e-3,
+        description=(
+            "Quadratic (attention) prefill term: seconds per new token per context token (new x (cached + new/2));"
+            " configured, not measured; 0: prefill is linear in new tokens."
+        ),
+    )
+    placement_kv_bytes_per_token: int = Field(
+        default=131_072,
+        ge=1,
+        le=64 * 1024 * 1024,
+        description=(
+            "KV cache bytes per token of the served model (layers x KV heads x head dim x 2 x dtype bytes; 128 KiB"
+            " is Llama-3-8B in bf16): what a pull of one token moves."
+        ),
+    )
+    placement_pull_bytes_per_s: float = Field(
+        default=10e9,
+        ge=1e6,
+        le=1e13,
+        description=(
+            "Pull (NIXL READ) bandwidth assumed for a link until measured: from prefills that pulled history, the"
+            " call time beyond the prefill's estimate, per (reader, source) link, then over all links."
+        ),
+    )
+    placement_pull_fixed_s: float = Field(
+        default=0.002,
+        ge=0,
+        le=10,
+        description="Per-transfer latency added to every pull estimate (handshake, notification); configured.",
+    )
+    placement_decode_load_weight: float = Field(
+        default=0.5,
+        ge=0,
+        le=100,
+        description=(
+            "How much each request already in flight on the holder D slows its local prefill (x the prefill's own"
+            " time): D's local prefill competes with its decodes."
+        ),
+    )
+    placement_holder_max_extra_load: float = Field(
+        default=4.0,
+        ge=0,
+        le=1_000_000,
+        description=(
+            "The holder D is chosen only while its load score (outstanding requests + kv_usage_weight x KV usage)"
+            " exceeds the least-loaded D's by at most this; beyond it the turn decodes elsewhere"
+            " (holder_overloaded)."
+        ),
+    )
+    placement_figure_weight: float = Field(
+        default=0.2,
+        gt=0,
+        le=1,
+        description="Weight of each new sample in the measured figures (exponential decay of older ones).",
+    )
+
     # Content-addressed lookups for requests without a conversation key.
     content_lookup: bool = False
     # Keyed lookups answered from the gateway's own WatchEntries-fed copy of the registry's entries (ADR 0008):
