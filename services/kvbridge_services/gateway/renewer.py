@@ -17,7 +17,6 @@ next turn's renewal, never by failing a turn.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from collections import OrderedDict
 
@@ -25,6 +24,7 @@ import grpc
 
 from kvbridge.lease.v1 import lease_pb2
 
+from ..common.tasks import cancel_and_wait, wait_at_most
 from .control import ControlPlane
 
 log = logging.getLogger(__name__)
@@ -87,19 +87,14 @@ class ConversationRenewer:
     async def flush(self, timeout_s: float = 5.0) -> None:
         """Waits until everything touched so far was written and answered (tests, shutdown)."""
         self.flush_soon()
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._idle.wait()
+        await wait_at_most(self._idle.wait(), timeout_s)
 
     async def stop(self) -> None:
         if self._wake_timer is not None:
             self._wake_timer.cancel()
             self._wake_timer = None
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     def _check_idle(self) -> None:
         if not self._pending and self._unanswered == 0:

@@ -16,7 +16,6 @@ with backoff.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from urllib.parse import unquote
 
@@ -25,6 +24,7 @@ from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.base import Compacted, EventType, KeyValue, Store, StoreError
+from kvbridge_services.common.tasks import cancel_and_wait
 
 from .index import RegistryIndex
 
@@ -39,12 +39,6 @@ _STORE_FAILURES = (StoreError, TimeoutError, OSError)  # a watch or re-list retr
 
 def _backoff() -> Backoff:
     return Backoff(_FIRST_BACKOFF_S, _MAX_BACKOFF_S)
-
-
-async def _cancel(task: asyncio.Task[None]) -> None:
-    task.cancel()
-    with contextlib.suppress(asyncio.CancelledError):
-        await task
 
 
 class IndexFeeder:
@@ -79,11 +73,8 @@ class IndexFeeder:
         self._task = asyncio.get_running_loop().create_task(self._supervise(), name="registry-index-feeder")
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
 
     async def _range_all(self, prefix: bytes) -> tuple[list[KeyValue], int]:
         out: list[KeyValue] = []
@@ -134,7 +125,7 @@ class IndexFeeder:
                             self._index.lag_s(),
                             self.revision,
                         )
-                        await _cancel(follow)
+                        await cancel_and_wait(follow)
                         break
                 else:
                     exc = follow.exception()
@@ -146,7 +137,7 @@ class IndexFeeder:
                     )
                     self._need_relist = True
             except asyncio.CancelledError:
-                await _cancel(follow)
+                await cancel_and_wait(follow)
                 raise
             self.restarts += 1
             if loop.time() - started > _HEALTHY_RUN_S:

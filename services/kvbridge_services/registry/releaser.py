@@ -8,7 +8,6 @@ still ends at its deadline, so a dropped revoke only delays the release).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 from typing import Protocol
 
@@ -22,6 +21,7 @@ from kvbridge.types.v1 import types_pb2
 
 from ..common.channels import peer_channel
 from ..common.config import PeerTlsSettings
+from ..common.tasks import cancel_and_wait, wait_at_most
 
 log = logging.getLogger(__name__)
 
@@ -119,13 +119,8 @@ class BackgroundRevoker:
 
     async def drain(self, timeout_s: float = 5.0) -> None:
         """Wait (bounded) until queued revokes are done (tests, shutdown)."""
-        with contextlib.suppress(TimeoutError):
-            async with asyncio.timeout(timeout_s):
-                await self._queue.join()
+        await wait_at_most(self._queue.join(), timeout_s)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
-            self._task = None
+        await cancel_and_wait(self._task)
+        self._task = None
