@@ -11,6 +11,7 @@ from typing import Any
 
 import grpc
 
+from kvbridge import ids
 from kvbridge.errors import (
     InvalidArgument,
     KvbridgeError,
@@ -22,12 +23,13 @@ from kvbridge.errors import (
 )
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common import validation as cv
 from kvbridge_services.common.auth import Authenticator, Principal
 from kvbridge_services.common.authz import caller
 from kvbridge_services.common.boundary import rpc_boundary, stream_boundary
 
 from . import validation as v
-from .codec import duration_s, set_duration, set_timestamp, to_proto
+from .codec import set_duration, set_timestamp, to_proto
 from .manager import GrantSpec, LeaseManager
 from .table import ENTRY, NODE
 from .watchers import ACTIVE
@@ -51,7 +53,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     async def GrantLease(self, request: lease_pb2.GrantLeaseRequest, context: Context) -> lease_pb2.GrantLeaseResponse:
         principal = caller()
         spec = self._grant_spec(request, principal)
-        request_id = v.optional_request_id(request.request_id)
+        request_id = ids.REQUEST_ID.check_optional("request_id", request.request_id)
         self._m.require_serving()
         record, evicted = await self._m.grant(spec, request_id, context.time_remaining)
         return lease_pb2.GrantLeaseResponse(lease=to_proto(record), evicted_lease_ids=evicted)
@@ -59,19 +61,19 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     def _grant_spec(self, r: lease_pb2.GrantLeaseRequest, principal: Principal) -> GrantSpec:
         p = self._policy
         ttl_s = v.ttl(r.ttl, present=r.HasField("ttl"), default_s=p.default_ttl_s, min_s=p.min_ttl_s, max_s=p.max_ttl_s)
-        engine_id = sys.intern(v.engine_id(r.engine_id))
+        engine_id = sys.intern(ids.ENGINE_ID.check("engine_id", r.engine_id))
         if r.kind == NODE:  # engines only, like every grant (kvbridge_services.common.authz)
-            v.must_be_empty(r.model, "model", "for a NODE lease")
-            v.must_be_empty(r.conversation_key, "conversation_key", "for a NODE lease")
-            v.must_be_empty(r.retained_tokens, "retained_tokens", "for a NODE lease")
-            tenant = v.optional_tenant(r.tenant)
+            cv.must_be_empty(r.model, "model", "for a NODE lease")
+            cv.must_be_empty(r.conversation_key, "conversation_key", "for a NODE lease")
+            cv.must_be_empty(r.retained_tokens, "retained_tokens", "for a NODE lease")
+            tenant = ids.TENANT.check_optional("tenant", r.tenant)
             return GrantSpec(NODE, tenant, engine_id, "", "", 0, ttl_s)
         if r.kind != ENTRY:
             raise invalid_field("kind", "must be LEASE_KIND_ENTRY or LEASE_KIND_NODE")
         # Interned: thousands of leases share a tenant, model and engine (memory per lease).
-        tenant = sys.intern(v.tenant(principal.tenant_for(r.tenant)))
-        model = sys.intern(v.model(r.model))
-        conversation_key = v.conversation_key(r.conversation_key)
+        tenant = sys.intern(ids.TENANT.check("tenant", principal.tenant_for(r.tenant)))
+        model = sys.intern(ids.MODEL.check("model", r.model))
+        conversation_key = ids.CONVERSATION_KEY.check("conversation_key", r.conversation_key)
         return GrantSpec(ENTRY, tenant, engine_id, model, conversation_key, r.retained_tokens, ttl_s)
 
     # --- KeepAlive ---
@@ -90,7 +92,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         count = len(request.lease_ids) + len(request.conversations)
         limit = self._policy.max_ids_per_keepalive
         if count > limit:
-            raise v.too_large("lease_ids", count, limit)
+            raise cv.too_large("lease_ids", f"{count} items exceed the limit of {limit} per message", limit=limit)
         tenant = principal.tenant
         response = lease_pb2.KeepAliveResponse()
         statuses = response.statuses
@@ -114,9 +116,9 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
             status.conversation.CopyFrom(ref)
             try:
                 conv = (
-                    v.tenant(principal.tenant_for(ref.tenant, field=f"{field}.tenant"), f"{field}.tenant"),
-                    v.model(ref.model, f"{field}.model"),
-                    v.conversation_key(ref.conversation_key, f"{field}.conversation_key"),
+                    ids.TENANT.check(f"{field}.tenant", principal.tenant_for(ref.tenant, field=f"{field}.tenant")),
+                    ids.MODEL.check(f"{field}.model", ref.model),
+                    ids.CONVERSATION_KEY.check(f"{field}.conversation_key", ref.conversation_key),
                 )
             except KvbridgeError as exc:
                 # One bad ref must not end a stream that renews many others (a shared Heartbeater's).
@@ -140,7 +142,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         self, request: lease_pb2.RevokeLeaseRequest, context: Context
     ) -> lease_pb2.RevokeLeaseResponse:
         principal = caller()
-        lease_id = v.lease_id(request.lease_id)
+        lease_id = cv.required_id(request.lease_id, "lease_id")
         if request.reason not in types_pb2.RevokeReason.values() or not request.reason:
             raise invalid_field("reason", "must be a defined RevokeReason other than UNSPECIFIED")
         record = await self._m.revoke(lease_id, request.reason, principal.tenant)
@@ -149,7 +151,7 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     @rpc_boundary
     async def GetLease(self, request: lease_pb2.GetLeaseRequest, context: Context) -> lease_pb2.GetLeaseResponse:
         principal = caller()
-        lease_id = v.lease_id(request.lease_id)
+        lease_id = cv.required_id(request.lease_id, "lease_id")
         self._m.require_serving()
         return lease_pb2.GetLeaseResponse(lease=to_proto(self._m.get(lease_id, principal.tenant)))
 
@@ -158,13 +160,13 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         principal = caller()
         tenant = ""  # an operator listing every tenant
         if principal.tenant is not None or request.tenant:
-            tenant = v.tenant(principal.tenant_for(request.tenant))
-        engine_id = v.engine_id(request.engine_id) if request.engine_id else ""
+            tenant = ids.TENANT.check("tenant", principal.tenant_for(request.tenant))
+        engine_id = ids.ENGINE_ID.check("engine_id", request.engine_id) if request.engine_id else ""
         if request.kind not in (0, ENTRY, NODE):
             raise invalid_field("kind", "unknown LeaseKind")
-        if request.page_size > self._policy.max_page_size:
-            raise v.too_large("page_size", request.page_size, self._policy.max_page_size)
-        page_size = request.page_size or _DEFAULT_PAGE
+        page_size = cv.page_size(
+            "page_size", request.page_size, default=_DEFAULT_PAGE, maximum=self._policy.max_page_size
+        )
         query = f"{tenant}\0{engine_id}\0{request.kind}"
         after = _parse_page_token(request.page_token, query)
         self._m.require_serving()
@@ -189,10 +191,10 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
         self, request: lease_pb2.WatchLeasesRequest, context: Context
     ) -> AsyncIterator[lease_pb2.WatchLeasesResponse]:
         caller()  # the authorization table admits engines and operators only: an engine's leases span tenants
-        engine_id = v.engine_id(request.engine_id)
+        engine_id = ids.ENGINE_ID.check("engine_id", request.engine_id)
         progress_s = _DEFAULT_PROGRESS_S
         if request.HasField("progress_interval"):
-            progress_s = duration_s(request.progress_interval)
+            progress_s = cv.duration_s("progress_interval", request.progress_interval)
             if not 0.1 <= progress_s <= 300:
                 raise invalid_field("progress_interval", "must be within [0.1s, 300s]")
         self._m.require_serving()

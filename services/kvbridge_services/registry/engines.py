@@ -8,9 +8,11 @@ import logging
 from collections.abc import Callable, Coroutine, Iterable
 from typing import Any
 
+from kvbridge import ids
 from kvbridge.errors import NotFound, Reason, ResourceExhausted
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common import validation as cv
 from kvbridge_services.common.auth import Principal
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.base import Compare, Delete, LeaseNotFound, Put, Store
@@ -33,8 +35,8 @@ def list_engines(
 ) -> registry_pb2.ListEnginesResponse:
     """One page of ``engines`` matching the request's filters, by engine id."""
     if request.model:
-        v.check_model("model", request.model)
-    size = v.page_size("page_size", request.page_size)
+        ids.MODEL.check("model", request.model)
+    size = cv.page_size("page_size", request.page_size, default=v.DEFAULT_PAGE_SIZE, maximum=v.MAX_PAGE_SIZE)
     after = decode_page_token(request.page_token, ENGINES_QUERY).decode() if request.page_token else ""
     matching = sorted(
         (
@@ -142,7 +144,7 @@ class Engines:
         return dropped
 
     async def deregister_engine(self, principal: Principal, engine_id: str) -> None:
-        v.check_id("engine_id", engine_id)
+        ids.ENGINE_ID.check("engine_id", engine_id)
         if not await self._store.delete(self._keys.engine(engine_id), timeout=self._timeout):
             raise NotFound(Reason.ENGINE_NOT_FOUND, f"engine {engine_id!r} is not registered")
         self._index.delete_engine(engine_id, await self._store.current_revision(timeout=self._timeout))
@@ -181,7 +183,7 @@ class Engines:
         return removed
 
     def get_engine(self, engine_id: str) -> types_pb2.Engine:
-        v.check_id("engine_id", engine_id)
+        ids.ENGINE_ID.check("engine_id", engine_id)
         engine = self._index.engines.get(engine_id)
         if engine is None:
             raise NotFound(Reason.ENGINE_NOT_FOUND, f"engine {engine_id!r} is not registered")

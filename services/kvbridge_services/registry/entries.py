@@ -3,9 +3,11 @@
 
 from __future__ import annotations
 
+from kvbridge import ids
 from kvbridge.errors import FailedPrecondition, NotFound, Reason, invalid_field
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common import validation as cv
 from kvbridge_services.common.auth import Principal
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.base import Compare, Delete, Store
@@ -76,13 +78,13 @@ class Entries:
     async def list_entries(
         self, principal: Principal, request: registry_pb2.ListEntriesRequest
     ) -> registry_pb2.ListEntriesResponse:
-        v.check_tenant_field("tenant", request.tenant)
+        ids.TENANT.check_optional("tenant", request.tenant)
         tenant = principal.tenant_for(request.tenant)
         if request.model:
-            v.check_model("model", request.model)
+            ids.MODEL.check("model", request.model)
         if request.engine_id:
-            v.check_id("engine_id", request.engine_id)
-        size = v.page_size("page_size", request.page_size)
+            ids.ENGINE_ID.check("engine_id", request.engine_id)
+        size = cv.page_size("page_size", request.page_size, default=v.DEFAULT_PAGE_SIZE, maximum=v.MAX_PAGE_SIZE)
         prefix = self._keys.entries_prefix(tenant, request.model or None)
         # The token is bound to the whole query, the engine filter included.
         query = prefix + b"\x00" + request.engine_id.encode()

@@ -12,9 +12,11 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from kvbridge import ids
 from kvbridge import telemetry as tel
 from kvbridge.errors import FailedPrecondition, KvbridgeError, Reason, invalid_field
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
+from kvbridge_services.common import validation as cv
 from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.common.authz import caller
 from kvbridge_services.common.boundary import rpc_boundary, stream_boundary
@@ -22,7 +24,6 @@ from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.base import Compacted, EventType, Store
 from kvbridge_services.common.telemetry import Telemetry
 
-from . import validation as v
 from .core import Registry
 from .index import RegistryIndex
 
@@ -251,16 +252,16 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self, request: registry_pb2.WatchEntriesRequest, context: Ctx
     ) -> AsyncIterator[registry_pb2.WatchEntriesResponse]:
         principal = caller()
-        v.check_tenant_field("tenant", request.tenant)
+        ids.TENANT.check_optional("tenant", request.tenant)
         # Empty tenant: a non-tenant principal watches every tenant, a tenant principal its own (as in other RPCs).
         tenant: str | None = (
             principal.tenant_for(request.tenant) if request.tenant or principal.tenant is not None else None
         )
         if request.engine_id:
-            v.check_id("engine_id", request.engine_id)
+            ids.ENGINE_ID.check("engine_id", request.engine_id)
         if request.start_revision < 0:
             raise invalid_field("start_revision", "must be >= 0")
-        progress = request.progress_interval.ToTimedelta().total_seconds() or _DEFAULT_PROGRESS_S
+        progress = cv.duration_s("progress_interval", request.progress_interval) or _DEFAULT_PROGRESS_S
         if not 0 < progress <= _MAX_PROGRESS_S:
             raise invalid_field("progress_interval", f"must be in (0, {_MAX_PROGRESS_S:.0f}s]")
         prefix = self._keys.entries_prefix(tenant)

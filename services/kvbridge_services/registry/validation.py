@@ -1,4 +1,6 @@
-"""Validation of every request field. Raises kvbridge.errors (INVALID_FIELD / TOO_LARGE)."""
+"""Validation of the registry's request fields: entries, lookups, engines. Raises kvbridge.errors
+(INVALID_FIELD / TOO_LARGE). Identifiers: kvbridge.ids; the checks services share:
+kvbridge_services.common.validation."""
 
 from __future__ import annotations
 
@@ -7,11 +9,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from kvbridge import ids
-from kvbridge.errors import InvalidArgument, Reason, invalid_field
+from kvbridge.errors import invalid_field
 from kvbridge.hashchain import HASH_BYTES, MAX_BLOCK_SIZE
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.hashrecord import PackedChain
+from kvbridge_services.common.validation import too_large
 
 HOST_RE = re.compile(r"[A-Za-z0-9.-]{1,253}|\[[0-9A-Fa-f:.]{2,45}\]|[0-9A-Fa-f:]{2,45}")
 URL_RE = re.compile(r"https?://[!-~]{1,2040}")
@@ -25,19 +28,7 @@ class Limits:
     max_kv_groups: int = 16
 
 
-def too_large(field: str, message: str) -> InvalidArgument:
-    return InvalidArgument(Reason.TOO_LARGE, f"{field}: {message}", metadata={"field": field})
-
-
-# The identifier rules are kvbridge.ids (one per kind, shared with every service and the connector).
-check_model = ids.MODEL.check
-check_id = ids.ENGINE_ID.check  # engine ids (engines.py, entries.py, service.py)
-check_conversation_key = ids.CONVERSATION_KEY.check
-
-
-def check_tenant_field(field: str, value: str) -> None:
-    """Tenant fields may be empty (the caller's tenant) or a tenant id."""
-    ids.TENANT.check_optional(field, value)
+DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE = 100, 1000
 
 
 def check_block_size(field: str, value: int) -> int:
@@ -60,9 +51,9 @@ def blocks_for(token_count: int, block_size: int) -> int:
 
 def check_entry_for_register(entry: registry_pb2.Entry, limits: Limits) -> None:
     """Every field of an Entry a decode engine registers (tenant handled by the caller)."""
-    check_tenant_field("entry.key.tenant", entry.key.tenant)
-    check_model("entry.key.model", entry.key.model)
-    check_conversation_key("entry.key.conversation_key", entry.key.conversation_key)
+    ids.TENANT.check_optional("entry.key.tenant", entry.key.tenant)
+    ids.MODEL.check("entry.key.model", entry.key.model)
+    ids.CONVERSATION_KEY.check("entry.key.conversation_key", entry.key.conversation_key)
     ids.ENGINE_ID.check("entry.engine_id", entry.engine_id)
     ids.ENGINE_REQUEST_ID.check("entry.engine_request_id", entry.engine_request_id)
     bs = check_block_size("entry.block_size", entry.block_size)
@@ -113,10 +104,10 @@ def check_register_request(request: registry_pb2.RegisterEntryRequest, limits: L
 
 def check_lookup_request(request: registry_pb2.LookupEntryRequest, limits: Limits) -> Sequence[bytes]:
     """Validates the request; returns the prompt's chain from whichever of the two forms was sent."""
-    check_tenant_field("tenant", request.tenant)
-    check_model("model", request.model)
+    ids.TENANT.check_optional("tenant", request.tenant)
+    ids.MODEL.check("model", request.model)
     if request.conversation_key:
-        check_conversation_key("conversation_key", request.conversation_key)
+        ids.CONVERSATION_KEY.check("conversation_key", request.conversation_key)
     check_block_size("block_size", request.block_size)
     packed = request.block_hashes_packed
     if not packed:
@@ -133,16 +124,16 @@ def check_lookup_request(request: registry_pb2.LookupEntryRequest, limits: Limit
 
 
 def check_entry_key(field: str, key: registry_pb2.EntryKey) -> None:
-    check_tenant_field(f"{field}.tenant", key.tenant)
-    check_model(f"{field}.model", key.model)
-    check_conversation_key(f"{field}.conversation_key", key.conversation_key)
+    ids.TENANT.check_optional(f"{field}.tenant", key.tenant)
+    ids.MODEL.check(f"{field}.model", key.model)
+    ids.CONVERSATION_KEY.check(f"{field}.conversation_key", key.conversation_key)
 
 
 def check_engine(engine: types_pb2.Engine, limits: Limits) -> None:
     ids.ENGINE_ID.check("engine.engine_id", engine.engine_id)
     if engine.role not in types_pb2.EngineRole.values() or engine.role == types_pb2.ENGINE_ROLE_UNSPECIFIED:
         raise invalid_field("engine.role", "required")
-    check_model("engine.model", engine.model)
+    ids.MODEL.check("engine.model", engine.model)
     if engine.http_url and not URL_RE.fullmatch(engine.http_url):
         raise invalid_field("engine.http_url", "must be an http(s) URL of printable ASCII, at most 2048 chars")
     if not HOST_RE.fullmatch(engine.kv_host):
@@ -163,11 +154,3 @@ def check_engine(engine: types_pb2.Engine, limits: Limits) -> None:
         ids.CAPABILITY.check(f"engine.capabilities[{i}]", cap)
     if engine.node_lease_id == 0:
         raise invalid_field("engine.node_lease_id", "required: the engine's liveness lease")
-
-
-def page_size(field: str, value: int, default: int = 100, maximum: int = 1000) -> int:
-    if value == 0:
-        return default
-    if value > maximum:
-        raise invalid_field(field, f"must be 0..{maximum}")
-    return value
