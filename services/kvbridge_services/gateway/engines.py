@@ -131,6 +131,17 @@ class EnginePool:
                 return s
         return None
 
+    def find_role(self, engine_id: str, role: str) -> EngineState | None:
+        """The engine ``engine_id`` as a member of the ``role`` pool (an engine of role both is in two)."""
+        for s in self._engines.values():
+            if s.engine_id == engine_id and s.role == role:
+                return s
+        return None
+
+    def load(self, engine: EngineState) -> float:
+        """The load score the choice minimises: outstanding requests plus weighted KV usage."""
+        return engine.outstanding + self._kv_usage_weight * engine.kv_usage
+
     def count(self, model: str, role: str) -> int:
         return sum(1 for s in self._engines.values() if s.role == role and s.serves(model) and s.healthy)
 
@@ -149,7 +160,7 @@ class EnginePool:
         serving = [s for s in candidates if not s.ejected(now)]
         if not serving:
             return min(candidates, key=lambda s: (s.ejected_until, s.url))  # the one back soonest
-        return min(serving, key=lambda s: (s.outstanding + self._kv_usage_weight * s.kv_usage, s.url))
+        return min(serving, key=lambda s: (self.load(s), s.url))
 
     def timed_out(self, engine: EngineState) -> None:
         """Ejects an engine that missed a deadline, for longer each time in a row."""

@@ -35,9 +35,8 @@ def _sampling(sp: gateway_pb2.SamplingParams) -> dict[str, Any]:
 
 
 def _report(v: ReuseVerdict) -> gateway_pb2.ReuseReport:
-    pulled = v.tokens if v.label == "hit" else 0
     return gateway_pb2.ReuseReport(
-        verdict=v.label, verified_tokens=v.tokens, pulled_tokens=pulled, prompt_tokens=v.prompt_tokens
+        verdict=v.label, verified_tokens=v.tokens, pulled_tokens=v.pulled_tokens, prompt_tokens=v.prompt_tokens
     )
 
 

@@ -24,6 +24,7 @@ from .turnstate import TurnResult
 from .upstream import ClientError
 
 REUSE_HEADER = "x-kvbridge-reuse"
+PLACEMENT_HEADER = "x-kvbridge-placement"  # <choice>;reason=<why>, with placement on (docs/gateway.md "Placement")
 # The HTTP routes answer under the authorization rows of their gRPC twins (kvbridge_services.common.authz).
 _HTTP_METHODS: dict[TurnKind, str] = {
     "chat": "kvbridge.gateway.v1.GatewayService/CreateChatCompletion",
@@ -180,6 +181,8 @@ def build_http_app(core: GatewayCore) -> Starlette:
             if result is None:
                 return Response(status_code=499)
             headers = {REUSE_HEADER: result.verdict.header()}
+            if result.verdict.placement:
+                headers[PLACEMENT_HEADER] = result.verdict.placement
             if result.stream is not None:
                 release = False
                 return StreamingResponse(

@@ -113,6 +113,15 @@ def plain_prefill_params() -> dict[str, Any]:
     return {"do_remote_decode": True, "do_remote_prefill": False}
 
 
+def local_prefill_params() -> dict[str, Any]:
+    """D's params for a turn sent straight to the holder D (placement's local prefill): no remote prefill, no
+    remote decode, so vLLM's NIXL connector loads nothing (``get_num_new_matched_tokens`` returns 0 and D's
+    prefix cache serves the history) yet, being non-empty, the params make ``request_finished`` treat the
+    request as D's and retain its blocks (bidirectional transfer), returning D's params as after any decode:
+    the kvbridge connector registers the new state, or the gateway does (compatibility mode)."""
+    return {"do_remote_decode": False, "do_remote_prefill": False}
+
+
 def reuse_prefill_params(
     source: PullSource, tokens: int, block_size: int, *, prompt_ids: Sequence[int], secret: bytes
 ) -> dict[str, Any]:

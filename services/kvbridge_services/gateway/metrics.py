@@ -89,6 +89,30 @@ class GatewayMetrics:
             ["outcome"],
             registry=r,
         )
+        self.placement = Counter(
+            "kvbridge_gateway_placement_total",
+            "Turns by the placement's choice (recompute, pull_to_p, prefill_on_holder) and its reason (placement on)",
+            ["choice", "reason"],
+            registry=r,
+        )
+        self.moved_tokens = Counter(
+            "kvbridge_gateway_kv_moved_tokens_total",
+            "Tokens of KV moved between engines (placement on): history_to_p (P pulled from the holder D), "
+            "prompt_to_d (D pulls from P: the prompt less what D's prefix cache holds, estimated)",
+            ["path"],
+            registry=r,
+        )
+        self.prefill_s_per_token = Gauge(
+            "kvbridge_gateway_prefill_seconds_per_token",
+            "Each prefill engine's measured prefill seconds per token (the placement's figure; default until timed)",
+            ["engine"],
+            registry=r,
+        )
+        self.pull_bytes_per_s = Gauge(
+            "kvbridge_gateway_pull_bytes_per_second",
+            "Measured pull bandwidth over all links (the placement's figure; 0 until a pull was timed)",
+            registry=r,
+        )
         self.inflight = Gauge("kvbridge_gateway_inflight_requests", "Requests being served", registry=r)
         self.latency = Histogram(
             "kvbridge_gateway_request_seconds",

@@ -18,6 +18,7 @@ from . import kvparams
 from .config import GatewaySettings
 from .enginecalls import EngineCalls, completion_path, upstream_failure
 from .engines import PREFILL, EnginePool, EngineState
+from .figures import Figures
 from .metrics import GatewayMetrics
 from .requests import Turn
 from .reuse import NoReuse
@@ -46,8 +47,11 @@ class Prefiller:
         calls: EngineCalls,
         metrics: GatewayMetrics,
         secret: bytes,
+        figures: Figures | None = None,
     ) -> None:
+        """``figures``: where each prefill's timing goes (the placement's measured prefill speed and bandwidth)."""
         self._s = settings
+        self._figures = figures
         self._pool = pool
         self._http = http
         self._calls = calls
@@ -98,6 +102,7 @@ class Prefiller:
 
     async def _once(self, turn: Turn, plan: TurnPlan, engine: EngineState, params: dict[str, Any]) -> dict[str, Any]:
         started = time.perf_counter()
+        others = engine.outstanding  # this gateway's other requests in flight on P (the queue the call waits in)
         with self._calls.span("kvbridge.gateway.prefill", engine) as span:
             span.set_attribute(tel.ATTR_PULLED_TOKENS, int(params.get("remote_num_tokens") or 0))
             async with self._pool.using(engine):
@@ -115,6 +120,46 @@ class Prefiller:
                     plan.engine_seconds += time.perf_counter() - started
                 self._pool.answered(engine)
         try:
-            return kvparams.check_prefill_returned(data.get("kv_transfer_params"))
+            returned = kvparams.check_prefill_returned(data.get("kv_transfer_params"))
         except ValueError as exc:
             raise UpstreamError(f"prefill on {engine.url}: {exc}") from exc
+        if self._figures is not None:
+            self._observe(engine, params, returned, data, time.perf_counter() - started, others)
+        return returned
+
+    def _observe(
+        self,
+        engine: EngineState,
+        params: dict[str, Any],
+        returned: dict[str, Any],
+        data: dict[str, Any],
+        seconds: float,
+        others: int,
+    ) -> None:
+        """One prefill's timing for the placement's figures: P's speed (plain prefill) or the pull's bandwidth.
+        Prompt tokens from P's usage; cached ones from ``remote_prefill_cached_tokens`` (vLLM 0.32: P's
+        cache hits, local and pulled)."""
+        assert self._figures is not None
+        usage = data.get("usage")
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        cached = returned.get("remote_prefill_cached_tokens")
+        if not isinstance(prompt, int) or prompt <= 0:
+            return
+        cached = cached if isinstance(cached, int) and 0 <= cached <= prompt else 0
+        reader = engine.engine_id or engine.url
+        offered = params.get("remote_num_tokens")
+        source = params.get("remote_engine_id")
+        if isinstance(offered, int) and offered > 0 and isinstance(source, str) and cached:
+            self._figures.observe_pull(
+                reader,
+                source,
+                pulled=min(cached, offered),
+                computed=prompt - cached,
+                context=cached,
+                seconds=seconds,
+                others=others,
+            )
+        elif not offered:
+            self._figures.observe_prefill(
+                reader, computed=prompt - cached, context=cached, seconds=seconds, others=others
+            )

@@ -68,6 +68,9 @@ class NoReuse(enum.Enum):
     RECOMPUTED = "recomputed"  # P answered but pulled nothing (it recomputed)
     PREFILL_FAILED = "prefill_failed"  # the prefill with D's params failed; retried without them
     PREFILL_TIMEOUT = "prefill_timeout"  # ... timed out; retried without them
+    # -- the placement cost model (placement.py; only with placement on) -------------------------
+    RECOMPUTE_CHEAPER = "recompute_cheaper"  # estimated faster to recompute the verified history on P than pull it
+    LOCAL_PREFILL_FAILED = "local_prefill_failed"  # the holder's local prefill failed; recomputed through P and D
 
     @property
     def is_miss(self) -> bool:
@@ -112,12 +115,21 @@ class ReuseVerdict:
     """A turn's verdict: a hit (``outcome`` None) or a :class:`NoReuse` reason, and its token counts."""
 
     outcome: NoReuse | None = NoReuse.NOT_REQUESTED
-    tokens: int = 0  # verified tokens (hit: those P pulled)
+    tokens: int = 0  # verified tokens (hit: those P pulled, or those the holder's prefix cache served)
     prompt_tokens: int = 0
+    # A hit served in place: the holder D's own prefix cache held the history, nothing was pulled (placement).
+    in_place: bool = False
+    # The placement's ``<choice>;reason=<why>`` (the x-kvbridge-placement header); "" with placement off.
+    placement: str = ""
 
     @property
     def hit(self) -> bool:
         return self.outcome is None
+
+    @property
+    def pulled_tokens(self) -> int:
+        """Tokens whose KV P pulled from D (0 unless a hit that was not served in place)."""
+        return self.tokens if self.outcome is None and not self.in_place else 0
 
     @property
     def verdict(self) -> str:

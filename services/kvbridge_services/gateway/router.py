@@ -1,14 +1,17 @@
 """One turn through P/D with verified reuse: the core both front doors share.
 
 tokens (prompt_ids.py) → hash chain → registry lookup (the gateway's mirror first) → the reuse decision
-(reuse.py) → prefill on P with D's params cut to the verified prefix K, or plain (prefill.py) → decode on
-D (decode.py) → compatibility mode: register the new state under a fresh lease (registration.py), as
-supervised post-turn work (posturn.py). Any failure on the reuse path retries the prefill once without D
-params: slower, never wrong.
+(reuse.py) → with placement on, where the turn runs (placement.py: recompute, pull to P, or a local prefill on
+the D holding the history; D is the holder unless it is too loaded) → prefill on P with D's params cut to the
+verified prefix K, or plain (prefill.py), or none → decode on D (decode.py) → compatibility mode: register the
+new state under a fresh lease (registration.py), as supervised post-turn work (posturn.py). Any failure on the
+reuse path retries the prefill once without D params, and a failed local prefill goes through P and another
+D: slower, never wrong.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 
@@ -16,27 +19,29 @@ from opentelemetry import trace
 
 from kvbridge import hashchain
 from kvbridge import telemetry as tel
-from kvbridge.errors import NotFound, Reason
+from kvbridge.errors import DeadlineExceeded, NotFound, Reason, Unavailable
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.telemetry import Telemetry
 
-from . import kvparams, reuse
+from . import kvparams, placement, reuse
 from .chaincache import ChainCache, Scope
 from .config import GatewaySettings
 from .control import ControlPlane, ControlPlaneError
 from .decode import Decoder
 from .enginecalls import EngineCalls
 from .engines import DECODE, PREFILL, EnginePool, EngineState
+from .figures import Figures, PrefillFit
 from .metrics import GatewayMetrics
 from .mirror import EntryMirror
+from .placement import Choice, EngineFigures, Placement, PlacementInput, Why
 from .posturn import PostTurnWork
 from .prefill import Prefiller
 from .prompt_ids import PromptIds
 from .registration import EXPIRY_MARGIN_S, ClockOffsets, CompatRegistrar
 from .renewer import ConversationRenewer
 from .requests import Turn
-from .reuse import NoReuse, ReuseVerdict
+from .reuse import NoReuse, ReusePlan, ReuseVerdict
 from .tokenizer import LocalTokenizers
 from .trust import SecretCanary
 from .turnstate import TurnPlan, TurnResult
@@ -78,11 +83,33 @@ class TurnRouter:
             single_use_entries=settings.single_use_entries,
             expiry_margin_s=EXPIRY_MARGIN_S,
         )
+        self._policies: dict[int, reuse.Policy] = {}
+        self._figures = Figures(
+            prefill_s_per_token=settings.placement_prefill_s_per_token,
+            pull_bytes_per_s=settings.placement_pull_bytes_per_s,
+            kv_bytes_per_token=settings.placement_kv_bytes_per_token,
+            attention_s_per_token_pair=settings.placement_attention_s_per_token_pair,
+            pull_fixed_s=settings.placement_pull_fixed_s,
+            weight=settings.placement_figure_weight,
+        )
+        self._costs = (
+            placement.Costs(
+                kv_bytes_per_token=settings.placement_kv_bytes_per_token,
+                default_bytes_per_s=settings.placement_pull_bytes_per_s,
+                attention_s_per_token_pair=settings.placement_attention_s_per_token_pair,
+                pull_fixed_s=settings.placement_pull_fixed_s,
+                decode_load_weight=settings.placement_decode_load_weight,
+                holder_max_extra_load=settings.placement_holder_max_extra_load,
+                local_prefill=settings.placement_local_prefill,
+            )
+            if settings.placement
+            else None
+        )
         self._renewer = ConversationRenewer(control)
         self._post_turn = PostTurnWork()
         calls = EngineCalls(pool, self._tracer)
         self._prompt_ids = PromptIds(settings, pool, http, calls, metrics, tokenizers)
-        self._prefiller = Prefiller(settings, pool, http, calls, metrics, self._secret)
+        self._prefiller = Prefiller(settings, pool, http, calls, metrics, self._secret, self._figures)
         self._registrar = CompatRegistrar(
             control,
             self._chains,
@@ -115,17 +142,47 @@ class TurnRouter:
         with self._tracer.start_as_current_span("kvbridge.gateway.turn", attributes=attrs) as span:
             plan = TurnPlan()
             prefill = await self._pool.choose_live(turn.model, PREFILL)
-            decode = await self._pool.choose_live(turn.model, DECODE)
+            decode = await self._pool.choose_live(turn.model, DECODE)  # the least-loaded D
             plan = await self._plan(turn, prefill, decode, plan)
+            if self._costs is not None and plan.placement is None:
+                self._set_placement(plan, self._place(turn, plan, None, prefill, decode))  # nothing to reuse
+            if plan.decode_engine is not None:
+                decode = plan.decode_engine
             if turn.conversation_key and self._control.enabled:
                 # Renewed before P may pull the conversation's blocks (an entry near its deadline must outlive
                 # the pull); the renewer writes it once the turn ends, or within 0.5 s of a long turn.
                 self._renewer.touch(turn.tenant, turn.model, turn.conversation_key)
-            p_params = await self._prefiller.run(turn, plan, prefill)
-            self._record_verdict(span, plan, prefill, decode)
-            result = await self._decoder.run(turn, plan, decode, p_params)
+            if plan.placement is not None and plan.placement.choice is Choice.PREFILL_ON_HOLDER:
+                result = await self._in_place(turn, plan, span, prefill, decode)
+            else:
+                p_params = await self._prefiller.run(turn, plan, prefill)
+                self._record_verdict(span, plan, prefill, decode)
+                result = await self._decoder.run(turn, plan, decode, p_params)
             result.after.insert(0, lambda: self._after_turn(turn, plan))
             return result
+
+    async def _in_place(
+        self, turn: Turn, plan: TurnPlan, span: trace.Span, prefill: EngineState, holder: EngineState
+    ) -> TurnResult:
+        """The turn as a plain request to the holder D (its prefix cache serves the history). If that fails, the
+        turn is served as a recompute through P and another D: a failed local prefill costs time, not the answer."""
+        try:
+            result = await self._decoder.run(turn, plan, holder, kvparams.local_prefill_params())
+        except (Unavailable, DeadlineExceeded) as exc:
+            log.warning("local prefill on the holder %s failed; recomputing through P: %s", holder.url, exc)
+        else:
+            self._record_verdict(span, plan, None, holder)
+            return result
+        plan.verdict.outcome, plan.verdict.in_place = NoReuse.LOCAL_PREFILL_FAILED, False
+        try:
+            decode = await self._pool.choose_live(turn.model, DECODE, exclude=frozenset({holder.url}))
+        except Unavailable:  # the holder is the only decode engine: through P to it, once more
+            decode = await self._pool.choose_live(turn.model, DECODE)
+        fallback, decode = self._place(turn, plan, None, prefill, decode)
+        self._set_placement(plan, (Placement(fallback.chosen, Why.HOLDER_UNAVAILABLE, fallback.options), decode))
+        p_params = await self._prefiller.run(turn, plan, prefill)
+        self._record_verdict(span, plan, prefill, decode)
+        return await self._decoder.run(turn, plan, decode, p_params)
 
     @property
     def clocks(self) -> ClockOffsets:
@@ -151,9 +208,12 @@ class TurnRouter:
             plan.verdict.header(),
         )
 
-    def _record_verdict(self, span: trace.Span, plan: TurnPlan, prefill: EngineState, decode: EngineState) -> None:
+    def _record_verdict(
+        self, span: trace.Span, plan: TurnPlan, prefill: EngineState | None, decode: EngineState
+    ) -> None:
+        """``prefill``: None when no P took part (a local prefill on the holder)."""
         v = plan.verdict
-        pulled = v.tokens if v.hit else 0
+        pulled = v.pulled_tokens
         span.set_attributes(
             {
                 tel.ATTR_VERDICT: v.verdict,
@@ -161,8 +221,8 @@ class TurnRouter:
                 tel.ATTR_VERIFIED_TOKENS: plan.verified_tokens,
                 tel.ATTR_PULLED_TOKENS: pulled,
                 "kvbridge.prompt_tokens": plan.verdict.prompt_tokens,
-                "kvbridge.prefill.engine_id": prefill.engine_id or prefill.url,
-                "kvbridge.decode.engine_id": decode.engine_id or decode.url,
+                "kvbridge.prefill.engine_id": _engine_key(prefill) if prefill is not None else "",
+                "kvbridge.decode.engine_id": _engine_key(decode),
             }
         )
         if plan.pull is not None:
@@ -171,6 +231,30 @@ class TurnRouter:
         self._metrics.verified_tokens.inc(plan.verified_tokens)
         self._metrics.pulled_tokens.inc(pulled)
         self._metrics.prompt_tokens.inc(plan.verdict.prompt_tokens)
+        if plan.placement is not None:
+            self._record_placement(span, plan.placement, pulled, prefill)
+
+    def _record_placement(self, span: trace.Span, placed: Placement, pulled: int, prefill: EngineState | None) -> None:
+        chosen = placed.chosen
+        attrs: dict[str, str | float] = {
+            "kvbridge.placement": chosen.choice.value,
+            "kvbridge.placement.reason": placed.reason.value,
+        }
+        for choice in Choice:
+            estimate = placed.estimate(choice)
+            if estimate is not None:
+                attrs[f"kvbridge.placement.ttft_estimate_s.{choice.value}"] = round(estimate, 6)
+        span.set_attributes(attrs)
+        m = self._metrics
+        m.placement.labels(chosen.choice.value, placed.reason.value).inc()
+        m.moved_tokens.labels("history_to_p").inc(pulled)
+        m.moved_tokens.labels("prompt_to_d").inc(chosen.prompt_to_d)
+        if prefill is not None:
+            key = _engine_key(prefill)
+            m.prefill_s_per_token.labels(key).set(self._figures.prefill(key).s_per_token)
+        measured = self._figures.measured_bytes_per_s
+        if measured is not None:
+            m.pull_bytes_per_s.set(measured)
 
     async def drain(self) -> None:
         """Waits for post-turn work (registrations, renewals); for tests and shutdown."""
@@ -196,8 +280,19 @@ class TurnRouter:
                 return True
         return False
 
+    def _policy_for(self, block_size: int) -> reuse.Policy:
+        """The reuse policy of a turn: with placement on, the threshold is one block (the cost model, not a fixed
+        token count, decides whether a pull is worth it)."""
+        if self._costs is None:
+            return self._policy
+        policy = self._policies.get(block_size)
+        if policy is None:
+            policy = self._policies[block_size] = dataclasses.replace(self._policy, threshold_tokens=block_size)
+        return policy
+
     async def _plan(self, turn: Turn, prefill: EngineState, decode: EngineState, plan: TurnPlan) -> TurnPlan:
         plan.block_size = self._block_size(prefill)
+        policy = self._policy_for(plan.block_size)
         plan.features = reuse.request_features(
             turn.body,
             lora_adapter=self._is_adapter(turn.model, prefill, decode),
@@ -206,7 +301,7 @@ class TurnRouter:
         wants_reuse = bool(
             self._s.reuse_enabled and self._control.enabled and (turn.conversation_key or self._s.content_lookup)
         )
-        early = reuse.screen(plan.features, wants_reuse=wants_reuse, prompt_tokens=None, policy=self._policy)
+        early = reuse.screen(plan.features, wants_reuse=wants_reuse, prompt_tokens=None, policy=policy)
         if early is not None:
             plan.verdict.outcome = early
         register = self._s.compat_registration and bool(turn.conversation_key) and plan.features.covered
@@ -224,16 +319,16 @@ class TurnRouter:
         plan.verdict.prompt_tokens = len(plan.prompt_ids)
         if early is not None:
             return plan
-        short = reuse.screen(plan.features, wants_reuse=True, prompt_tokens=len(plan.prompt_ids), policy=self._policy)
+        short = reuse.screen(plan.features, wants_reuse=True, prompt_tokens=len(plan.prompt_ids), policy=policy)
         if short is not None:
             plan.verdict.outcome = short
             return plan
-        await self._lookup(turn, plan)
+        await self._lookup(turn, plan, prefill, decode)
         return plan
 
-    async def _lookup(self, turn: Turn, plan: TurnPlan) -> None:
+    async def _lookup(self, turn: Turn, plan: TurnPlan, prefill: EngineState, decode: EngineState) -> None:
         assert plan.prompt_ids is not None
-        b, threshold = plan.block_size, self._s.reuse_threshold_tokens
+        b, threshold = plan.block_size, self._policy_for(plan.block_size).threshold_tokens
         hashes = self._chains.chain(
             Scope(turn.tenant, turn.model, turn.cache_salt, b), turn.conversation_key, plan.prompt_ids
         )
@@ -250,13 +345,14 @@ class TurnRouter:
             )
             if found is not None:
                 self._metrics.lookups.labels("mirror").inc()
-                await self._apply_lookup(turn, plan, found, asked_at)
-                if plan.verdict.hit:
+                await self._apply_lookup(turn, plan, found, asked_at, prefill, decode)
+                if plan.verdict.hit or plan.verdict.outcome is NoReuse.RECOMPUTE_CHEAPER:
                     trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "mirror")
                     return
                 # Declined here (consumed, busy, ...): the registry may hold a newer entry than the copy.
                 plan.verdict = ReuseVerdict(prompt_tokens=plan.verdict.prompt_tokens)
                 plan.next_epoch, plan.verified_tokens = None, 0
+                plan.placement, plan.decode_engine = None, None
         asked_at = time.monotonic()
         try:
             found = await self._control.lookup(
@@ -273,7 +369,7 @@ class TurnRouter:
             return
         self._metrics.lookups.labels("registry").inc()
         trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "registry")
-        await self._apply_lookup(turn, plan, found, asked_at)
+        await self._apply_lookup(turn, plan, found, asked_at, prefill, decode)
 
     def _engine_record(self, engine_id: str) -> types_pb2.Engine | None:
         """The registry's record of an engine, as the pool last listed it (the mirror's Location.engine)."""
@@ -281,12 +377,19 @@ class TurnRouter:
         return state.record if state is not None else None
 
     async def _apply_lookup(
-        self, turn: Turn, plan: TurnPlan, found: registry_pb2.LookupEntryResponse, asked_at: float
+        self,
+        turn: Turn,
+        plan: TurnPlan,
+        found: registry_pb2.LookupEntryResponse,
+        asked_at: float,
+        prefill: EngineState,
+        decode: EngineState,
     ) -> None:
-        """Decides on the lookup's answer; a single-use entry is then consumed in the registry before P may pull.
-        ``asked_at``: when the lookup was sent (monotonic). P's READ must start within the engine's offer window
-        of the lookup; the answer may have been made at any time after the request left, so the window runs
-        from then (a slow answer shortens what P gets, it never stretches D's promise)."""
+        """Decides on the lookup's answer, then (placement on) where the turn runs; a single-use entry is then
+        consumed in the registry before P may pull. ``asked_at``: when the lookup was sent (monotonic). P's READ
+        must start within the engine's offer window of the lookup; the answer may have been made at any time after
+        the request left, so the window runs from then (a slow answer shortens what P gets, it never stretches D's
+        promise). ``prefill``, ``decode``: the pool's P and least-loaded D."""
         assert plan.prompt_ids is not None
         loc = found.location
         if found.HasField("location") and loc.conversation_key == turn.conversation_key:
@@ -308,7 +411,7 @@ class TurnRouter:
             lookup=found,
             block_size=plan.block_size,
             source=source,
-            policy=self._policy,
+            policy=self._policy_for(plan.block_size),
             now_s=time.time(),
             looked_up_at=asked_at,
             now_mono=time.monotonic(),
@@ -316,6 +419,16 @@ class TurnRouter:
         if isinstance(decided, NoReuse):
             plan.verdict.outcome = decided
             return
+        if self._costs is not None:
+            placed, target = self._place(turn, plan, decided, prefill, decode)
+            self._set_placement(plan, (placed, target))
+            if placed.choice is Choice.PREFILL_ON_HOLDER:
+                # No pull: the holder's own prefix cache serves the verified history (nothing to consume).
+                plan.verdict.tokens, plan.verdict.outcome, plan.verdict.in_place = decided.tokens, None, True
+                return
+            if placed.choice is Choice.RECOMPUTE:
+                plan.verdict.tokens, plan.verdict.outcome = decided.tokens, NoReuse.RECOMPUTE_CHEAPER
+                return
         if decided.consume:
             try:
                 took = await self._control.consume_entry(
@@ -324,10 +437,88 @@ class TurnRouter:
             except ControlPlaneError as exc:
                 log.warning("could not consume a single-use entry, no reuse this turn: %s", exc)
                 plan.verdict.outcome = NoReuse.REGISTRY_UNAVAILABLE
+                self._recompute_instead(plan)
                 return
             if not took:
                 plan.verdict.outcome = NoReuse.CONSUMED
+                self._recompute_instead(plan)
                 return
         plan.pull = decided
         plan.verdict.tokens = decided.tokens
         plan.verdict.outcome = None
+
+    # -- placement (placement on) ----------------------------------------------------------------
+    def _place(
+        self, turn: Turn, plan: TurnPlan, decided: ReusePlan | None, prefill: EngineState, decode: EngineState
+    ) -> tuple[Placement, EngineState]:
+        """The cost model's choice for this turn and the decode engine it names (``decided``: the reuse decision's
+        plan, None when there is no history to reuse). Figures: P's measured prefill line; a decode engine's
+        local prefill at the mean of the measured P lines (D's prefills are not timed: they share the call with
+        the decode); loads from the pool."""
+        assert self._costs is not None
+        p_key, d_key = _engine_key(prefill), _engine_key(decode)
+        d_fit = self._figures.pool_prefill(
+            [_engine_key(e) for e in self._pool.all() if e.role == PREFILL and e.serves(turn.model)]
+        )
+        holder_id = decided.source.engine_id if decided is not None else ""
+        holder = self._eligible_holder(turn, holder_id) if holder_id else None
+        links = {(p_key, holder_id): self._figures.bytes_per_s(p_key, holder_id)} if holder_id else {}
+        for d in {d_key, holder_id} - {""}:
+            links[(d, p_key)] = self._figures.bytes_per_s(d, p_key)
+        placed = placement.place(
+            PlacementInput(
+                prompt_tokens=plan.verdict.prompt_tokens,
+                history_tokens=decided.tokens if decided is not None else 0,
+                holder_id=holder_id,
+                prefill=self._engine_figures(prefill, self._figures.prefill(p_key)),
+                decode=self._engine_figures(decode, d_fit),
+                holder=self._engine_figures(holder, d_fit) if holder is not None else None,
+                bytes_per_s=links,
+            ),
+            self._costs,
+        )
+        on_holder = holder is not None and placed.chosen.decode == holder_id
+        return placed, holder if on_holder and holder is not None else decode
+
+    def _engine_figures(self, engine: EngineState, fit: PrefillFit) -> EngineFigures:
+        return EngineFigures(
+            engine_id=_engine_key(engine),
+            prefill_s_per_token=fit.s_per_token,
+            prefill_fixed_s=fit.fixed_s,
+            load=self._pool.load(engine),
+            outstanding=engine.outstanding,
+        )
+
+    def _eligible_holder(self, turn: Turn, engine_id: str) -> EngineState | None:
+        """The holder as a decode target: a healthy, not ejected decode engine of this pool that serves the model,
+        shares this gateway's secret and is not waiting for a new incarnation; None otherwise."""
+        engine = self._pool.find_role(engine_id, DECODE)
+        if engine is None or not engine.offers_blocks or not engine.serves(turn.model):
+            return None
+        if engine.ejected(time.monotonic()) or self._is_adapter(turn.model, engine):
+            return None
+        if self.canary.mismatch(engine.record):
+            return None
+        return engine
+
+    @staticmethod
+    def _set_placement(plan: TurnPlan, placed: tuple[Placement, EngineState]) -> None:
+        plan.placement, plan.decode_engine = placed
+        plan.verdict.placement = placed[0].label
+
+    @staticmethod
+    def _recompute_instead(plan: TurnPlan) -> None:
+        """The pull the placement chose cannot happen (the entry was consumed, the consume failed): the turn
+        recomputes on the same D, recorded as that option."""
+        placed = plan.placement
+        if placed is None:
+            return
+        same_d = [o for o in placed.options if o.choice is Choice.RECOMPUTE and o.decode == placed.chosen.decode]
+        if same_d:
+            plan.placement = Placement(same_d[0], placed.reason, placed.options)
+            plan.verdict.placement = plan.placement.label
+
+
+def _engine_key(engine: EngineState) -> str:
+    """How the placement and its figures name an engine: its registry id, else its URL."""
+    return engine.engine_id or engine.url

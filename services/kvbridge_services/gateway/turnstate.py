@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from . import reuse
+from .engines import EngineState
+from .placement import Placement
 from .reuse import ReusePlan, ReuseVerdict
 
 
@@ -37,6 +39,9 @@ class TurnPlan:
     verdict: ReuseVerdict = field(default_factory=ReuseVerdict)
     features: reuse.RequestFeatures = field(default_factory=reuse.RequestFeatures)
     pull: ReusePlan | None = None  # what P pulls (a hit), single-use entries already consumed
+    # Placement on: the cost model's choice, and the decode engine it chose (None: the pool's least-loaded D).
+    placement: Placement | None = None
+    decode_engine: EngineState | None = None
     next_epoch: int | None = None
     verified_tokens: int = 0  # what the registry verified (before flooring / declining)
     started: float = field(default_factory=time.perf_counter)
@@ -57,5 +62,7 @@ class TurnPlan:
 
     @property
     def reuse_label(self) -> str:
-        """The TTFT metric's label."""
-        return "hit" if self.verdict.hit else "none"
+        """The TTFT metric's label: hit (P pulled), local (the holder's prefix cache served it), none."""
+        if not self.verdict.hit:
+            return "none"
+        return "local" if self.verdict.in_place else "hit"

@@ -114,6 +114,8 @@ ROUTER_GIVEN = {
     NoReuse.RECOMPUTED: SAFETY,
     NoReuse.PREFILL_FAILED: "tests/integration/gateway/test_gateway_reuse.py",
     NoReuse.PREFILL_TIMEOUT: "tests/e2e/test_gateway_vllm.py",
+    NoReuse.RECOMPUTE_CHEAPER: "tests/integration/gateway/test_placement.py",
+    NoReuse.LOCAL_PREFILL_FAILED: "tests/integration/gateway/test_placement.py",
 }
 
 
