@@ -14,7 +14,7 @@ checks the page against it and tests/reliability/test_authz_matrix.py calls ever
 from __future__ import annotations
 
 import contextvars
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 
 from .auth import Authenticator, Principal, Role
-from .handler_cache import WrappedHandlers
+from .handler_cache import WrappingInterceptor
 
 T, G, E, OP = Role.TENANT, Role.GATEWAY, Role.ENGINE, Role.OPERATOR
 _REG = "kvbridge.registry.v1.RegistryService/"
@@ -156,21 +156,10 @@ def redact_for_tenant(method: str, response: Any) -> Any:
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
-class AuthzInterceptor(grpc.aio.ServerInterceptor):
+class AuthzInterceptor(WrappingInterceptor):
     def __init__(self, auth: Authenticator) -> None:
         self._auth = auth
-        self._wrapped = WrappedHandlers(self._wrap)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
-        method = handler_call_details.method
-        if handler is None or not hasattr(handler, "_replace") or method.startswith(PUBLIC_PREFIXES):
-            return handler
-        return self._wrapped.get(method, handler)  # type: ignore[no-any-return]
+        super().__init__(self._wrap, skip_prefixes=PUBLIC_PREFIXES)
 
     def _admit(self, method: str, context: Ctx) -> Principal:
         principal = self._auth.authenticate(context)

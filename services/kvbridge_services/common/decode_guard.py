@@ -7,7 +7,7 @@ marker instead of raising, and makes the method answer INVALID_ARGUMENT (reason 
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +15,7 @@ import grpc
 
 from kvbridge.errors import InvalidArgument, Reason
 
-from .handler_cache import WrappedHandlers
+from .handler_cache import WrappingInterceptor
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
 
@@ -96,19 +96,9 @@ def _stream_request(inner: Callable[[Any, Ctx], Any], streaming_response: bool) 
     return unary_behavior
 
 
-class DecodeGuardInterceptor(grpc.aio.ServerInterceptor):
+class DecodeGuardInterceptor(WrappingInterceptor):
     def __init__(self) -> None:
-        self._wrapped = WrappedHandlers(_guarded)
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
-        if handler is None or not hasattr(handler, "_replace"):
-            return handler
-        return self._wrapped.get(handler_call_details.method, handler)  # type: ignore[no-any-return]
+        super().__init__(_guarded)
 
 
 def _guarded(method: str, h: Any) -> Any:

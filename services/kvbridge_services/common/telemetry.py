@@ -17,7 +17,7 @@ import logging
 import os
 import secrets
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
 
 import grpc
@@ -31,7 +31,7 @@ from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvbridge import telemetry as api_telemetry
 
-from .handler_cache import WrappedHandlers
+from .handler_cache import WrappingInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -193,7 +193,7 @@ def _status_code(context: grpc.aio.ServicerContext[Any, Any], failed: bool) -> g
     return grpc.StatusCode.UNKNOWN if failed else grpc.StatusCode.OK
 
 
-class ServerTelemetryInterceptor(grpc.aio.ServerInterceptor):
+class ServerTelemetryInterceptor(WrappingInterceptor):
     """A SERVER span per RPC (parented on the caller's W3C context in metadata) plus RPC metrics.
 
     Without ``tracing`` (no exporter anywhere) an RPC gets no span, no context switch and no metadata parsing,
@@ -204,20 +204,9 @@ class ServerTelemetryInterceptor(grpc.aio.ServerInterceptor):
         self._tracer = tracer
         self._metrics = metrics
         self._tracing = tracing
-        self._wrapped = WrappedHandlers(self._wrap)
+        super().__init__(self._wrap, skip_prefixes=_UNTRACED_PREFIXES)
         # labels() resolves a child per call (µs each): the children of (method, code) once.
         self._handled: dict[tuple[str, grpc.StatusCode], Any] = {}
-
-    async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler[Any, Any] | None]],
-        handler_call_details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler[Any, Any] | None:
-        handler = await continuation(handler_call_details)
-        method: str = handler_call_details.method
-        if handler is None or method.startswith(_UNTRACED_PREFIXES):
-            return handler
-        return self._wrapped.get(method, handler)  # type: ignore[no-any-return]
 
     def _wrap(self, method: str, handler: Any) -> Any:
         seconds = self._metrics.seconds.labels(method) if self._metrics is not None else None
