@@ -313,34 +313,23 @@ def engine_command(spec: EngineSpec, port: int, engine_id: str) -> list[str]:
 
 def engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
     if spec.device == "cuda":
-        return _gpu_engine_env(spec, side_channel_port)
-    env = dict(os.environ)
+        # GPU engines: their GPU; no VLLM_CPU_* (inherited ones dropped) and no UCX transport list (UCX picks
+        # its CUDA transports itself; an operator's UCX_* settings pass through).
+        env = {key: value for key, value in os.environ.items() if not key.startswith("VLLM_CPU_")}
+        env["CUDA_VISIBLE_DEVICES"] = spec.cuda_visible_devices
+    else:
+        env = dict(os.environ)
+        env.update(
+            {
+                "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
+                "VLLM_CPU_OMP_THREADS_BIND": str(spec.cpu_core),
+                "UCX_TLS": "tcp,self,sm",
+                "UCX_NET_DEVICES": "lo",
+            }
+        )
+    # Both: the NIXL side channel on loopback, offline, quiet, unbuffered.
     env.update(
         {
-            "VLLM_CPU_KVCACHE_SPACE": str(spec.kv_cache_gib),
-            "VLLM_CPU_OMP_THREADS_BIND": str(spec.cpu_core),
-            "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
-            "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
-            "UCX_TLS": "tcp,self,sm",
-            "UCX_NET_DEVICES": "lo",
-            "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
-            "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1",
-            "VLLM_NO_USAGE_STATS": "1",
-            "PYTHONUNBUFFERED": "1",
-        }
-    )
-    env.update(spec.extra_env)
-    return env
-
-
-def _gpu_engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
-    """GPU engines: their GPU, the NIXL side channel on loopback; no VLLM_CPU_* (inherited ones dropped) and
-    no UCX transport list (UCX picks its CUDA transports itself; an operator's UCX_* settings pass through)."""
-    env = {key: value for key, value in os.environ.items() if not key.startswith("VLLM_CPU_")}
-    env.update(
-        {
-            "CUDA_VISIBLE_DEVICES": spec.cuda_visible_devices,
             "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
             "VLLM_NIXL_SIDE_CHANNEL_PORT": str(side_channel_port),
             "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "INFO"),
