@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -20,6 +20,7 @@ from .service import TENANT_HEADER, GatewayCore
 from .upstream import ClientError, sse_events
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
+_Chunk = TypeVar("_Chunk", gateway_pb2.CreateChatCompletionResponse, gateway_pb2.CreateCompletionResponse)
 
 
 def _sampling(sp: gateway_pb2.SamplingParams) -> dict[str, Any]:
@@ -103,16 +104,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             m.setdefault("content", "")
         body = _streaming_body(request, messages=messages)
         async for verdict, ev, first in self._run("chat", body, request, context):
-            msg = gateway_pb2.CreateChatCompletionResponse(id=str(ev.get("id", "")), model=str(ev.get("model", "")))
-            if first:
-                msg.reuse.CopyFrom(_report(verdict))
-            for choice in ev.get("choices") or []:
-                msg.delta_content += str((choice.get("delta") or {}).get("content") or "")
-                msg.delta_token_ids.extend(int(t) for t in choice.get("token_ids") or [])
-                if choice.get("finish_reason"):
-                    msg.finish_reason = str(choice["finish_reason"])
-            _usage(msg, ev)
-            yield msg
+            yield _chunk(gateway_pb2.CreateChatCompletionResponse(), verdict, ev, first)
 
     @stream_boundary
     async def CreateCompletion(
@@ -123,16 +115,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         prompt: Any = list(request.prompt_token_ids) if request.prompt_token_ids else request.prompt
         body = _streaming_body(request, prompt=prompt)
         async for verdict, ev, first in self._run("completion", body, request, context):
-            msg = gateway_pb2.CreateCompletionResponse(id=str(ev.get("id", "")), model=str(ev.get("model", "")))
-            if first:
-                msg.reuse.CopyFrom(_report(verdict))
-            for choice in ev.get("choices") or []:
-                msg.delta_text += str(choice.get("text") or "")
-                msg.delta_token_ids.extend(int(t) for t in choice.get("token_ids") or [])
-                if choice.get("finish_reason"):
-                    msg.finish_reason = str(choice["finish_reason"])
-            _usage(msg, ev)
-            yield msg
+            yield _chunk(gateway_pb2.CreateCompletionResponse(), verdict, ev, first)
 
     @rpc_boundary
     async def ListModels(self, request: gateway_pb2.ListModelsRequest, context: Ctx) -> gateway_pb2.ListModelsResponse:
@@ -190,6 +173,24 @@ def _streaming_body(request: Any, **fields: Any) -> dict[str, Any]:
     if request.cache_salt:
         body["cache_salt"] = request.cache_salt
     return body
+
+
+def _chunk(msg: _Chunk, verdict: ReuseVerdict, ev: dict[str, Any], first: bool) -> _Chunk:
+    """``msg`` filled from one event of the decode stream: id and model, the reuse report (first event only),
+    each choice's text, token ids and finish reason, and usage."""
+    msg.id, msg.model = str(ev.get("id", "")), str(ev.get("model", ""))
+    if first:
+        msg.reuse.CopyFrom(_report(verdict))
+    for choice in ev.get("choices") or []:
+        if isinstance(msg, gateway_pb2.CreateChatCompletionResponse):
+            msg.delta_content += str((choice.get("delta") or {}).get("content") or "")
+        else:
+            msg.delta_text += str(choice.get("text") or "")
+        msg.delta_token_ids.extend(int(t) for t in choice.get("token_ids") or [])
+        if choice.get("finish_reason"):
+            msg.finish_reason = str(choice["finish_reason"])
+    _usage(msg, ev)
+    return msg
 
 
 def _usage(msg: Any, ev: dict[str, Any]) -> None:
