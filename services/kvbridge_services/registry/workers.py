@@ -21,6 +21,8 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
+from kvbridge.backoff import Backoff
+
 log = logging.getLogger(__name__)
 
 WORKER_FLAG = "--serve-worker"
@@ -44,7 +46,7 @@ class _Worker:
         self.argv = list(argv)
         self.proc: subprocess.Popen[bytes] | None = None
         self.started = 0.0
-        self.delay_s = _FIRST_RESTART_DELAY_S
+        self.restart_delays = Backoff(_FIRST_RESTART_DELAY_S, _MAX_RESTART_DELAY_S)
         self.restart_at: float | None = None
 
     def start(self) -> None:
@@ -65,16 +67,17 @@ class _Worker:
         code = self.proc.poll() if self.proc is not None else None
         if code is None:
             return
-        young = now - self.started < _YOUNG_S
+        delay_s = self.restart_delays.next_delay()
+        if now - self.started >= _YOUNG_S:  # it ran a while: the restart after its next death is prompt again
+            self.restart_delays.reset()
         log.error(
             "registry worker %d (pid %d) exited with %s; restarting in %.0f s",
             self.index,
             self.proc.pid if self.proc else -1,
             code,
-            self.delay_s,
+            delay_s,
         )
-        self.restart_at = now + self.delay_s
-        self.delay_s = min(self.delay_s * 2, _MAX_RESTART_DELAY_S) if young else _FIRST_RESTART_DELAY_S
+        self.restart_at = now + delay_s
 
     def signal(self, signum: int) -> None:
         if self.proc is not None and self.proc.poll() is None:
