@@ -83,19 +83,26 @@ async def test_sleep_sleeps_the_next_delay_capped_by_the_deadline() -> None:
     assert backoff.upcoming_s == 4.0  # capped sleeps still advanced the schedule
 
 
-async def test_retry_returns_after_failures_of_the_retried_kind() -> None:
-    sleeps = Sleeps()
-    outcomes: list[BaseException | str] = [OSError("down"), TimeoutError(), "ok"]
-    heard: list[tuple[str, float]] = []
+class Script:
+    """A call that fails with the scripted errors in turn (a string is returned), counting its calls."""
 
-    async def call() -> str:
-        outcome = outcomes.pop(0)
+    def __init__(self, *outcomes: BaseException | str) -> None:
+        self.outcomes = list(outcomes)
+        self.calls = 0
+
+    async def __call__(self) -> str:
+        self.calls += 1
+        outcome = self.outcomes.pop(0)
         if isinstance(outcome, BaseException):
             raise outcome
         return outcome
 
+
+async def test_retry_returns_after_failures_of_the_retried_kind() -> None:
+    sleeps = Sleeps()
+    heard: list[tuple[str, float]] = []
     result = await retry(
-        call,
+        Script(OSError("down"), TimeoutError(), "ok"),
         Backoff(0.1, 1.0, sleep=sleeps),
         retry_on=(OSError, TimeoutError),
         on_retry=lambda exc, delay: heard.append((type(exc).__name__, delay)),
@@ -107,30 +114,18 @@ async def test_retry_returns_after_failures_of_the_retried_kind() -> None:
 
 async def test_retry_raises_other_failures_at_once() -> None:
     sleeps = Sleeps()
-    calls = 0
-
-    async def call() -> None:
-        nonlocal calls
-        calls += 1
-        raise ValueError("not retried")
-
+    call = Script(ValueError("not retried"), "ok")
     with pytest.raises(ValueError, match="not retried"):
         await retry(call, Backoff(0.1, 1.0, sleep=sleeps), retry_on=OSError)
-    assert calls == 1 and sleeps.slept == []
+    assert call.calls == 1 and sleeps.slept == []
 
 
 async def test_retry_raises_the_last_failure_when_attempts_run_out() -> None:
     sleeps = Sleeps()
-    calls = 0
-
-    async def call() -> None:
-        nonlocal calls
-        calls += 1
-        raise OSError(f"attempt {calls}")
-
+    call = Script(*(OSError(f"attempt {n}") for n in (1, 2, 3)), "ok")
     with pytest.raises(OSError, match="attempt 3"):
         await retry(call, Backoff(0.5, 0.5, sleep=sleeps), attempts=3)
-    assert calls == 3
+    assert call.calls == 3
     assert sleeps.slept == [0.5, 0.5]  # between attempts only, none after the last
     with pytest.raises(ValueError, match="attempt"):
         await retry(call, Backoff(0.5, 0.5, sleep=sleeps), attempts=0)
