@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable
+from dataclasses import KW_ONLY, dataclass, field
 from typing import TypeVar
 
 _T = TypeVar("_T")
@@ -18,67 +19,59 @@ def _loop_time() -> float:
     return asyncio.get_running_loop().time()
 
 
+@dataclass(slots=True)
 class Backoff:
     """Delays that start at ``initial_s`` and grow by ``multiplier`` per delay up to ``max_s``; ``reset()``
     starts again from ``initial_s`` (a retried thing that worked again is a fresh outage when it fails next).
 
     ``jitter`` (0 to 1) spreads each delay uniformly over ``[d * (1 - jitter), d * (1 + jitter)]`` around the
     nominal delay ``d`` (still at most ``max_s``), so that clients that failed together do not retry together.
-    ``rand``, ``sleep`` and ``clock`` are seams for tests (``clock`` is the time deadlines are given in: the
+    ``rand``, ``sleeper`` and ``clock`` are seams for tests (``clock`` is the time deadlines are given in: the
     running event loop's by default).
     """
 
-    __slots__ = ("_clock", "_delay", "_initial", "_jitter", "_max", "_multiplier", "_rand", "_sleep")
+    initial_s: float
+    max_s: float
+    _: KW_ONLY
+    multiplier: float = 2.0
+    jitter: float = 0.0
+    rand: Callable[[], float] = random.random
+    sleeper: Callable[[float], Awaitable[None]] = asyncio.sleep
+    clock: Callable[[], float] = _loop_time
+    _delay: float = field(init=False)
 
-    def __init__(
-        self,
-        initial_s: float,
-        max_s: float,
-        *,
-        multiplier: float = 2.0,
-        jitter: float = 0.0,
-        rand: Callable[[], float] = random.random,
-        sleep: Callable[[float], Awaitable[None]] = asyncio.sleep,
-        clock: Callable[[], float] = _loop_time,
-    ) -> None:
-        if initial_s < 0 or max_s < 0:
+    def __post_init__(self) -> None:
+        if self.initial_s < 0 or self.max_s < 0:
             raise ValueError("backoff delays must be >= 0")
-        if multiplier < 1:
+        if self.multiplier < 1:
             raise ValueError("backoff multiplier must be >= 1")
-        if not 0 <= jitter <= 1:
+        if not 0 <= self.jitter <= 1:
             raise ValueError("backoff jitter must be within 0..1")
-        self._initial = initial_s
-        self._max = max_s
-        self._multiplier = multiplier
-        self._jitter = jitter
-        self._rand = rand
-        self._sleep = sleep
-        self._clock = clock
-        self._delay = initial_s
+        self._delay = self.initial_s
 
     @property
     def upcoming_s(self) -> float:
         """The nominal delay (before jitter) that ``next_delay`` returns next."""
-        return min(self._delay, self._max)
+        return min(self._delay, self.max_s)
 
     def next_delay(self) -> float:
         """The next delay, seconds; the one after it is ``multiplier`` times longer (at most ``max_s``)."""
         delay = self.upcoming_s
-        self._delay = min(self._delay * self._multiplier, self._max)
-        if self._jitter:
-            delay = min(delay * (1 - self._jitter + 2 * self._jitter * self._rand()), self._max)
+        self._delay = min(self._delay * self.multiplier, self.max_s)
+        if self.jitter:
+            delay = min(delay * (1 - self.jitter + 2 * self.jitter * self.rand()), self.max_s)
         return delay
 
     def reset(self) -> None:
         """The next delay is ``initial_s`` again."""
-        self._delay = self._initial
+        self._delay = self.initial_s
 
     async def sleep(self, deadline: float | None = None) -> float:
         """Sleeps the next delay, but not past ``deadline`` (in ``clock`` time); returns the seconds slept."""
         delay = self.next_delay()
         if deadline is not None:
-            delay = min(delay, max(deadline - self._clock(), 0.0))
-        await self._sleep(delay)
+            delay = min(delay, max(deadline - self.clock(), 0.0))
+        await self.sleeper(delay)
         return delay
 
 
@@ -106,7 +99,7 @@ async def retry(
             delay = backoff.next_delay()
             if on_retry is not None:
                 on_retry(exc, delay)
-        await backoff._sleep(delay)
+        await backoff.sleeper(delay)
         attempt += 1
 
 

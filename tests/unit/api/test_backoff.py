@@ -74,7 +74,7 @@ def test_bad_parameters_are_refused() -> None:
 async def test_sleep_sleeps_the_next_delay_capped_by_the_deadline() -> None:
     sleeps = Sleeps()
     now = 100.0
-    backoff = Backoff(0.5, 4.0, sleep=sleeps, clock=lambda: now)
+    backoff = Backoff(0.5, 4.0, sleeper=sleeps, clock=lambda: now)
     assert await backoff.sleep() == 0.5
     assert await backoff.sleep(deadline=now + 10) == 1.0
     assert await backoff.sleep(deadline=now + 0.25) == 0.25  # the deadline comes first
@@ -103,7 +103,7 @@ async def test_retry_returns_after_failures_of_the_retried_kind() -> None:
     heard: list[tuple[str, float]] = []
     result = await retry(
         Script(OSError("down"), TimeoutError(), "ok"),
-        Backoff(0.1, 1.0, sleep=sleeps),
+        Backoff(0.1, 1.0, sleeper=sleeps),
         retry_on=(OSError, TimeoutError),
         on_retry=lambda exc, delay: heard.append((type(exc).__name__, delay)),
     )
@@ -116,7 +116,7 @@ async def test_retry_raises_other_failures_at_once() -> None:
     sleeps = Sleeps()
     call = Script(ValueError("not retried"), "ok")
     with pytest.raises(ValueError, match="not retried"):
-        await retry(call, Backoff(0.1, 1.0, sleep=sleeps), retry_on=OSError)
+        await retry(call, Backoff(0.1, 1.0, sleeper=sleeps), retry_on=OSError)
     assert call.calls == 1 and sleeps.slept == []
 
 
@@ -124,8 +124,8 @@ async def test_retry_raises_the_last_failure_when_attempts_run_out() -> None:
     sleeps = Sleeps()
     call = Script(*(OSError(f"attempt {n}") for n in (1, 2, 3)), "ok")
     with pytest.raises(OSError, match="attempt 3"):
-        await retry(call, Backoff(0.5, 0.5, sleep=sleeps), attempts=3)
+        await retry(call, Backoff(0.5, 0.5, sleeper=sleeps), attempts=3)
     assert call.calls == 3
     assert sleeps.slept == [0.5, 0.5]  # between attempts only, none after the last
     with pytest.raises(ValueError, match="attempt"):
-        await retry(call, Backoff(0.5, 0.5, sleep=sleeps), attempts=0)
+        await retry(call, Backoff(0.5, 0.5, sleeper=sleeps), attempts=0)
