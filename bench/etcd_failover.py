@@ -49,7 +49,7 @@ class Load:
 
 
 async def _writer(
-    stub: lease_pb2_grpc.LeaseServiceStub, w: int, deadline_s: float, load: Load, stop: asyncio.Event
+    stub: lease_pb2_grpc.LeaseServiceAsyncStub, w: int, deadline_s: float, load: Load, stop: asyncio.Event
 ) -> None:
     i = 0
     while not stop.is_set():
@@ -104,7 +104,7 @@ async def run(args: argparse.Namespace) -> list[dict[str, object]]:
         async with asyncio.timeout(30):
             while not app.is_leader:  # noqa: ASYNC110 - polls the app
                 await asyncio.sleep(0.05)
-        load, downs = Load(), []
+        load, downs = Load(), list[float]()
         async with grpc.aio.insecure_channel(app.address) as channel:
             stub = lease_pb2_grpc.LeaseServiceStub(channel)
             tasks = [asyncio.create_task(_writer(stub, w, args.deadline, load, stop)) for w in range(args.writers)]

@@ -104,7 +104,7 @@ def last_stats(log_path: Path) -> tuple[int, ...]:
 
 
 async def grant_all(
-    stub: lease_pb2_grpc.LeaseServiceStub, specs: list[tuple[str, str, float]], concurrency: int
+    stub: lease_pb2_grpc.LeaseServiceAsyncStub, specs: list[tuple[str, str, float]], concurrency: int
 ) -> list[int]:
     ids: list[int] = [0] * len(specs)
     queue = iter(range(len(specs)))
@@ -123,8 +123,18 @@ async def grant_all(
     return ids
 
 
+async def next_statuses(
+    call: grpc.aio.StreamStreamCall[lease_pb2.KeepAliveRequest, lease_pb2.KeepAliveResponse],
+) -> list[lease_pb2.LeaseStatus]:
+    """The statuses of the next KeepAlive response; the stream ending instead fails the run."""
+    response = await call.read()
+    if not isinstance(response, lease_pb2.KeepAliveResponse):
+        raise RuntimeError(f"the KeepAlive stream ended ({response!r})")
+    return list(response.statuses)
+
+
 async def renew_loop(
-    stub: lease_pb2_grpc.LeaseServiceStub,
+    stub: lease_pb2_grpc.LeaseServiceAsyncStub,
     ids: list[int],
     batch: int,
     stop: asyncio.Event,
@@ -142,14 +152,14 @@ async def renew_loop(
         chunk = ids[position : position + batch] or ids[:batch]
         position = position + batch if position + batch < len(ids) else 0
         await call.write(lease_pb2.KeepAliveRequest(lease_ids=chunk))
-        response = await call.read()
-        counts[0] += len(response.statuses)
-        counts[1] += sum(1 for s in response.statuses if not s.alive)
+        statuses = await next_statuses(call)
+        counts[0] += len(statuses)
+        counts[1] += sum(1 for s in statuses if not s.alive)
     await call.done_writing()
 
 
 async def watch_lateness(
-    stub: lease_pb2_grpc.LeaseServiceStub, engine: str, expected: int, lateness: list[float], ready: asyncio.Event
+    stub: lease_pb2_grpc.LeaseServiceAsyncStub, engine: str, expected: int, lateness: list[float], ready: asyncio.Event
 ) -> None:
     call = stub.WatchLeases(lease_pb2.WatchLeasesRequest(engine_id=engine))
     async for message in call:
@@ -194,7 +204,7 @@ async def failover_phase(
         alive = 0
         for start in range(0, len(ids), 10_000):
             await call.write(lease_pb2.KeepAliveRequest(lease_ids=ids[start : start + 10_000]))
-            alive += sum(1 for s in (await call.read()).statuses if s.alive)
+            alive += sum(1 for s in await next_statuses(call) if s.alive)
         await call.done_writing()
         for line in log_path.read_text(errors="replace").splitlines():
             if "election" in line or "recovered" in line:

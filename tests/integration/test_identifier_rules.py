@@ -85,8 +85,8 @@ CANDIDATES = EDGES + _generated(150, seed=15)
 
 @dataclass
 class Stack:
-    registry: registry_pb2_grpc.RegistryServiceStub
-    lease: lease_pb2_grpc.LeaseServiceStub
+    registry: registry_pb2_grpc.RegistryServiceAsyncStub
+    lease: lease_pb2_grpc.LeaseServiceAsyncStub
     http: httpx.AsyncClient
 
 

@@ -96,8 +96,8 @@ class SecureStack:
     prefill: SimServer
     decode: SimServer
     channels: list[grpc.aio.Channel]
-    registry: registry_pb2_grpc.RegistryServiceStub
-    lease: lease_pb2_grpc.LeaseServiceStub
+    registry: registry_pb2_grpc.RegistryServiceAsyncStub
+    lease: lease_pb2_grpc.LeaseServiceAsyncStub
 
     def http(self, key: str | None = ACME_KEY) -> httpx.AsyncClient:
         headers = {"authorization": f"Bearer {key}"} if key else {}

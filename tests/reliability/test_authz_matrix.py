@@ -24,6 +24,7 @@ from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common import authz
 from kvbridge_services.common.auth import Role
+from tests.fixtures.common import read_message
 
 from .conftest import ACME_KEY, BLOCK, GATEWAY_KEY, MODEL, ROLE_KEYS, SecureStack, call, chain, md
 
@@ -219,7 +220,7 @@ async def test_a_tenant_learns_nothing_of_another_tenants_lease(secure: SecureSt
     call_ = secure.lease.KeepAlive(
         iter([lease_pb2.KeepAliveRequest(lease_ids=[live, ended, never])]), metadata=md(ACME_KEY), timeout=5
     )
-    resp = await call_.read()
+    resp = await read_message(call_, lease_pb2.KeepAliveResponse)
     call_.cancel()
     views = [(s.alive, s.reason, s.error, s.HasField("deadline")) for s in resp.statuses]
     assert views == [(False, types_pb2.REVOKE_REASON_UNSPECIFIED, types_pb2.ERROR_REASON_LEASE_NOT_FOUND, False)] * 3
@@ -227,7 +228,7 @@ async def test_a_tenant_learns_nothing_of_another_tenants_lease(secure: SecureSt
     call_ = secure.lease.KeepAlive(
         iter([lease_pb2.KeepAliveRequest(lease_ids=[live, ended])]), metadata=md(ROLE_KEYS["engine"]), timeout=5
     )
-    resp = await call_.read()
+    resp = await read_message(call_, lease_pb2.KeepAliveResponse)
     call_.cancel()
     assert [s.alive for s in resp.statuses] == [True, False]
     assert resp.statuses[1].reason == types_pb2.REVOKE_REASON_CLIENT_CLOSED

@@ -55,8 +55,8 @@ class Load:
 class Services:
     lease: ServiceProcess
     registry: ServiceProcess
-    leases: lease_pb2_grpc.LeaseServiceStub
-    entries: registry_pb2_grpc.RegistryServiceStub
+    leases: lease_pb2_grpc.LeaseServiceAsyncStub
+    entries: registry_pb2_grpc.RegistryServiceAsyncStub
 
 
 @pytest.fixture
@@ -100,7 +100,7 @@ async def services(etcd_cluster: EtcdCluster, tmp_path: Path) -> AsyncIterator[S
 
 
 async def _grant_when_leader(
-    stub: lease_pb2_grpc.LeaseServiceStub, req: lease_pb2.GrantLeaseRequest
+    stub: lease_pb2_grpc.LeaseServiceAsyncStub, req: lease_pb2.GrantLeaseRequest
 ) -> lease_pb2.GrantLeaseResponse:
     async with asyncio.timeout(60):
         while True:

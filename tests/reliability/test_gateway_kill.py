@@ -40,8 +40,8 @@ class GatewayRig:
     http_url: str
     prefill: SimServer
     decode: SimServer
-    entries: registry_pb2_grpc.RegistryServiceStub
-    leases: lease_pb2_grpc.LeaseServiceStub
+    entries: registry_pb2_grpc.RegistryServiceAsyncStub
+    leases: lease_pb2_grpc.LeaseServiceAsyncStub
 
 
 def _engine(sim: SimServer) -> dict[str, object]:

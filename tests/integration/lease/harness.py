@@ -23,7 +23,9 @@ async def wait_until(predicate: Any, timeout_s: float = 10.0, step_s: float = 0.
 
 
 @asynccontextmanager
-async def lease_app(store: Store, **policy: Any) -> AsyncIterator[tuple[LeaseApp, lease_pb2_grpc.LeaseServiceStub]]:
+async def lease_app(
+    store: Store, **policy: Any
+) -> AsyncIterator[tuple[LeaseApp, lease_pb2_grpc.LeaseServiceAsyncStub]]:
     settings = {"port": 0, "leader_ttl_s": 2, "leader_refresh_s": 0.5, **policy}
     app = LeaseApp(store, LeasePolicy(**settings), ServerSettings(shutdown_grace_s=0.5))
     await app.start()

@@ -8,6 +8,7 @@ from google.protobuf import duration_pb2
 
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge_services.common.store.memory import MemoryStore
+from tests.fixtures.common import read_message
 
 from .harness import lease_app
 
@@ -33,7 +34,7 @@ async def test_restart_on_a_durable_embedded_store_recovers_leases(tmp_path: Pat
                 conversations=[lease_pb2.ConversationRef(tenant="acme", model="m", conversation_key="c3")]
             )
         )
-        [status] = (await call.read()).statuses
+        [status] = (await read_message(call, lease_pb2.KeepAliveResponse)).statuses
         assert status.alive and status.lease_id in ids and status.conversation.conversation_key == "c3"
         await call.done_writing()
     await store.close()

@@ -17,7 +17,7 @@ from kvbridge.errors import from_rpc_error
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.etcd import EtcdStore
-from tests.fixtures.common import free_port
+from tests.fixtures.common import free_port, read_message
 
 pytestmark = [pytest.mark.etcd, pytest.mark.slow]
 
@@ -36,7 +36,7 @@ def spawn(endpoint: str, port: int) -> subprocess.Popen[bytes]:
     )
 
 
-async def grant(stub: lease_pb2_grpc.LeaseServiceStub, conv: str) -> lease_pb2.Lease:
+async def grant(stub: lease_pb2_grpc.LeaseServiceAsyncStub, conv: str) -> lease_pb2.Lease:
     request = lease_pb2.GrantLeaseRequest(
         kind=lease_pb2.LEASE_KIND_ENTRY,
         tenant="acme",
@@ -72,7 +72,10 @@ async def test_kill_leader_standby_serves_within_5s_and_keeps_leases(etcd_server
         # roles swap; then look again.)
         async with asyncio.timeout(30):
             while True:
-                leader = (await store.get(leader_key)).value.decode()
+                if (kv := await store.get(leader_key)) is None:  # between two leaders: look again
+                    await asyncio.sleep(0.1)
+                    continue
+                leader = kv.value.decode()
                 [standby] = [a for a in procs if a != leader]
                 try:
                     await stubs[standby].GetLease(lease_pb2.GetLeaseRequest(lease_id=leases[0].lease_id), timeout=1)
@@ -83,7 +86,7 @@ async def test_kill_leader_standby_serves_within_5s_and_keeps_leases(etcd_server
                 await asyncio.sleep(0.1)
         call = stubs[leader].KeepAlive()
         await call.write(lease_pb2.KeepAliveRequest(lease_ids=[le.lease_id for le in leases]))
-        assert all(s.alive for s in (await call.read()).statuses)
+        assert all(s.alive for s in (await read_message(call, lease_pb2.KeepAliveResponse)).statuses)
         call.cancel()
 
         procs[leader].send_signal(signal.SIGKILL)
@@ -100,7 +103,7 @@ async def test_kill_leader_standby_serves_within_5s_and_keeps_leases(etcd_server
         assert took < 5.0, f"standby took {took:.2f}s to serve"
         call = stubs[standby].KeepAlive()
         await call.write(lease_pb2.KeepAliveRequest(lease_ids=[le.lease_id for le in leases]))
-        statuses = (await call.read()).statuses
+        statuses = (await read_message(call, lease_pb2.KeepAliveResponse)).statuses
         assert all(s.alive for s in statuses), "a lease expired early because of the failover"
         call.cancel()
     finally:

@@ -52,7 +52,7 @@ async def store(etcd_server: EtcdServer) -> AsyncIterator[EtcdStore]:
 
 
 async def _granter(
-    stub: lease_pb2_grpc.LeaseServiceStub, w: int, deadline_s: float, out: Grants, stop: asyncio.Event
+    stub: lease_pb2_grpc.LeaseServiceAsyncStub, w: int, deadline_s: float, out: Grants, stop: asyncio.Event
 ) -> None:
     i = 0
     while not stop.is_set():
@@ -81,7 +81,7 @@ async def _stored_ids(store: EtcdStore) -> set[int]:
     return {lease_pb2.Lease.FromString(kv.value).lease_id for kv in kvs}
 
 
-async def _listed_ids(stub: lease_pb2_grpc.LeaseServiceStub) -> set[int]:
+async def _listed_ids(stub: lease_pb2_grpc.LeaseServiceAsyncStub) -> set[int]:
     ids: set[int] = set()
     token = ""
     while True:

@@ -13,6 +13,7 @@ from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
+from tests.fixtures.common import read_message
 
 from .harness import wait_until
 
@@ -60,13 +61,13 @@ async def test_a_refused_ref_leaves_the_message_and_the_stream_working() -> None
                 lease_ids=[lease_id], conversations=[ref("bad\x00key"), ref("c1", tenant="globex"), ref("c1")]
             )
         )
-        by_lease, bad, foreign, good = (await call.read()).statuses
+        by_lease, bad, foreign, good = (await read_message(call, lease_pb2.KeepAliveResponse)).statuses
         assert by_lease.alive and by_lease.lease_id == lease_id
         assert not bad.alive and reason_name(bad.error) == "INVALID_FIELD"
         assert not foreign.alive and reason_name(foreign.error) == "TENANT_FORBIDDEN"
         assert good.alive and good.lease_id == lease_id and not good.error
         await call.write(lease_pb2.KeepAliveRequest(conversations=[ref("c1")]))  # the stream is still open
-        [again] = (await call.read()).statuses
+        [again] = (await read_message(call, lease_pb2.KeepAliveResponse)).statuses
         assert again.alive and again.lease_id == lease_id
         await call.done_writing()
     finally:

@@ -15,6 +15,7 @@ from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.etcd import EtcdStore
+from tests.fixtures.common import read_message
 
 from .harness import lease_app
 
@@ -63,7 +64,7 @@ async def test_renewal_keeps_alive_and_silence_expires_within_ttl_plus_1s(store)
         call = stub.KeepAlive()
         for _ in range(16):  # 4 s = 4 TTLs of heartbeats every TTL/4
             await call.write(lease_pb2.KeepAliveRequest(lease_ids=[kept.lease_id]))
-            [status] = (await call.read()).statuses
+            [status] = (await read_message(call, lease_pb2.KeepAliveResponse)).statuses
             assert status.alive
             await asyncio.sleep(0.25)
         got = (await stub.GetLease(lease_pb2.GetLeaseRequest(lease_id=kept.lease_id))).lease
@@ -84,14 +85,14 @@ async def test_revoke_reaches_watcher_within_1s_and_deletes_entry(store) -> None
         lease = (await stub.GrantLease(grant_entry("c1", seconds=30))).lease
         await put_entry(store, "c1", lease.lease_id)
         watch = stub.WatchLeases(lease_pb2.WatchLeasesRequest(engine_id="eng-1"))
-        first = await watch.read()
+        first = await read_message(watch, lease_pb2.WatchLeasesResponse)
         assert first.snapshot_complete and [e.lease.lease_id for e in first.events] == [lease.lease_id]
         sent = time.monotonic()
         await stub.RevokeLease(
             lease_pb2.RevokeLeaseRequest(lease_id=lease.lease_id, reason=R.REVOKE_REASON_CLIENT_CLOSED)
         )
         while True:
-            msg = await asyncio.wait_for(watch.read(), 1.0)
+            msg = await asyncio.wait_for(read_message(watch, lease_pb2.WatchLeasesResponse), 1.0)
             ended = [e for e in msg.events if e.type == lease_pb2.LeaseEvent.TYPE_ENDED]
             if ended:
                 break
@@ -120,12 +121,12 @@ async def test_node_lease_loss_revokes_entries_with_engine_gone(store) -> None:
         for i, e in enumerate(entries):
             await put_entry(store, f"c{i}", e.lease_id)
         watch = stub.WatchLeases(lease_pb2.WatchLeasesRequest(engine_id="eng-1"))
-        snapshot = await watch.read()
+        snapshot = await read_message(watch, lease_pb2.WatchLeasesResponse)
         assert len(snapshot.events) == 4
         gone: dict[int, int] = {}
         async with asyncio.timeout(5):
             while len(gone) < 4:
-                for event in (await watch.read()).events:
+                for event in (await read_message(watch, lease_pb2.WatchLeasesResponse)).events:
                     if event.type == lease_pb2.LeaseEvent.TYPE_ENDED:
                         gone[event.lease.lease_id] = event.reason
         assert gone[node.lease_id] == R.REVOKE_REASON_EXPIRED
@@ -146,7 +147,7 @@ async def test_budget_evicts_oldest_idle_first(store) -> None:
         response = await stub.GrantLease(grant_entry("c", seconds=60, tokens=400))
         assert list(response.evicted_lease_ids) == [b.lease_id]
         await call.write(lease_pb2.KeepAliveRequest(lease_ids=[b.lease_id]))
-        [status] = (await call.read()).statuses
+        [status] = (await read_message(call, lease_pb2.KeepAliveResponse)).statuses
         assert not status.alive and status.reason == R.REVOKE_REASON_BUDGET
         await call.done_writing()
 
@@ -181,7 +182,7 @@ async def test_bad_input_gets_clear_errors(store) -> None:
         assert info.value.code() == grpc.StatusCode.NOT_FOUND and reason_of(info.value) == "LEASE_NOT_FOUND"
         call = stub.KeepAlive()
         await call.write(lease_pb2.KeepAliveRequest(lease_ids=[987654321]))
-        [status] = (await call.read()).statuses
+        [status] = (await read_message(call, lease_pb2.KeepAliveResponse)).statuses
         assert not status.alive
         await call.write(lease_pb2.KeepAliveRequest(lease_ids=range(1, 100_001)))
         with pytest.raises(grpc.aio.AioRpcError) as info:

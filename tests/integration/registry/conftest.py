@@ -56,7 +56,7 @@ class Env:
     keys: KeyLayout
     app: RegistryApp
     channel: grpc.aio.Channel
-    stub: registry_pb2_grpc.RegistryServiceStub
+    stub: registry_pb2_grpc.RegistryServiceAsyncStub
     releaser: RecordingReleaser
     _req: int = field(default=0)
 
@@ -67,7 +67,7 @@ class Env:
         engine_id: str = "d0",
         conv: str = "",
         model: str = MODEL,
-        kind: int = lease_pb2.LEASE_KIND_ENTRY,
+        kind: lease_pb2.LeaseKind.ValueType = lease_pb2.LEASE_KIND_ENTRY,
         ttl_s: int = 60,
     ) -> int:
         lease_id = await self.store.grant_lease(ttl_s)
@@ -75,7 +75,7 @@ class Env:
             lease_id=lease_id,
             kind=kind,
             tenant=tenant,
-            engine_id=engine_id,  # type: ignore[arg-type]
+            engine_id=engine_id,
             model=model if kind == lease_pb2.LEASE_KIND_ENTRY else "",
             conversation_key=conv,
         )
