@@ -192,12 +192,14 @@ async def grpc_lookups_from_processes(
     return await in_processes(_client_proc, [(address, raw, n // procs, concurrency)] * procs)
 
 
-async def put_lease(store: Store, keys: KeyLayout, kind: int, conv: str = "", engine: str = "d0") -> int:
+async def put_lease(
+    store: Store, keys: KeyLayout, kind: lease_pb2.LeaseKind.ValueType, conv: str = "", engine: str = "d0"
+) -> int:
     lease_id = int.from_bytes(os.urandom(7), "big") + 1
     rec = lease_pb2.Lease(
         lease_id=lease_id,
         kind=kind,
-        tenant="" if kind == lease_pb2.LEASE_KIND_NODE else "acme",  # type: ignore[arg-type]
+        tenant="" if kind == lease_pb2.LEASE_KIND_NODE else "acme",
         engine_id=engine,
         model=MODEL if kind == lease_pb2.LEASE_KIND_ENTRY else "",
         conversation_key=conv,

@@ -83,7 +83,7 @@ def test_up_engines_secure_with_one_keys_file_and_one_service_key(tmp_path: Path
                 model="tiny",
                 messages=messages,
                 max_tokens=8,
-                temperature=0,  # type: ignore[arg-type]
+                temperature=0,
                 extra_body={"conversation_id": "secure-e2e"},
             )
             reply = raw.parse()

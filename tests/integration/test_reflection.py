@@ -88,7 +88,7 @@ class _V1Stub:
 def reflection_db(channel: grpc.Channel, version: str) -> ProtoReflectionDescriptorDatabase:
     db = ProtoReflectionDescriptorDatabase(channel)
     if version == "v1":
-        db._stub = _V1Stub(channel)  # type: ignore[assignment]
+        db._stub = _V1Stub(channel)
     return db
 
 

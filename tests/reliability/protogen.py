@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import Message
@@ -67,6 +67,7 @@ def _scalar(field: FieldDescriptor) -> st.SearchStrategy[Any]:
             st.floats(allow_nan=True, allow_infinity=True, width=32), st.sampled_from([-1.0, 0.0, 1e30, -1e30])
         )
     if t == FieldDescriptor.TYPE_ENUM:
+        assert field.enum_type is not None, field.full_name  # an enum field always names its enum
         known = [v.number for v in field.enum_type.values]
         return st.one_of(st.sampled_from(known), _int(-(2**31), 2**31 - 1))
     lo, hi = _INT_RANGES[t]
@@ -93,7 +94,9 @@ def _fill(cls: type[Message], descriptor: Descriptor, values: dict[str, Any]) ->
 
 def messages(cls: type[Message], depth: int = 3) -> st.SearchStrategy[Message]:
     """Messages of ``cls`` with a random subset of fields set to hostile values."""
-    descriptor = cls.DESCRIPTOR
+    # The stubs type DESCRIPTOR as the Python or the upb (C) descriptor; at run time it is the upb one, which
+    # has the same interface, and message_factory's stubs accept only the Python type.
+    descriptor = cast(Descriptor, cls.DESCRIPTOR)
     fields: dict[str, st.SearchStrategy[Any]] = {}
     for field in descriptor.fields:
         if field.type == FieldDescriptor.TYPE_MESSAGE:
@@ -112,15 +115,16 @@ def messages(cls: type[Message], depth: int = 3) -> st.SearchStrategy[Message]:
 
 
 def _repeated(field: FieldDescriptor) -> bool:
-    flag = getattr(field, "is_repeated", None)
-    return bool(flag) if flag is not None else field.label == FieldDescriptor.LABEL_REPEATED
+    return field.is_repeated  # protobuf >= 7 (api/pyproject.toml): FieldDescriptor.label is gone
 
 
 def _message_class(field: FieldDescriptor) -> type[Message] | None:
     from google.protobuf import message_factory
 
+    if field.message_type is None:
+        return None
     try:
-        return message_factory.GetMessageClass(field.message_type)  # type: ignore[no-any-return]
+        return message_factory.GetMessageClass(field.message_type)
     except Exception:  # noqa: BLE001 - skip types without a generated class
         return None
 

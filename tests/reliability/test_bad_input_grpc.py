@@ -279,8 +279,7 @@ async def test_hundred_thousand_ids_in_one_call(secure: SecureStack) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         async for _ in stream:
             pass
-    err = from_rpc_error(info.value)
-    assert_clean(err)
+    assert_clean(from_rpc_error(info.value))
     assert len(secure.registry_app.index.entries) == before
 
 

@@ -114,22 +114,17 @@ async def test_tenant_cannot_register_engines(secure: SecureStack, canary: Canar
             await call(secure.registry.RegisterEngine, registry_pb2.RegisterEngineRequest(engine=rogue), key)
         assert info.value.reason == Reason.TENANT_FORBIDDEN.value
         # ... nor replace or remove a real one.
+        impostor = types_pb2.Engine()
+        impostor.CopyFrom(rogue)
+        impostor.engine_id = "d0"
         with pytest.raises(KvbridgeError) as info:
-            await call(
-                secure.registry.RegisterEngine,
-                registry_pb2.RegisterEngineRequest(engine=types_pb2.Engine(**{**_fields(rogue), "engine_id": "d0"})),
-                key,
-            )
+            await call(secure.registry.RegisterEngine, registry_pb2.RegisterEngineRequest(engine=impostor), key)
         assert info.value.reason == Reason.TENANT_FORBIDDEN.value
         with pytest.raises(KvbridgeError) as info:
             await call(secure.registry.DeregisterEngine, registry_pb2.DeregisterEngineRequest(engine_id="d0"), key)
         assert info.value.reason == Reason.TENANT_FORBIDDEN.value
     assert set(secure.registry_app.index.engines) == engines_before
     assert canary.connections == 0
-
-
-def _fields(engine: types_pb2.Engine) -> dict[str, object]:
-    return {f.name: v for f, v in engine.ListFields()}
 
 
 async def test_entry_naming_an_unknown_engine_is_refused(secure: SecureStack) -> None:

@@ -34,8 +34,16 @@ LEADER_TTL_S = 2
 
 @pytest.fixture
 async def replicas(etcd_server: EtcdServer, tmp_path: Path) -> AsyncIterator[list[ServiceProcess]]:
-    settings = {"KVBRIDGE_LEASE_LEADER_TTL_S": str(LEADER_TTL_S), "KVBRIDGE_LEASE_LEADER_REFRESH_S": "0.5"}
-    procs = [lease_process(etcd_server.endpoint, tmp_path, name=f"lease-{n}", **settings) for n in "ab"]
+    procs = [
+        lease_process(
+            etcd_server.endpoint,
+            tmp_path,
+            name=f"lease-{n}",
+            KVBRIDGE_LEASE_LEADER_TTL_S=str(LEADER_TTL_S),
+            KVBRIDGE_LEASE_LEADER_REFRESH_S="0.5",
+        )
+        for n in "ab"
+    ]
     try:
         procs[0].start()
         await _serving(procs[0].target)  # a is the leader before b starts

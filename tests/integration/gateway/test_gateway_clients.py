@@ -4,20 +4,21 @@ from __future__ import annotations
 
 import grpc
 import openai
+from openai.types.chat import ChatCompletionMessageParam
 
 from kvbridge.gateway.v1 import gateway_pb2, gateway_pb2_grpc
+from tests.fixtures.gateway_stack import LONG, reference
 
 from .conftest import MODEL, Stack
-from .test_gateway_reuse import LONG, reference
 
 
 async def test_openai_sdk_non_streaming_and_streaming(stack: Stack) -> None:
     client = openai.AsyncOpenAI(base_url=stack.gateway.http_url + "/v1", api_key="key-acme")
-    msgs = [{"role": "user", "content": LONG}]
+    msgs: list[ChatCompletionMessageParam] = [{"role": "user", "content": LONG}]
     resp = await client.chat.completions.create(
         model=MODEL,
         messages=msgs,
-        max_tokens=6,  # type: ignore[arg-type]
+        max_tokens=6,
         extra_body={"conversation_id": "sdk-1"},
     )
     text = resp.choices[0].message.content
@@ -30,7 +31,7 @@ async def test_openai_sdk_non_streaming_and_streaming(stack: Stack) -> None:
         model=MODEL,
         messages=msgs,
         max_tokens=8,
-        stream=True,  # type: ignore[arg-type]
+        stream=True,
         extra_headers={"X-Session-ID": "sdk-1"},
     )
     parts = [c.choices[0].delta.content or "" async for c in stream if c.choices]

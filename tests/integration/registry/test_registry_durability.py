@@ -83,7 +83,7 @@ async def retrying(call: Callable[[], Awaitable[Any]], attempts: int = 60) -> An
     raise AssertionError("unreachable")
 
 
-async def test_kill_9_and_restart_keeps_every_acknowledged_entry(etcd_server) -> None:  # type: ignore[no-untyped-def]
+async def test_kill_9_and_restart_keeps_every_acknowledged_entry(etcd_server) -> None:
     store = etcd_store([etcd_server.endpoint])
     helper = Env(store, KeyLayout(), None, None, None, None)  # type: ignore[arg-type]
     port = free_port()
@@ -120,7 +120,7 @@ async def test_kill_9_and_restart_keeps_every_acknowledged_entry(etcd_server) ->
         await store.close()
 
 
-async def test_two_replicas_agree_within_one_second(etcd_server) -> None:  # type: ignore[no-untyped-def]
+async def test_two_replicas_agree_within_one_second(etcd_server) -> None:
     store_a, store_b = etcd_store([etcd_server.endpoint]), etcd_store([etcd_server.endpoint])
     a, b = await start_env(store_a), await start_env(store_b)
     try:
@@ -145,7 +145,7 @@ async def test_two_replicas_agree_within_one_second(etcd_server) -> None:  # typ
 
 
 @pytest.mark.slow
-async def test_etcd_leader_killed_during_1000_registrations(etcd_cluster) -> None:  # type: ignore[no-untyped-def]
+async def test_etcd_leader_killed_during_1000_registrations(etcd_cluster) -> None:
     store = etcd_store(etcd_cluster.endpoints)
     env = await start_env(store)
     total = 1000

@@ -113,9 +113,7 @@ async def supervised_registry(endpoint: str, tmp_path: Path) -> AsyncIterator[Su
         await store.close()
 
 
-async def test_processes_share_the_port_see_every_registration_and_survive_a_kill(  # type: ignore[no-untyped-def]
-    etcd_server, tmp_path: Path
-) -> None:
+async def test_processes_share_the_port_see_every_registration_and_survive_a_kill(etcd_server, tmp_path: Path) -> None:
     async with supervised_registry(etcd_server.endpoint, tmp_path) as registry:
         proc, target, helper = registry.proc, registry.target, registry.helper
         workers = children(proc.pid)
@@ -156,9 +154,7 @@ def test_more_than_one_process_is_refused_on_the_embedded_store() -> None:
     assert "needs etcd" in done.stderr
 
 
-async def test_a_gateway_with_several_registry_connections_reaches_every_process(  # type: ignore[no-untyped-def]
-    etcd_server, tmp_path: Path
-) -> None:
+async def test_a_gateway_with_several_registry_connections_reaches_every_process(etcd_server, tmp_path: Path) -> None:
     """One HTTP/2 connection lands on one process; the gateway's registry_connections spread its lookups."""
     from kvbridge_services.gateway.control import ControlPlane
 

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import functools
+from collections.abc import Awaitable, Callable
 
 import grpc
 import pytest
@@ -17,7 +19,7 @@ V = registry_pb2.LookupVerdict
 HISTORY = list(range(1000, 1000 + 403))  # 100 full blocks + 3 tokens
 
 
-async def expect_error(call, code: grpc.StatusCode, reason: str) -> None:  # type: ignore[no-untyped-def]
+async def expect_error(call: Awaitable[object], code: grpc.StatusCode, reason: str) -> None:
     with pytest.raises(grpc.aio.AioRpcError) as info:
         await call
     err = from_rpc_error(info.value)
@@ -52,7 +54,9 @@ async def test_append_only_history_gets_full_reuse(env: Env) -> None:
         ("edited in block 0", lambda h: [9, *h[1:]], 0),
     ],
 )
-async def test_changed_history_reuses_only_common_prefix(env: Env, name: str, edit, expected_blocks: int) -> None:  # type: ignore[no-untyped-def]
+async def test_changed_history_reuses_only_common_prefix(
+    env: Env, name: str, edit: Callable[[list[int]], list[int]], expected_blocks: int
+) -> None:
     await env.engine()
     await env.register(HISTORY)
     got = await env.lookup(edit(HISTORY))
@@ -231,7 +235,7 @@ async def test_get_list_delete_watch(env: Env) -> None:
     watch.cancel()
 
 
-async def test_tenant_cap_evicts_oldest_idle(store) -> None:  # type: ignore[no-untyped-def]
+async def test_tenant_cap_evicts_oldest_idle(store) -> None:
     from .conftest import start_env, stop_env
 
     env = await start_env(store, max_entries_per_tenant=3)
@@ -267,11 +271,11 @@ async def test_packed_chain_lookup_answers_like_the_repeated_form(env: Env) -> N
     for prompt in ([*HISTORY, 7, 8, 9, 10], [*HISTORY[:150], 7, *HISTORY[151:]], [9, *HISTORY[1:]]):
         hashes = chain(prompt)
         for conv in ("c1", ""):  # keyed and content-addressed
-            common = {"tenant": "acme", "model": MODEL, "conversation_key": conv, "block_size": BLOCK}
-            repeated = await env.stub.LookupEntry(registry_pb2.LookupEntryRequest(block_hashes=hashes, **common))
-            packed = await env.stub.LookupEntry(
-                registry_pb2.LookupEntryRequest(block_hashes_packed=b"".join(hashes), **common)
+            request = functools.partial(
+                registry_pb2.LookupEntryRequest, tenant="acme", model=MODEL, conversation_key=conv, block_size=BLOCK
             )
+            repeated = await env.stub.LookupEntry(request(block_hashes=hashes))
+            packed = await env.stub.LookupEntry(request(block_hashes_packed=b"".join(hashes)))
             assert packed == repeated
     both = registry_pb2.LookupEntryRequest(
         tenant="acme",

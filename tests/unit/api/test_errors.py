@@ -19,17 +19,11 @@ def test_status_round_trips_code_reason_and_metadata() -> None:
     status = err.to_status()
     assert status.code is grpc.StatusCode.INVALID_ARGUMENT
 
-    class FakeAioError(grpc.RpcError):
-        def code(self) -> grpc.StatusCode:
-            return status.code
-
-        def details(self) -> str:
-            return status.details
-
-        def trailing_metadata(self):  # type: ignore[no-untyped-def]
-            return status.trailing_metadata
-
-    back = errors.from_rpc_error(FakeAioError())
+    # The error a grpc.aio client raises, carrying the status details in its trailing metadata.
+    aio_error = grpc.aio.AioRpcError(
+        status.code, trailing_metadata=grpc.aio.Metadata(*status.trailing_metadata), details=status.details
+    )
+    back = errors.from_rpc_error(aio_error)
     assert isinstance(back, errors.InvalidArgument)
     assert back.reason == "INVALID_FIELD"
     assert back.metadata == {"field": "entry.block_size"}
@@ -38,15 +32,5 @@ def test_status_round_trips_code_reason_and_metadata() -> None:
 
 @pytest.mark.parametrize("code", [grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE])
 def test_error_without_error_info_keeps_code(code: grpc.StatusCode) -> None:
-    class Plain(grpc.RpcError):
-        def code(self) -> grpc.StatusCode:
-            return code
-
-        def details(self) -> str:
-            return "plain"
-
-        def trailing_metadata(self):  # type: ignore[no-untyped-def]
-            return ()
-
-    back = errors.from_rpc_error(Plain())
+    back = errors.from_rpc_error(grpc.aio.AioRpcError(code, details="plain"))
     assert back.code is code and back.reason == "" and back.message == "plain"

@@ -56,7 +56,9 @@ def test_canary_is_short_public_and_distinct() -> None:
 
 def test_a_pull_offer_signature_binds_every_field_p_acts_on_and_only_under_its_own_label() -> None:
     secret = bytes(range(32))
-    offer = {name: f"v-{name}" for name in kvsecret.OFFER_SIGNED_FIELDS if name != kvsecret.OFFER_ISSUED_AT}
+    offer: dict[str, object] = {
+        name: f"v-{name}" for name in kvsecret.OFFER_SIGNED_FIELDS if name != kvsecret.OFFER_ISSUED_AT
+    }
     offer["remote_block_ids"] = [[1, 2], [3, 4]]
     kvsecret.sign_pull_offer(secret, offer, now=100.0)
     assert kvsecret.verify_pull_offer(secret, offer, accepted_at=100.5) == ""
@@ -70,7 +72,7 @@ def test_a_pull_offer_signature_binds_every_field_p_acts_on_and_only_under_its_o
     unsigned = {k: v for k, v in offer.items() if k not in (kvsecret.OFFER_SIGNATURE, kvsecret.OFFER_ISSUED_AT)}
     assert kvsecret.verify_pull_offer(secret, unsigned, accepted_at=100.0) == "unsigned"
     # A decode request's signature is no pull offer's, and the reverse (separate labels and fields).
-    both = {name: "x" for name in {*kvsecret.SIGNED_FIELDS, *kvsecret.OFFER_SIGNED_FIELDS}}
+    both: dict[str, object] = {name: "x" for name in {*kvsecret.SIGNED_FIELDS, *kvsecret.OFFER_SIGNED_FIELDS}}
     kvsecret.sign_kv_params(secret, both, now=100.0)
     both[kvsecret.OFFER_SIGNATURE], both[kvsecret.OFFER_ISSUED_AT] = both[kvsecret.SIGNATURE], 100.0
     assert kvsecret.verify_pull_offer(secret, both, accepted_at=100.0) == "bad_signature"

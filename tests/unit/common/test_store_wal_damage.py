@@ -8,6 +8,7 @@ import json
 import logging
 import os
 import stat
+import zlib
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,8 @@ from kvbridge_services.common.store.wal import (
     scan_log,
     verify,
 )
+
+WAL_FSYNC = "kvbridge_services.common.store.wal.os.fsync"  # the fsync the write-ahead log calls
 
 N = 20
 
@@ -167,10 +170,10 @@ async def test_a_failed_append_is_fail_stop(tmp_path: Path, monkeypatch: pytest.
     def failing_fsync(fd: int) -> None:
         raise OSError(5, "Input/output error")
 
-    monkeypatch.setattr(wal_mod.os, "fsync", failing_fsync)
+    monkeypatch.setattr(WAL_FSYNC, failing_fsync)
     with pytest.raises(StoreUnavailable, match="refuses every write"):
         await store.put(b"/k/failed", b"2")
-    monkeypatch.setattr(wal_mod.os, "fsync", real_fsync)  # the disk "recovers": writes stay refused
+    monkeypatch.setattr(WAL_FSYNC, real_fsync)  # the disk "recovers": writes stay refused
     assert await store.get(b"/k/failed") is None  # never applied, never acknowledged
     with pytest.raises(StoreUnavailable, match="refuses every write"):
         await store.put(b"/k/later", b"3")
@@ -197,7 +200,7 @@ async def test_the_directory_is_fsynced_when_the_log_is_created_and_the_snapshot
             synced_dirs.append(os.fstat(fd).st_ino)
         real_fsync(fd)
 
-    monkeypatch.setattr(wal_mod.os, "fsync", recording_fsync)
+    monkeypatch.setattr(WAL_FSYNC, recording_fsync)
     directory = tmp_path / "new" / "store"
     store = MemoryStore(data_dir=directory, max_log_bytes=256)
     assert directory.stat().st_ino in synced_dirs and (tmp_path / "new").stat().st_ino in synced_dirs
@@ -213,7 +216,7 @@ def test_scan_tells_a_torn_tail_from_damage() -> None:
     blobs = []
     for r in records:
         payload = json.dumps(r).encode()
-        blobs.append(wal_mod._HEADER.pack(len(payload), wal_mod.zlib.crc32(payload)) + payload)
+        blobs.append(wal_mod._HEADER.pack(len(payload), zlib.crc32(payload)) + payload)
     data = b"".join(blobs)
     assert scan_log(data).damage is None and len(scan_log(data).records) == 5
     torn = scan_log(data + blobs[0][:10])

@@ -4,6 +4,7 @@ digest matches P's prompt, and the read window has not passed."""
 from __future__ import annotations
 
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -28,7 +29,7 @@ def _offer(
     *,
     secret: bytes | None = SECRET,
     issued: float | None = None,
-    **overrides: object,
+    overrides: Mapping[str, object] | None = None,
 ) -> dict[str, Any]:
     """An offer as the gateway sends it, signed with ``secret`` (None: unsigned) after ``overrides`` (a value of
     ``_UNSET`` removes the field)."""
@@ -46,7 +47,7 @@ def _offer(
     }
     if digest_tokens is not None:
         params[hashchain.KV_PARAMS_PREFIX_DIGEST] = hashchain.prefix_digest(digest_tokens, tokens)
-    params.update(overrides)
+    params.update(overrides or {})
     params = {k: v for k, v in params.items() if v is not _UNSET}
     if secret is not None:
         kvsecret.sign_pull_offer(secret, params, now=time.time() if issued is None else issued)
@@ -65,8 +66,8 @@ def test_a_matching_digest_pulls(vllm_configs: dict[str, Any]) -> None:
     [
         (_offer([*PROMPT[:50], 7, *PROMPT[51:]]), "a token inside the pulled prefix differs"),
         (_offer(None), "no digest"),
-        (_offer(PROMPT, **{hashchain.KV_PARAMS_PREFIX_DIGEST: 12}), "a digest of the wrong type"),
-        (_offer(PROMPT, remote_num_tokens=500), "more tokens than the prompt has"),
+        (_offer(PROMPT, overrides={hashchain.KV_PARAMS_PREFIX_DIGEST: 12}), "a digest of the wrong type"),
+        (_offer(PROMPT, overrides={"remote_num_tokens": 500}), "more tokens than the prompt has"),
     ],
 )
 def test_a_mismatching_or_missing_digest_declines_and_never_contacts_d(
@@ -91,7 +92,7 @@ def test_a_mismatching_or_missing_digest_declines_and_never_contacts_d(
     ],
 )
 def test_an_offer_without_a_valid_read_deadline_declines(vllm_configs: dict[str, Any], ttl: object, why: str) -> None:
-    offer = _offer(PROMPT, **{offers.KV_PARAMS_OFFER_TTL_MS: _UNSET if ttl is None else ttl})
+    offer = _offer(PROMPT, overrides={offers.KV_PARAMS_OFFER_TTL_MS: _UNSET if ttl is None else ttl})
     with scheduler(vllm_configs, "kv_producer", EXTRA) as sched:
         request = FakeRequest("no-deadline", offer, PROMPT)
         assert sched.get_num_new_matched_tokens(request, 0) == (0, False), why
@@ -182,7 +183,7 @@ def test_a_new_incarnation_of_a_source_engine_makes_the_worker_drop_its_nixl_sta
     incarnation = offers.KV_PARAMS_SOURCE_INCARNATION
 
     def pull(sched: Any, name: str, value: int) -> set[str]:
-        request = FakeRequest(name, _offer(PROMPT, **{incarnation: value}), PROMPT)
+        request = FakeRequest(name, _offer(PROMPT, overrides={incarnation: value}), PROMPT)
         assert sched.get_num_new_matched_tokens(request, 0) == (96, True)
         sched._reqs_need_recv.clear()
         return set(getattr(sched.build_connector_meta(_empty_scheduler_output()), META_FORGET_ENGINES))
@@ -193,5 +194,5 @@ def test_a_new_incarnation_of_a_source_engine_makes_the_worker_drop_its_nixl_sta
         assert pull(sched, "restarted", 12) == {"decode-0"}
         assert pull(sched, "after", 12) == set()
         # The incarnation is signed with the rest of the offer: changing it voids the signature.
-        forged = {**_offer(PROMPT, **{incarnation: 12}), incarnation: 13}
+        forged = {**_offer(PROMPT, overrides={incarnation: 12}), incarnation: 13}
         assert sched.get_num_new_matched_tokens(FakeRequest("forged", forged, PROMPT), 0) == (0, False)

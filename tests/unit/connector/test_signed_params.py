@@ -37,7 +37,7 @@ def _signed() -> dict[str, Any]:
 
 
 def _ignored(reason: str) -> float:
-    return cparams.IGNORED.labels(reason)._value.get()
+    return float(cparams.IGNORED.labels(reason)._value.get())
 
 
 def test_gateway_signed_fields_are_accepted() -> None:

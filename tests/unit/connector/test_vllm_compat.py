@@ -65,6 +65,7 @@ def test_the_connector_refuses_to_construct_on_an_unsupported_vllm(
     from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 
     from kvbridge_connector import connector
+    from kvbridge_connector.scheduler import KvbridgeConnectorScheduler
 
     monkeypatch.delenv(compat.ENV_ALLOW_UNSUPPORTED, raising=False)
     monkeypatch.setattr(connector, "installed_vllm_version", lambda: "0.34.0")
@@ -74,10 +75,12 @@ def test_the_connector_refuses_to_construct_on_an_unsupported_vllm(
     extra = vllm_configs["kv_consumer"].kv_transfer_config.kv_connector_extra_config
     monkeypatch.setitem(extra, "kvbridge_allow_unsupported_vllm", True)
     built = connector.KvbridgeConnector(vllm_configs["kv_consumer"], KVConnectorRole.SCHEDULER, kv_cache_config())
+    scheduler = built.connector_scheduler
+    assert scheduler is not None
     try:
-        assert isinstance(built.connector_scheduler, connector.KvbridgeConnectorScheduler)
+        assert isinstance(scheduler, KvbridgeConnectorScheduler)
     finally:
-        built.connector_scheduler.shutdown()
+        scheduler.shutdown()
 
 
 def test_the_connector_declines_sleep_mode() -> None:

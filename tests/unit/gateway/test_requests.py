@@ -1,15 +1,17 @@
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 
 from kvbridge.errors import InvalidArgument
-from kvbridge_services.gateway.requests import Limits, conversation_key_of, parse_json_body, parse_turn
+from kvbridge_services.gateway.requests import Limits, Turn, TurnKind, conversation_key_of, parse_json_body, parse_turn
 
 LIMITS = Limits(max_messages=3, max_prompt_tokens=100)
 
 
-def turn(kind: str, body: dict, header: str | None = None):
-    return parse_turn(kind, body, tenant="acme", session_header=header, limits=LIMITS)  # type: ignore[arg-type]
+def turn(kind: TurnKind, body: dict[str, Any], header: str | None = None) -> Turn:
+    return parse_turn(kind, body, tenant="acme", session_header=header, limits=LIMITS)
 
 
 def test_chat_turn_strips_internal_fields_and_keeps_sampling() -> None:
@@ -56,7 +58,7 @@ def test_completion_token_prompt() -> None:
         ({"model": "m", "messages": [{"role": "user"}], "n": 2}, "n"),
     ],
 )
-def test_bad_chat_bodies_name_the_field(body: dict, field: str) -> None:
+def test_bad_chat_bodies_name_the_field(body: dict[str, Any], field: str) -> None:
     with pytest.raises(InvalidArgument) as err:
         turn("chat", body)
     assert err.value.metadata["field"] == field

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import TypedDict
 
 import pytest
 
@@ -57,7 +58,7 @@ def verdict_only(v: registry_pb2.LookupVerdict.ValueType) -> registry_pb2.Lookup
 
 
 def decide(
-    lookup: registry_pb2.LookupEntryResponse,
+    lookup: registry_pb2.LookupEntryResponse | None = None,
     *,
     features: reuse.RequestFeatures = PLAIN,
     wants_reuse: bool = True,
@@ -70,7 +71,7 @@ def decide(
         features,
         wants_reuse=wants_reuse,
         prompt_tokens=prompt_tokens,
-        lookup=lookup,
+        lookup=hit() if lookup is None else lookup,
         block_size=B,
         source=source or reuse.SourceState(healthy=True),
         policy=policy,
@@ -80,8 +81,19 @@ def decide(
     )
 
 
+class Inputs(TypedDict, total=False):
+    """Arguments of :func:`decide` (the lookup defaults to :func:`hit`)."""
+
+    lookup: registry_pb2.LookupEntryResponse
+    features: reuse.RequestFeatures
+    wants_reuse: bool
+    prompt_tokens: int
+    source: reuse.SourceState
+    lookup_age_s: float
+
+
 # Every reason decide() gives, with inputs that give it (and would give a hit otherwise).
-DECIDED: dict[NoReuse, dict[str, object]] = {
+DECIDED: dict[NoReuse, Inputs] = {
     NoReuse.NOT_REQUESTED: {"wants_reuse": False},
     NoReuse.MULTIMODAL_INPUT: {"features": reuse.RequestFeatures(multimodal=True)},
     NoReuse.LORA_ADAPTER: {"features": reuse.RequestFeatures(lora_adapter=True)},
@@ -135,19 +147,16 @@ def test_the_base_case_is_a_hit() -> None:
 
 @pytest.mark.parametrize("reason", list(DECIDED), ids=lambda r: r.value)
 def test_each_reason(reason: NoReuse) -> None:
-    kwargs = dict(DECIDED[reason])
-    lookup = kwargs.pop("lookup", hit())
-    assert decide(lookup, **kwargs) is reason  # type: ignore[arg-type]
+    assert decide(**DECIDED[reason]) is reason
 
 
 def test_screen_needs_no_lookup_and_agrees_with_decide() -> None:
     for reason in (NoReuse.NOT_REQUESTED, NoReuse.MULTIMODAL_INPUT, NoReuse.LORA_ADAPTER, NoReuse.UNSUPPORTED_FIELD):
-        kwargs = dict(DECIDED[reason])
-        features = kwargs.get("features", PLAIN)
+        inputs = DECIDED[reason]
         assert (
             reuse.screen(
-                features,
-                wants_reuse=bool(kwargs.get("wants_reuse", True)),  # type: ignore[arg-type]
+                inputs.get("features", PLAIN),
+                wants_reuse=inputs.get("wants_reuse", True),
                 prompt_tokens=None,
                 policy=POLICY,
             )

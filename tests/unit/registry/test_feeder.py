@@ -25,7 +25,7 @@ class FaultyWatchStore(MemoryStore):
         super().__init__()
         self.raise_first, self.hang_first, self.watches = raise_first, hang_first, 0
 
-    async def watch_prefix(self, prefix: bytes, **kw: Any) -> AsyncIterator[WatchBatch]:  # type: ignore[override]
+    async def watch_prefix(self, prefix: bytes, **kw: Any) -> AsyncIterator[WatchBatch]:
         self.watches += 1
         if self.watches <= self.raise_first:
             raise RuntimeError("a bug in the watch path")
