@@ -6,7 +6,9 @@ bandwidth, from the prefill calls the gateway already times. No I/O; the caller 
   ``1 + k`` when ``k`` other prefills were in flight on it: the same queue model the cost model uses). Until
   an engine has a sample it gets the configured default.
 * **Pull bandwidth**, per (reader, source) link: from a prefill that pulled history from D, the call's time
-  minus the prefill's estimate (from the line above) is the pull; its bytes over that time is a sample.
+  minus the prefill's estimate (from the line above) is the pull; its bytes over that time is a sample. Taken
+  only once the reader's line has a fitted intercept (three samples of different sizes): a ratio through the
+  origin would leave the per-call overhead (HTTP, scheduling) in the remainder and read it as a slow link.
   Averaged as seconds per byte (a mean of times, not of rates), per link and over all links. A link without
   samples uses its reverse, then the all-links figure, then the configured default.
 """
@@ -31,6 +33,7 @@ class PrefillFit:
     fixed_s: float
     s_per_token: float
     samples: int
+    line: bool = False  # the intercept was fitted (not a ratio through the origin, not the default)
 
 
 class DecayingLine:
@@ -54,9 +57,10 @@ class DecayingLine:
         self._sxy = keep * self._sxy + w * x * y
         self.samples += 1
 
-    def fit(self) -> tuple[float, float] | None:
-        """``(c, a)`` with ``c >= 0`` and ``a > 0``, or None before the first sample. With too little spread in
-        ``x`` (or a fit that says a negative slope or intercept) it is the ratio ``y / x`` through the origin."""
+    def fit(self) -> tuple[float, float, bool] | None:
+        """``(c, a, line)`` with ``c >= 0`` and ``a > 0``, or None before the first sample. With too little
+        spread in ``x`` (or a fit that says a negative slope or intercept) it is the ratio ``y / x`` through the
+        origin (``line`` False)."""
         if self.samples == 0 or self._sx <= 0:
             return None
         ratio = self._sy / self._sx
@@ -67,8 +71,8 @@ class DecayingLine:
                 a = (self._sxy / self._s1 - mean_x * mean_y) / var
                 c = mean_y - a * mean_x
                 if a > 0 and c >= 0:
-                    return c, a
-        return 0.0, ratio
+                    return c, a, True
+        return 0.0, ratio, False
 
 
 class _Ewma:
@@ -118,8 +122,8 @@ class Figures:
         fit = line.fit() if line is not None else None
         if fit is None or line is None:
             return PrefillFit(0.0, self.default_s_per_token, 0)
-        c, a = fit
-        return PrefillFit(c, min(max(a, _MIN_S_PER_TOKEN), _MAX_S_PER_TOKEN), line.samples)
+        c, a, fitted = fit
+        return PrefillFit(c, min(max(a, _MIN_S_PER_TOKEN), _MAX_S_PER_TOKEN), line.samples, fitted)
 
     def pool_prefill(self, engines: list[str]) -> PrefillFit:
         """The mean measured line of ``engines`` (those with samples), else the default: what an engine that
@@ -172,9 +176,9 @@ class Figures:
     ) -> None:
         """A prefill on ``reader`` that pulled ``pulled`` tokens from ``source`` and computed ``computed`` more
         (after ``context`` cached ones) took ``seconds``: the part beyond the prefill's estimate was the pull."""
-        if pulled <= 0 or seconds <= 0:
-            return
         fit = self.prefill(reader)
+        if pulled <= 0 or seconds <= 0 or not fit.line:
+            return
         work = fit.fixed_s + fit.s_per_token * computed + self._attention_s(computed, context) if computed > 0 else 0
         pull_s = seconds - (1 + max(0, others)) * work - self._pull_fixed_s
         if pull_s < _MIN_PULL_S:
