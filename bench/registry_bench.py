@@ -363,7 +363,7 @@ def entry_sizes(stride: int = 4, tail_blocks: int = 0) -> list[tuple[int, int, i
     """(tokens, bytes of the full chain, bytes of the stored Entry value, bytes in the in-memory index),
     the entry compacted as the registry stores it (``write_record``) with this stride and exact tail."""
     from kvbridge_services.common.hashrecord import HashRecord
-    from kvbridge_services.registry.core import write_record
+    from kvbridge_services.registry.records import write_record
 
     rows = []
     for n_tokens in (2048, 8192, 24576):
