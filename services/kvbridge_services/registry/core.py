@@ -25,7 +25,6 @@ from .entries import Entries
 from .evictions import EntryEvictor
 from .index import RegistryIndex
 from .lookup import Lookups
-from .records import write_record as write_record  # bench/registry_bench.py imports it from here; move it to records
 from .registrar import Registrar
 from .releaser import BackgroundRevoker
 
