@@ -44,7 +44,7 @@ import aiohttp
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.tools.engine_sim import free_port  # noqa: E402
+from tests.fixtures.common import free_port  # noqa: E402
 
 MODEL, BLOCK, SECRET_HEX = "sim-model", 16, "00112233445566778899aabbccddeeff"
 REUSE_THRESHOLD = 64  # the gateway's default reuse_threshold_tokens

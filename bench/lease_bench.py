@@ -22,7 +22,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -34,17 +33,15 @@ from google.protobuf import duration_pb2
 
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the shared test helpers (tests/fixtures)
+from tests.fixtures.common import free_port  # noqa: E402
+
 ENTRY = lease_pb2.LEASE_KIND_ENTRY
 STATS = re.compile(
     r"stats leases=(\d+) renewals=(\d+) watchers=\d+ store_txns=(\d+) store_puts=(\d+) "
     r"store_deletes=(\d+) store_gets=(\d+)"
 )
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def rss_kib(pid: int) -> int:

@@ -24,7 +24,6 @@ import os
 import pickle
 import shutil
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -51,6 +50,10 @@ from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
 from kvbridge_services.registry.index import RegistryIndex
 
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the shared test helpers (tests/fixtures)
+from tests.fixtures.common import consecutive_free_ports, free_port  # noqa: E402
+
 SECRET = b"bench-secret-0123456789abcdef"
 MODEL = "bench/model"
 BLOCK = 16
@@ -59,12 +62,6 @@ BLOCK = 16
 class NoRelease:
     async def revoke(self, lease_id: int, reason: Any) -> None:
         return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def spawn_etcd(binary: str) -> tuple[subprocess.Popen[bytes], str, str]:
@@ -519,20 +516,6 @@ def plot(results: list[dict[str, Any]], path: str, serve_rows: list[dict[str, An
 H2LOAD_MISSING = "h2load not found: apt-get install -y nghttp2-client (Debian), or skip --serve-processes"
 
 
-def free_port_run(count: int) -> int:
-    """A port p with p .. p + count - 1 all free (worker i serves /metrics on p + i)."""
-    for _ in range(100):
-        base = free_port()
-        try:
-            for port in range(base + 1, base + count):
-                with socket.socket() as s:
-                    s.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        return base
-    raise RuntimeError("no run of free ports")
-
-
 def process_tree(pid: int) -> list[int]:
     kids = Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
     return [pid, *(int(k) for k in kids)]
@@ -615,7 +598,7 @@ async def serve_run(endpoint: str, processes: int, args: argparse.Namespace, h2l
 
     store = EtcdStore([endpoint])
     keys = KeyLayout()
-    port, metrics = free_port(), free_port_run(processes)
+    port, metrics = free_port(), consecutive_free_ports(processes)
     env = {
         **os.environ,
         "KVBRIDGE_ETCD_ENDPOINTS": endpoint,

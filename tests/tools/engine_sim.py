@@ -866,12 +866,6 @@ async def _sse(
 # ---- running it --------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 class SimServer:
     """Runs a simulator in the current event loop (for tests): ``async with SimServer(cfg) as sim``."""
 
