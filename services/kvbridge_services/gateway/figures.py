@@ -16,7 +16,9 @@ bandwidth, from the prefill calls the gateway already times. No I/O; the caller 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass
+from typing import TypeVar
 
 __all__ = ["DecayingLine", "Figures", "PrefillFit"]
 
@@ -26,6 +28,21 @@ _MAX_S_PER_TOKEN = 1.0
 _MIN_PULL_S = 1e-4  # a pull estimated shorter than this tells nothing (the prefill estimate's own error)
 _MIN_BYTES_PER_S = 1e6
 _MAX_BYTES_PER_S = 1e13
+
+K = TypeVar("K", bound=Hashable)
+V = TypeVar("V")
+
+
+def _slot(table: OrderedDict[K, V], key: K, make: Callable[[], V], cap: int) -> V:
+    """``table[key]``, made by ``make`` when missing (dropping the least recently used entry at ``cap``)."""
+    value = table.get(key)
+    if value is None:
+        if len(table) >= cap:
+            table.popitem(last=False)
+        value = table[key] = make()
+    else:
+        table.move_to_end(key)
+    return value
 
 
 @dataclass(frozen=True, slots=True)
@@ -162,13 +179,7 @@ class Figures:
         own = seconds / (1 + max(0, others)) - self._attention_s(computed, context)
         if own <= 0:
             return
-        line = self._prefill.get(engine)
-        if line is None:
-            if len(self._prefill) >= self._max_engines:
-                self._prefill.popitem(last=False)
-            line = self._prefill[engine] = DecayingLine(self._weight)
-        else:
-            self._prefill.move_to_end(engine)
+        line = _slot(self._prefill, engine, lambda: DecayingLine(self._weight), self._max_engines)
         line.add(float(computed), own)
 
     def observe_pull(
@@ -184,15 +195,7 @@ class Figures:
         if pull_s < _MIN_PULL_S:
             return
         s_per_byte = pull_s / (pulled * self._bytes_per_token)
-        key = (reader, source)
-        ewma = self._links.get(key)
-        if ewma is None:
-            if len(self._links) >= self._max_links:
-                self._links.popitem(last=False)
-            ewma = self._links[key] = _Ewma(self._weight)
-        else:
-            self._links.move_to_end(key)
-        ewma.add(s_per_byte)
+        _slot(self._links, (reader, source), lambda: _Ewma(self._weight), self._max_links).add(s_per_byte)
         self._all_links.add(s_per_byte)
 
     def _attention_s(self, new: int, context: int) -> float:

@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import httpx
+
 from kvbridge_services.gateway.engines import DECODE
 from tests.fixtures.pd_pool import POOL_BLOCK, Pool, running_pool
 
@@ -27,6 +29,14 @@ async def _stats(pool: Pool) -> dict[str, dict[str, Any]]:
 
 def _delta(after: dict[str, dict[str, Any]], before: dict[str, dict[str, Any]], field: str) -> dict[str, int]:
     return {e: int(after[e][field]) - int(before[e][field]) for e in after}
+
+
+async def _next_turn(pool: Pool, msgs: list[dict[str, str]], conv: str, content: str) -> tuple[str, httpx.Headers]:
+    """Appends the user's ``content`` and runs the turn; its answer must equal the answer with no reuse."""
+    msgs.append({"role": "user", "content": content})
+    answer, headers = await pool.turn(msgs, conv)
+    assert answer == await pool.reference(msgs), headers
+    return answer, headers
 
 
 async def _first_turn(pool: Pool, conv: str) -> tuple[list[dict[str, str]], str]:
@@ -46,21 +56,19 @@ async def test_turns_decode_on_the_holder_which_pulls_only_the_suffix() -> None:
     async with running_pool(2, 2, gateway={"placement_local_prefill": False}) as pool:
         msgs, holder = await _first_turn(pool, "conv-h")
         for i in range(3):
-            msgs.append({"role": "user", "content": f"then step {i} " * 3})
             before = await _stats(pool)
-            answer, headers = await pool.turn(msgs, "conv-h")
+            answer, headers = await _next_turn(pool, msgs, "conv-h", f"then step {i} " * 3)
             after = await _stats(pool)
-            assert headers["x-kvbridge-placement"].split(";")[0] in {"recompute", "pull_to_p"}, headers
-            assert headers["x-kvbridge-placement"].endswith("reason=cheapest")
+            placed = (headers["x-kvbridge-placement"], headers["x-kvbridge-reuse"])
+            assert placed[0] in {"recompute;reason=cheapest", "pull_to_p;reason=cheapest"}, placed
             served = _delta(after, before, "requests")
-            assert served[holder] == 1 and sum(v for e, v in served.items() if e.startswith("d")) == 1
+            assert served[holder] == 1 and sum(v for e, v in served.items() if e.startswith("d")) == 1, placed
             # D's prefix cache held the history (whole blocks): it pulled only the suffix after it from P.
             hit = _delta(after, before, "local_hit_tokens")[holder]
             pulled = _delta(after, before, "remote_pulled_tokens")[holder]
-            assert hit > 150 and hit % POOL_BLOCK == 0, hit
-            assert 0 < pulled < 3 * POOL_BLOCK, pulled  # the new message and the last partial block
+            assert hit > 150 and hit % POOL_BLOCK == 0, (hit, placed)
+            assert 0 < pulled < 3 * POOL_BLOCK, (pulled, placed)  # the new message and the last partial block
             assert _delta(after, before, "computed_tokens")[holder] == 0
-            assert answer == await pool.reference(msgs)
             msgs.append({"role": "assistant", "content": answer})
 
 
@@ -68,9 +76,8 @@ async def test_a_turn_prefills_on_the_holder_with_no_p_and_no_transfer() -> None
     async with running_pool(2, 2) as pool:
         msgs, holder = await _first_turn(pool, "conv-l")
         for i in range(3):
-            msgs.append({"role": "user", "content": f"and now {i} please"})
             before = await _stats(pool)
-            answer, headers = await pool.turn(msgs, "conv-l")
+            answer, headers = await _next_turn(pool, msgs, "conv-l", f"and now {i} please")
             after = await _stats(pool)
             assert headers["x-kvbridge-placement"] == "prefill_on_holder;reason=cheapest"
             reuse, tokens = headers["x-kvbridge-reuse"].split(";tokens=")
@@ -81,7 +88,6 @@ async def test_a_turn_prefills_on_the_holder_with_no_p_and_no_transfer() -> None
             hit = _delta(after, before, "local_hit_tokens")[holder]
             computed = _delta(after, before, "computed_tokens")[holder]
             assert hit >= int(tokens) and computed < 2 * POOL_BLOCK  # only the new suffix was prefilled
-            assert answer == await pool.reference(msgs)
             msgs.append({"role": "assistant", "content": answer})
         metrics = (await pool.client.get("/metrics")).text
         assert 'kvbridge_gateway_placement_total{choice="prefill_on_holder",reason="cheapest"} 3.0' in metrics
@@ -94,9 +100,8 @@ async def test_an_overloaded_holder_sends_the_turn_elsewhere() -> None:
         assert state is not None
         state.outstanding += 3  # as the gateway sees it: three more requests in flight than the other D
         try:
-            msgs.append({"role": "user", "content": "what next"})
             before = await _requests(pool)
-            answer, headers = await pool.turn(msgs, "conv-o")
+            _, headers = await _next_turn(pool, msgs, "conv-o", "what next")
             after = await _requests(pool)
         finally:
             state.outstanding -= 3
@@ -104,7 +109,6 @@ async def test_an_overloaded_holder_sends_the_turn_elsewhere() -> None:
         assert reason == "holder_overloaded" and choice in {"recompute", "pull_to_p"}
         (other,) = [e for e in after if e.startswith("d") and e != holder]
         assert after[other] == before[other] + 1 and after[holder] == before[holder]
-        assert answer == await pool.reference(msgs)
 
 
 async def test_an_unhealthy_holder_sends_the_turn_elsewhere() -> None:
@@ -117,40 +121,33 @@ async def test_an_unhealthy_holder_sends_the_turn_elsewhere() -> None:
             if not state.healthy:
                 break
             await asyncio.sleep(0.05)
-        msgs.append({"role": "user", "content": "still there?"})
         before = await _requests(pool)
-        answer, headers = await pool.turn(msgs, "conv-u")
-        after = await _requests(pool)
+        _, headers = await _next_turn(pool, msgs, "conv-u", "still there?")
+        assert (await _requests(pool))[holder] == before[holder]
         assert headers["x-kvbridge-reuse"].startswith("declined:engine_unhealthy")
         assert headers["x-kvbridge-placement"] == "recompute;reason=no_history"
-        assert after[holder] == before[holder]
-        assert answer == await pool.reference(msgs)
 
 
 async def test_a_failed_local_prefill_is_recomputed_through_p() -> None:
     async with running_pool(2, 2) as pool:
         msgs, holder = await _first_turn(pool, "conv-f")
         await pool.control(pool.sim(holder), fail_next=1)
-        msgs.append({"role": "user", "content": "again"})
-        answer, headers = await pool.turn(msgs, "conv-f")
+        _, headers = await _next_turn(pool, msgs, "conv-f", "again")
         assert headers["x-kvbridge-reuse"].startswith("declined:local_prefill_failed;tokens=")
         assert headers["x-kvbridge-placement"] == "recompute;reason=holder_unavailable"
-        assert answer == await pool.reference(msgs)
 
 
 async def test_a_slow_link_recomputes_on_p_and_still_decodes_on_the_holder() -> None:
     gateway = {"placement_local_prefill": False, "placement_pull_bytes_per_s": 1e6, "placement_pull_fixed_s": 0.5}
     async with running_pool(2, 2, gateway=gateway) as pool:
         msgs, holder = await _first_turn(pool, "conv-s")
-        msgs.append({"role": "user", "content": "more"})
         before = await _stats(pool)
-        answer, headers = await pool.turn(msgs, "conv-s")
+        _, headers = await _next_turn(pool, msgs, "conv-s", "more")
         after = await _stats(pool)
         assert headers["x-kvbridge-reuse"].startswith("declined:recompute_cheaper;tokens=")
         assert headers["x-kvbridge-placement"] == "recompute;reason=cheapest"
         assert _delta(after, before, "requests")[holder] == 1
         assert not any(v for e, v in _delta(after, before, "remote_pulled_tokens").items() if e.startswith("p"))
-        assert answer == await pool.reference(msgs)
 
 
 async def test_4p4d_concurrent_conversations_stick_to_their_holders_and_answer_right() -> None:
@@ -160,9 +157,7 @@ async def test_4p4d_concurrent_conversations_stick_to_their_holders_and_answer_r
             msgs, _ = await _first_turn(pool, conv)
             placements = []
             for i in range(3):
-                msgs.append({"role": "user", "content": f"{conv} question {i}"})
-                answer, headers = await pool.turn(msgs, conv)
-                assert answer == await pool.reference(msgs)
+                answer, headers = await _next_turn(pool, msgs, conv, f"{conv} question {i}")
                 placements.append(headers["x-kvbridge-placement"])
                 msgs.append({"role": "assistant", "content": answer})
             return placements
