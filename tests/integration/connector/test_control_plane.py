@@ -152,6 +152,12 @@ def test_a_restart_under_the_same_engine_id_ends_the_previous_process_entries(pr
             for e in wait_events(first, lambda ev: any(isinstance(e, cp.LeaseBound) for e in ev))
             if isinstance(e, cp.LeaseBound)
         )
+        with grpc.insecure_channel(procs.registry_target) as channel:
+            first_node_lease = (
+                registry_pb2_grpc.RegistryServiceStub(channel)
+                .GetEngine(registry_pb2.GetEngineRequest(engine_id="decode-restarted"), timeout=5)
+                .engine.node_lease_id
+            )
     finally:
         first.stop()  # the process dies; its node lease (30 s) outlives it
     second = cp.ControlPlane(settings, engine("decode-restarted"))  # a new process under the same id
@@ -166,6 +172,14 @@ def test_a_restart_under_the_same_engine_id_ends_the_previous_process_entries(pr
             registry = registry_pb2_grpc.RegistryServiceStub(channel)
             leases = lease_pb2_grpc.LeaseServiceStub(lease_channel)
             deadline = time.monotonic() + 20
+            # The new process registers its engine record (a new node lease) on its own schedule; "connected"
+            # (its lease watch is up) says nothing about that. From the registration on, the old entry is
+            # refused by every lookup of this replica.
+            while registry.GetEngine(
+                registry_pb2.GetEngineRequest(engine_id="decode-restarted"), timeout=5
+            ).engine.node_lease_id in (0, first_node_lease):
+                assert time.monotonic() < deadline, "the restarted engine never registered"
+                time.sleep(0.05)
             while True:  # the old entry: never a hit; deleted, and its lease revoked through the lease manager
                 got = registry.LookupEntry(
                     registry_pb2.LookupEntryRequest(
