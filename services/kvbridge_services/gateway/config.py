@@ -240,12 +240,13 @@ class GatewaySettings(BaseSettings):
         description="Per-transfer latency added to every pull estimate (handshake, notification); configured.",
     )
     placement_decode_load_weight: float = Field(
-        default=0.5,
+        default=0.05,
         ge=0,
         le=100,
         description=(
-            "How much each request already in flight on the holder D slows its local prefill (x the prefill's own"
-            " time): D's local prefill competes with its decodes."
+            "How much each decode in flight on the holder D slows its local prefill (x the prefill's own time): a"
+            " decode adds one token and its KV reads to each step the prefill shares; each local prefill already in"
+            " flight there counts 1 (they queue)."
         ),
     )
     placement_holder_max_extra_load: float = Field(

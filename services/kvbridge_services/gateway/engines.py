@@ -40,6 +40,9 @@ class EngineState:
     source: str = "static"  # "static" | "registry"
     healthy: bool = False
     outstanding: int = 0
+    # Of those, local prefills (placement's plain requests to a decode engine), until D's response (non-streaming:
+    # the whole call, decode included) or its response headers (streaming).
+    prefilling: int = 0
     kv_usage: float = 0.0
     models: set[str] = field(default_factory=set)
     adapters: set[str] = field(default_factory=set)  # served names /v1/models lists with a parent (LoRA adapters)

@@ -24,12 +24,13 @@ The estimates (seconds, up to the first decode step, which every option shares):
 * a transfer of ``t`` tokens over a link of ``bw`` bytes/s: ``pull_fixed + t * kv_bytes_per_token / bw``
 * P's queue: its prefills are compute-bound and share it, so with ``k`` other prefills in flight a prefill takes
   ``(1 + k)`` times its own work.
-* D's local prefill competes with the requests D already runs (its decodes and other local prefills):
-  ``(1 + decode_load_weight * outstanding_D)`` times its own work.
+* D's local prefill waits for the local prefills this gateway already runs there (each as long as its own, the
+  same queue model as P's) and competes with D's decodes: ``(1 + prefilling_D + decode_load_weight *
+  decodes_D)`` times its own work.
 
 RECOMPUTE = P queue x prefill(N, 0) + transfer(N - cached_D);
 PULL_TO_P = transfer(K) + P queue x prefill(N - K, K) + transfer(N - cached_D);
-PREFILL_ON_HOLDER = D load x prefill_D(N - K, K); where ``cached_D`` is K on the holder and 0 elsewhere.
+PREFILL_ON_HOLDER = D queue and load x prefill_D(N - K, K); ``cached_D`` is K on the holder, 0 elsewhere.
 """
 
 from __future__ import annotations
@@ -82,10 +83,15 @@ class EngineFigures:
     prefill_fixed_s: float = 0.0  # per-call time that does not grow with tokens (HTTP, scheduling)
     load: float = 0.0  # the pool's load score (outstanding + kv_usage_weight x KV usage): the holder cap compares it
     outstanding: int = 0  # this gateway's requests in flight on it: the queue terms use it
+    prefilling: int = 0  # of those, local prefills (a decode engine's plain requests): the rest are decodes
 
     def __post_init__(self) -> None:
-        if self.prefill_s_per_token < 0 or self.prefill_fixed_s < 0 or self.outstanding < 0:
+        if self.prefill_s_per_token < 0 or self.prefill_fixed_s < 0 or self.outstanding < 0 or self.prefilling < 0:
             raise ValueError("engine figures must not be negative")
+
+    @property
+    def decodes(self) -> int:
+        return max(0, self.outstanding - self.prefilling)
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,7 +102,7 @@ class Costs:
     default_bytes_per_s: float  # pull bandwidth of a link not measured yet
     attention_s_per_token_pair: float = 0.0  # quadratic (attention) prefill term per new token per context token
     pull_fixed_s: float = 0.0  # per-transfer latency (notification, descriptor setup)
-    decode_load_weight: float = 0.5  # how much each request running on D slows D's own prefill (x its work)
+    decode_load_weight: float = 0.05  # how much each decode running on D slows D's own prefill (x its work)
     holder_max_extra_load: float = 4.0  # the holder may be this much more loaded than the least-loaded D
     local_prefill: bool = True  # whether option 3 may be chosen at all
 
@@ -227,7 +233,7 @@ def place(turn: PlacementInput, costs: Costs) -> Placement:
         )
         options.append(Option(Choice.PULL_TO_P, p.engine_id, d.engine_id, ttft, k, to_d, n - k))
     if holder is not None and costs.local_prefill:
-        slowdown = 1 + costs.decode_load_weight * holder.outstanding
+        slowdown = 1 + holder.prefilling + costs.decode_load_weight * holder.decodes
         ttft = slowdown * prefill_seconds(holder, n - k, k, costs)
         options.append(Option(Choice.PREFILL_ON_HOLDER, None, holder.engine_id, ttft, 0, 0, n - k))
     chosen = min(options, key=lambda o: (o.ttft_s, o.moved_tokens, _RANK[o.choice]))

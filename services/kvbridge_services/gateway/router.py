@@ -166,6 +166,7 @@ class TurnRouter:
     ) -> TurnResult:
         """The turn as a plain request to the holder D (its prefix cache serves the history). If that fails, the
         turn is served as a recompute through P and another D: a failed local prefill costs time, not the answer."""
+        holder.prefilling += 1  # the next turns' cost model sees it queued there
         try:
             result = await self._decoder.run(turn, plan, holder, kvparams.local_prefill_params())
         except (Unavailable, DeadlineExceeded) as exc:
@@ -173,6 +174,8 @@ class TurnRouter:
         else:
             self._record_verdict(span, plan, None, holder)
             return result
+        finally:
+            holder.prefilling -= 1
         plan.verdict.outcome, plan.verdict.in_place = NoReuse.LOCAL_PREFILL_FAILED, False
         try:
             decode = await self._pool.choose_live(turn.model, DECODE, exclude=frozenset({holder.url}))
@@ -487,6 +490,7 @@ class TurnRouter:
             prefill_fixed_s=fit.fixed_s,
             load=self._pool.load(engine),
             outstanding=engine.outstanding,
+            prefilling=engine.prefilling,
         )
 
     def _eligible_holder(self, turn: Turn, engine_id: str) -> EngineState | None:

@@ -122,6 +122,17 @@ def test_load_on_the_holder_turns_a_local_prefill_into_a_pull() -> None:
     assert busy.reason is Why.CHEAPEST and busy.choice is Choice.PULL_TO_P and busy.chosen.decode == "d0"
 
 
+def test_local_prefills_queued_on_the_holder_count_fully_and_decodes_by_their_weight() -> None:
+    costs = dataclasses.replace(COSTS, decode_load_weight=0.05)
+    own = prefill_seconds(D0, 1000, 7000, costs)
+    decoding = place(turn(holder=dataclasses.replace(D0, outstanding=2)), costs)
+    queued = place(turn(holder=dataclasses.replace(D0, outstanding=2, prefilling=2)), costs)
+    assert decoding.estimate(Choice.PREFILL_ON_HOLDER) == pytest.approx(1.1 * own)
+    assert queued.estimate(Choice.PREFILL_ON_HOLDER) == pytest.approx(3 * own)
+    with pytest.raises(ValueError):
+        EngineFigures("d0", prefill_s_per_token=1e-4, prefilling=-1)
+
+
 def test_a_queue_on_p_favours_the_holders_local_prefill() -> None:
     # Short history, where pulling is a close call against a local prefill of a long suffix.
     quiet = place(turn(n=8000, k=1000, holder=dataclasses.replace(D0, outstanding=2, load=2.0)), COSTS)
@@ -175,10 +186,13 @@ def _estimates(
     attention: float = 1e-9,
     p_out: float = 1,
     d_out: float = 1,
+    d_prefilling: float = 0,
 ) -> dict[Choice, float | None]:
     costs = Costs(bytes_per_token, bw, pull_fixed_s=fixed, attention_s_per_token_pair=attention)
     p = EngineFigures("p0", prefill_s_per_token=s_per_token, outstanding=int(p_out))
-    holder = EngineFigures("d0", prefill_s_per_token=s_per_token, outstanding=int(d_out), load=0.0)
+    holder = EngineFigures(
+        "d0", prefill_s_per_token=s_per_token, outstanding=int(d_out + d_prefilling), prefilling=int(d_prefilling)
+    )
     placed = place(turn(p=p, holder=holder), costs)
     return {c: placed.estimate(c) for c in Choice}
 
@@ -193,6 +207,7 @@ def _estimates(
         ("attention", (0.0, 1e-10, 1e-9, 1e-8), +1),
         ("p_out", (0, 1, 4, 16), +1),
         ("d_out", (0, 1, 4, 16), +1),
+        ("d_prefilling", (0, 1, 4, 16), +1),
     ],
 )
 def test_every_estimate_is_monotonic_in_every_figure(figure: str, values: tuple[float, ...], direction: int) -> None:
