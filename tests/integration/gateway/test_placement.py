@@ -93,6 +93,23 @@ async def test_a_turn_prefills_on_the_holder_with_no_p_and_no_transfer() -> None
         assert 'kvbridge_gateway_placement_total{choice="prefill_on_holder",reason="cheapest"} 3.0' in metrics
 
 
+async def test_a_streamed_turn_prefills_on_the_holder_and_streams_every_frame() -> None:
+    async with running_pool(2, 2) as pool:
+        msgs, holder = await _first_turn(pool, "conv-st")
+        msgs.append({"role": "user", "content": "stream it"})
+        body = {"model": "sim-model", "messages": msgs, "max_tokens": 5, "stream": True, "conversation_id": "conv-st"}
+        before = await _requests(pool)
+        async with pool.client.stream("POST", "/v1/chat/completions", json=body) as r:
+            assert r.status_code == 200
+            headers = r.headers
+            frames = [line[6:] async for line in r.aiter_lines() if line.startswith("data: ")]
+        assert headers["x-kvbridge-placement"] == "prefill_on_holder;reason=cheapest"
+        assert headers["x-kvbridge-reuse"].startswith("hit;tokens=")
+        assert frames[-1] == "[DONE]" and len(frames) == 1 + 5 + 1
+        after = await _requests(pool)
+        assert {e: after[e] - before[e] for e in after} == {e: int(e == holder) for e in after}
+
+
 async def test_an_overloaded_holder_sends_the_turn_elsewhere() -> None:
     async with running_pool(2, 2, gateway={"placement_holder_max_extra_load": 1.0}) as pool:
         msgs, holder = await _first_turn(pool, "conv-o")

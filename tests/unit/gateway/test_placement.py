@@ -21,6 +21,8 @@ from kvbridge_services.gateway.placement import (
     prefill_seconds,
     transfer_seconds,
 )
+from kvbridge_services.gateway.reuse import NoReuse, ReuseVerdict
+from kvbridge_services.gateway.turnstate import TurnPlan
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "gateway.md"
 KIB = 1024
@@ -223,6 +225,15 @@ def test_every_estimate_is_monotonic_in_every_figure(figure: str, values: tuple[
 def test_more_history_never_makes_the_best_estimate_worse() -> None:
     best = [place(turn(n=8000, k=k), COSTS).chosen.ttft_s for k in (0, 1000, 4000, 7000, 7999)]
     assert all(b <= a + 1e-12 for a, b in itertools.pairwise(best))
+
+
+def test_a_hit_served_in_place_reports_no_pulled_tokens() -> None:
+    pulled = ReuseVerdict(outcome=None, tokens=160)
+    in_place = ReuseVerdict(outcome=None, tokens=160, in_place=True, placement="prefill_on_holder;reason=cheapest")
+    declined = ReuseVerdict(outcome=NoReuse.RECOMPUTE_CHEAPER, tokens=160)
+    assert (pulled.pulled_tokens, in_place.pulled_tokens, declined.pulled_tokens) == (160, 0, 0)
+    assert in_place.header() == "hit;tokens=160" and declined.header() == "declined:recompute_cheaper;tokens=160"
+    assert TurnPlan(verdict=in_place).reuse_label == "local" and TurnPlan(verdict=pulled).reuse_label == "hit"
 
 
 # -- the measured figures ---------------------------------------------------------------------------------
