@@ -367,6 +367,14 @@ BENCHES: dict[str, tuple[str, str]] = {
         "etcd_failover.py",
         "lease-manager writes through etcd leader kills on a 3-member cluster with default raft timings",
     ),
+    "three-routers": (
+        "three_routers.py",
+        "no reuse, vLLM's multi-turn proxy protocol and kvbridge on one agent conversation (4 vLLM engines, ~1 h)",
+    ),
+    "placement": (
+        "placement.py",
+        "decoding on the D that holds the conversation, 4P4D simulators: KV bytes moved and TTFT, off vs on",
+    ),
 }
 
 
@@ -387,7 +395,7 @@ def _bench_dir() -> Path:
     import kvbridge_services
 
     override = os.environ.get("KVBRIDGE_BENCH_DIR")
-    return Path(override) if override else Path(kvbridge_services.__file__).resolve().parent.parent / "bench"
+    return Path(override) if override else Path(kvbridge_services.__file__).resolve().parents[2] / "bench"
 
 
 def _bench(args: argparse.Namespace) -> int:
