@@ -178,6 +178,16 @@ class GatewaySettings(BaseSettings):
             "conversation's turns and heartbeats, never past D's hold)."
         ),
     )
+    registration_wait_s: float = Field(
+        default=0.5,
+        ge=0,
+        le=10,
+        description=(
+            "How long after a conversation's turn ended its next turn's lookup may wait for that turn's entry (D's"
+            " connector registers it off the engine's loop; compatibility mode registers it after the answer), so"
+            " an agent whose tool answers in milliseconds still reuses; a turn that comes later never waits. 0: off."
+        ),
+    )
     # Placement (docs/gateway.md "Placement", ADR 0020): where each turn runs, by a cost model.
     placement: bool = Field(
         default=False,
@@ -229,8 +239,8 @@ class GatewaySettings(BaseSettings):
         ge=1e6,
         le=1e13,
         description=(
-            "Pull (NIXL READ) bandwidth assumed for a link until measured: from prefills that pulled history, the"
-            " call time beyond the prefill's estimate, per (reader, source) link, then over all links."
+            "Pull (NIXL READ) bandwidth assumed until measured: each P's timed prefills, plain and pulling, are fitted"
+            " together (per-call overhead, seconds per computed token, seconds per pulled token)."
         ),
     )
     placement_pull_fixed_s: float = Field(

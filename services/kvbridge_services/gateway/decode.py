@@ -20,7 +20,7 @@ from .enginecalls import EngineCalls, completion_path, upstream_failure
 from .engines import EnginePool, EngineState
 from .metrics import GatewayMetrics
 from .posturn import PostTurnWork
-from .registration import CompatRegistrar
+from .registration import CompatRegistrar, connector_registers
 from .requests import Turn
 from .turnstate import TurnPlan, TurnResult
 from .upstream import TRANSPORT_ERRORS, EngineHttp, UpstreamError, UpstreamStream
@@ -61,11 +61,13 @@ class Decoder:
         # A turn whose KV the chain does not cover (multimodal, LoRA) gives D no conversation: a connector there
         # registers nothing, and neither does the gateway.
         covered = plan.features.covered
+        plan.sent_epoch = plan.epoch
+        plan.connector_registers = connector_registers(engine, None)
         body["kv_transfer_params"] = kvparams.decode_params(
             p_params,
             tenant=turn.tenant,
             conversation_key=turn.conversation_key if covered else "",
-            epoch=plan.epoch,
+            epoch=plan.sent_epoch,
             secret=self._secret,
         )
         register = self._registers() and bool(turn.conversation_key) and not turn.stream and covered

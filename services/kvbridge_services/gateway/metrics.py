@@ -72,6 +72,13 @@ class GatewayMetrics:
             "Seconds since the entry copy last heard from the registry's watch (-1: never)",
             registry=r,
         )
+        self.registration_waits = Histogram(
+            "kvbridge_gateway_registration_wait_seconds",
+            "Time a lookup waited for the conversation's previous turn to be registered (freshness.py)",
+            ["registered"],
+            buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5),
+            registry=r,
+        )
         self.secret_mismatch = Counter(
             "kvbridge_gateway_secret_mismatch_total",
             "Turns refused reuse: the decode engine announced another deployment secret",

@@ -39,6 +39,7 @@ EngineRecords = Callable[[str], "types_pb2.Engine | None"]
 _PUT = registry_pb2.EntryEvent.TYPE_PUT
 _DELETE = registry_pb2.EntryEvent.TYPE_DELETE
 _BACKOFF_S = (0.2, 0.5, 1.0, 2.0, 5.0)
+_MAX_WAITERS = 10_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,6 +69,9 @@ class EntryMirror:
         self._last_message: float | None = None
         self.revision = 0  # the store revision the copy is up to (for status and tests)
         self.skipped = 0  # entries not kept: the copy was full, or the entry was unusable
+        # Lookups waiting for a conversation's entry to reach an epoch (freshness.py), woken by _put.
+        self._waiters: dict[EntryId, list[tuple[int, asyncio.Future[None]]]] = {}
+        self._waiting = 0
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -120,6 +124,39 @@ class EntryMirror:
         own = registry_pb2.Entry()
         own.CopyFrom(entry)
         self._entries[eid] = MirroredEntry(own, record_of(own), revision)
+        waiting = self._waiters.get(eid)
+        if waiting:
+            for min_epoch, future in waiting:
+                if own.epoch >= min_epoch and not future.done():
+                    future.set_result(None)
+
+    def epoch_of(self, tenant: str, model: str, conversation_key: str) -> int | None:
+        """The epoch of the conversation's entry in the copy (None: no entry here)."""
+        item = self._entries.get((tenant, model, conversation_key))
+        return None if item is None else int(item.entry.epoch)
+
+    async def wait_for_epoch(self, eid: EntryId, min_epoch: int, timeout_s: float) -> bool:
+        """Waits (at most ``timeout_s``) until the copy holds the conversation's entry at ``min_epoch`` or newer;
+        whether it does. Bounded: past _MAX_WAITERS waiting lookups, a new one does not wait."""
+        item = self._entries.get(eid)
+        if item is not None and item.entry.epoch >= min_epoch:
+            return True
+        if timeout_s <= 0 or self._waiting >= _MAX_WAITERS:
+            return False
+        future: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        waiting = self._waiters.setdefault(eid, [])
+        waiting.append((min_epoch, future))
+        self._waiting += 1
+        try:
+            await asyncio.wait_for(future, timeout_s)
+            return True
+        except TimeoutError:
+            return False
+        finally:
+            self._waiting -= 1
+            waiting.remove((min_epoch, future))
+            if not waiting:
+                self._waiters.pop(eid, None)
 
     def lookup(
         self,

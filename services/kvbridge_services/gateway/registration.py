@@ -10,7 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -148,7 +148,10 @@ class CompatRegistrar:
         *,
         hold_s: float,
         entry_lease_ttl_s: float,
+        on_registered: Callable[[tuple[str, str, str], int], None] | None = None,
     ) -> None:
+        """``on_registered(conversation, epoch)``: told of each entry registered (freshness.py)."""
+        self._on_registered = on_registered
         self._control = control
         self._chains = chains
         self._metrics = metrics
@@ -225,6 +228,8 @@ class CompatRegistrar:
             try:
                 await self._control.register_entry(entry)
                 self._metrics.registrations.labels("ok").inc()
+                if self._on_registered is not None:
+                    self._on_registered((turn.tenant, turn.model, turn.conversation_key), int(entry.epoch))
                 return
             except ControlPlaneError as exc:
                 if exc.reason != Reason.STALE_EPOCH.value:

@@ -32,6 +32,7 @@ from .decode import Decoder
 from .enginecalls import EngineCalls
 from .engines import DECODE, PREFILL, EnginePool, EngineState
 from .figures import Figures, PrefillFit
+from .freshness import RecentTurns, registration_wait_s
 from .metrics import GatewayMetrics
 from .mirror import EntryMirror
 from .placement import Choice, EngineFigures, Placement, PlacementInput, Why
@@ -110,12 +111,14 @@ class TurnRouter:
         calls = EngineCalls(pool, self._tracer)
         self._prompt_ids = PromptIds(settings, pool, http, calls, metrics, tokenizers)
         self._prefiller = Prefiller(settings, pool, http, calls, metrics, self._secret, self._figures)
+        self._recent = RecentTurns()
         self._registrar = CompatRegistrar(
             control,
             self._chains,
             metrics,
             hold_s=settings.compat_decoder_kv_blocks_ttl_s,
             entry_lease_ttl_s=settings.entry_lease_ttl_s,
+            on_registered=self._recent.finished,
         )
         self._decoder = Decoder(
             settings,
@@ -188,6 +191,11 @@ class TurnRouter:
         return await self._decoder.run(turn, plan, decode, p_params)
 
     @property
+    def figures(self) -> Figures:
+        """What the placement measured: prefill lines per P, pull bandwidth per link."""
+        return self._figures
+
+    @property
     def clocks(self) -> ClockOffsets:
         """Each stock D's clock offset (compatibility mode), as learned from its responses."""
         return self._registrar.clocks
@@ -203,6 +211,10 @@ class TurnRouter:
 
     def _after_turn(self, turn: Turn, plan: TurnPlan) -> None:
         self._renewer.flush_soon()  # the renewal touched before the prefill goes out now
+        if turn.conversation_key and plan.sent_epoch and plan.features.covered and plan.connector_registers:
+            # D's connector registers this turn's state on its own schedule (compatibility mode: the registrar
+            # reports its registrations itself).
+            self._recent.finished((turn.tenant, turn.model, turn.conversation_key), plan.sent_epoch)
         log.info(
             "turn tenant=%s model=%s key=%r reuse=%s",
             turn.tenant,
@@ -329,12 +341,37 @@ class TurnRouter:
         await self._lookup(turn, plan, prefill, decode)
         return plan
 
+    async def _await_previous_turn(self, turn: Turn) -> None:
+        """Waits (bounded) for the entry of the conversation's previous turn when it ended a moment ago
+        (freshness.py): this gateway's own compatibility-mode registration still running, then the entry
+        reaching the copy of the registry."""
+        if not turn.conversation_key:
+            return
+        conversation = (turn.tenant, turn.model, turn.conversation_key)
+        started = time.monotonic()
+        waited = False
+        if self._post_turn.pending(conversation) and self._s.registration_wait_s > 0:
+            await self._post_turn.settle(conversation, timeout_s=self._s.registration_wait_s)
+            waited = True
+        last = self._recent.last(conversation)
+        registered = self._mirror.epoch_of(*conversation) if self._mirror is not None else None
+        wait = registration_wait_s(
+            last, registered_epoch=registered, now=self._recent.now(), max_wait_s=self._s.registration_wait_s
+        )
+        seen = registered is not None and last is not None and registered >= last.epoch
+        if last is not None and wait > 0 and self._mirror is not None:
+            seen = await self._mirror.wait_for_epoch(conversation, last.epoch, wait)
+            waited = True
+        if waited:
+            self._metrics.registration_waits.labels("yes" if seen else "no").observe(time.monotonic() - started)
+
     async def _lookup(self, turn: Turn, plan: TurnPlan, prefill: EngineState, decode: EngineState) -> None:
         assert plan.prompt_ids is not None
         b, threshold = plan.block_size, self._policy_for(plan.block_size).threshold_tokens
         hashes = self._chains.chain(
             Scope(turn.tenant, turn.model, turn.cache_salt, b), turn.conversation_key, plan.prompt_ids
         )
+        await self._await_previous_turn(turn)
         if self._mirror is not None:
             asked_at = time.monotonic()
             found = self._mirror.lookup(

@@ -48,6 +48,8 @@ class TurnPlan:
     engine_seconds: float = 0.0  # time inside prefill calls (excluded from router overhead)
     decode_sent_s: float = 0.0  # wall time the decode request went out / its response came back
     decode_answered_s: float = 0.0
+    sent_epoch: int = 0  # the epoch sent to D with the decode request (0: not sent yet)
+    connector_registers: bool = False  # D runs the kvbridge connector: it registers the turn's state itself
 
     @property
     def epoch(self) -> int:
