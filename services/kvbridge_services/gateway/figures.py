@@ -1,48 +1,38 @@
-"""What the placement cost model (placement.py) measures: each engine's prefill speed and each link's pull
-bandwidth, from the prefill calls the gateway already times. No I/O; the caller passes what it saw.
+"""What the placement cost model (placement.py) measures: each prefill engine's speed and pull bandwidth, from
+the prefill calls the gateway already times. No I/O; the caller passes what it saw.
 
-* **Prefill speed**, per engine: an exponentially weighted least-squares line ``seconds = fixed + a * tokens``
-  over its plain prefills (the configured attention term taken out first, and the call's time divided by
-  ``1 + k`` when ``k`` other prefills were in flight on it: the same queue model the cost model uses). Until
-  an engine has a sample it gets the configured default.
-* **Pull bandwidth**, per (reader, source) link: from a prefill that pulled history from D, the call's time
-  minus the prefill's estimate (from the line above) is the pull; its bytes over that time is a sample. Taken
-  only once the reader's line has a fitted intercept (three samples of different sizes): a ratio through the
-  origin would leave the per-call overhead (HTTP, scheduling) in the remainder and read it as a slow link.
-  Averaged as seconds per byte (a mean of times, not of rates), per link and over all links. A link without
-  samples uses its reverse, then the all-links figure, then the configured default.
+One exponentially weighted least-squares fit per prefill engine over all its timed prefills, plain or pulling:
+
+    seconds / (1 + k) = fixed + a * computed + b * pulled / (1 + k)
+
+``computed`` new tokens (the configured attention term taken out of ``seconds`` first), ``pulled`` tokens read
+from a decode engine (the configured per-pull latency taken out too), ``k`` other prefills of this gateway in
+flight on it when the call started: the cost model's own queue model (prefills share the engine, a pull does
+not). ``fixed`` is the per-call overhead (HTTP, scheduling), ``a`` the prefill seconds per token and ``b`` the
+seconds per pulled token, so the engine's pull bandwidth is ``kv_bytes_per_token / b``. Fitting them together
+keeps the per-call overhead out of the pull (a pull timed against a prefill estimate through the origin read the
+overhead as a slow link) and needs no plain prefills of different sizes: plain and pulling calls differ in both
+token counts. While the samples cannot separate the three (no pulls yet, all prompts one size), ``a`` is the
+ratio through the origin and the bandwidth stays unmeasured. Defaults until then.
+
+The bandwidth is per reading engine (P), over the decode engines it read from; a link whose reader is not timed
+(D pulling from P) uses the source's figure, then the mean over measured engines, then the default.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable, Hashable
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TypeVar
 
-__all__ = ["DecayingLine", "Figures", "PrefillFit"]
+__all__ = ["DecayingFit", "Figures", "PrefillFit"]
 
-# Clamps on what a sample may say: a fit outside them is noise (a stalled call, a clock step).
+# Clamps on what a fit may say: outside them it is noise (a stalled call, a clock step).
 _MIN_S_PER_TOKEN = 1e-9
 _MAX_S_PER_TOKEN = 1.0
-_MIN_PULL_S = 1e-4  # a pull estimated shorter than this tells nothing (the prefill estimate's own error)
 _MIN_BYTES_PER_S = 1e6
 _MAX_BYTES_PER_S = 1e13
-
-K = TypeVar("K", bound=Hashable)
-V = TypeVar("V")
-
-
-def _slot(table: OrderedDict[K, V], key: K, make: Callable[[], V], cap: int) -> V:
-    """``table[key]``, made by ``make`` when missing (dropping the least recently used entry at ``cap``)."""
-    value = table.get(key)
-    if value is None:
-        if len(table) >= cap:
-            table.popitem(last=False)
-        value = table[key] = make()
-    else:
-        table.move_to_end(key)
-    return value
+_FIXED, _COMPUTED, _PULLED = 0, 1, 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,62 +41,54 @@ class PrefillFit:
     s_per_token: float
     samples: int
     line: bool = False  # the intercept was fitted (not a ratio through the origin, not the default)
+    pull_s_per_token: float | None = None  # b, when the samples separate it
 
 
-class DecayingLine:
-    """Least squares ``y = c + a x`` over samples weighted ``w (1 - w)^age``: recent calls count most."""
+class DecayingFit:
+    """Least squares ``y = sum(beta_i x_i)`` over samples weighted ``w (1 - w)^age``: recent calls count most."""
 
-    __slots__ = ("_s1", "_sx", "_sxx", "_sxy", "_sy", "_w", "samples")
+    __slots__ = ("_g", "_h", "_w", "samples", "seen")
 
-    def __init__(self, weight: float) -> None:
+    def __init__(self, features: int, weight: float) -> None:
         if not 0 < weight <= 1:
             raise ValueError("weight must be in (0, 1]")
         self._w = weight
-        self._s1 = self._sx = self._sy = self._sxx = self._sxy = 0.0
+        self._g = [[0.0] * features for _ in range(features)]  # the weighted Gram matrix
+        self._h = [0.0] * features
         self.samples = 0
+        self.seen = [0] * features  # samples in which each feature was not zero
 
-    def add(self, x: float, y: float) -> None:
+    def add(self, x: Sequence[float], y: float) -> None:
         keep, w = 1 - self._w, self._w
-        self._s1 = keep * self._s1 + w
-        self._sx = keep * self._sx + w * x
-        self._sy = keep * self._sy + w * y
-        self._sxx = keep * self._sxx + w * x * x
-        self._sxy = keep * self._sxy + w * x * y
+        for i, xi in enumerate(x):
+            for j, xj in enumerate(x):
+                self._g[i][j] = keep * self._g[i][j] + w * xi * xj
+            self._h[i] = keep * self._h[i] + w * xi * y
+            self.seen[i] += xi != 0
         self.samples += 1
 
-    def fit(self) -> tuple[float, float, bool] | None:
-        """``(c, a, line)`` with ``c >= 0`` and ``a > 0``, or None before the first sample. With too little
-        spread in ``x`` (or a fit that says a negative slope or intercept) it is the ratio ``y / x`` through the
-        origin (``line`` False)."""
-        if self.samples == 0 or self._sx <= 0:
+    def solve(self, features: Sequence[int]) -> list[float] | None:
+        """The coefficients of ``features`` (the others taken as 0), or None when the samples cannot tell them
+        apart (a pivot below 1e-9 of its column's scale)."""
+        n = len(features)
+        if self.samples < n:
             return None
-        ratio = self._sy / self._sx
-        if self.samples >= 3:
-            mean_x, mean_y = self._sx / self._s1, self._sy / self._s1
-            var = self._sxx / self._s1 - mean_x * mean_x
-            if var > 1e-6 * (self._sxx / self._s1):
-                a = (self._sxy / self._s1 - mean_x * mean_y) / var
-                c = mean_y - a * mean_x
-                if a > 0 and c >= 0:
-                    return c, a, True
-        return 0.0, ratio, False
-
-
-class _Ewma:
-    __slots__ = ("_w", "samples", "value")
-
-    def __init__(self, weight: float) -> None:
-        self._w = weight
-        self.value = 0.0
-        self.samples = 0
-
-    def add(self, x: float) -> None:
-        self.value = x if self.samples == 0 else (1 - self._w) * self.value + self._w * x
-        self.samples += 1
+        m = [[self._g[i][j] for j in features] + [self._h[i]] for i in features]
+        for col in range(n):
+            pivot = max(range(col, n), key=lambda r: abs(m[r][col]))
+            scale = max(abs(m[r][col]) for r in range(n)) or 1.0
+            if abs(m[pivot][col]) <= 1e-9 * scale:
+                return None
+            m[col], m[pivot] = m[pivot], m[col]
+            for r in range(n):
+                if r != col:
+                    factor = m[r][col] / m[col][col]
+                    m[r] = [a - factor * b for a, b in zip(m[r], m[col], strict=True)]
+        return [m[i][n] / m[i][i] for i in range(n)]
 
 
 class Figures:
-    """Measured prefill speed per engine and pull bandwidth per link (bounded tables, oldest dropped)."""
+    """Measured prefill speed and pull bandwidth per prefill engine (a bounded table, least recently used dropped)."""
 
     def __init__(
         self,
@@ -118,7 +100,6 @@ class Figures:
         pull_fixed_s: float = 0.0,
         weight: float = 0.2,
         max_engines: int = 4096,
-        max_links: int = 65_536,
     ) -> None:
         self.default_s_per_token = prefill_s_per_token
         self.default_bytes_per_s = pull_bytes_per_s
@@ -127,26 +108,27 @@ class Figures:
         self._pull_fixed_s = pull_fixed_s
         self._weight = weight
         self._max_engines = max_engines
-        self._max_links = max_links
-        self._prefill: OrderedDict[str, DecayingLine] = OrderedDict()
-        self._links: OrderedDict[tuple[str, str], _Ewma] = OrderedDict()
-        self._all_links = _Ewma(weight)
+        self._fits: OrderedDict[str, DecayingFit] = OrderedDict()
 
     # -- reading -----------------------------------------------------------------------------
     def prefill(self, engine: str) -> PrefillFit:
-        """The engine's prefill line, or the default (fixed 0) before its first sample."""
-        line = self._prefill.get(engine)
-        fit = line.fit() if line is not None else None
-        if fit is None or line is None:
+        """The engine's fit, or the default (fixed 0) before its first sample."""
+        fit = self._fits.get(engine)
+        if fit is None or fit.samples == 0:
             return PrefillFit(0.0, self.default_s_per_token, 0)
-        c, a, fitted = fit
-        return PrefillFit(c, min(max(a, _MIN_S_PER_TOKEN), _MAX_S_PER_TOKEN), line.samples, fitted)
+        pulls = fit.seen[_PULLED] > 0
+        full = fit.solve((_FIXED, _COMPUTED, _PULLED) if pulls else (_FIXED, _COMPUTED))
+        if full is not None and full[0] >= 0 and min(full[1:]) > 0:
+            pull = full[2] if pulls else None
+            return PrefillFit(full[0], _clamp(full[1]), fit.samples, True, pull)
+        ratio = fit.solve((_COMPUTED, _PULLED) if pulls else (_COMPUTED,)) or fit.solve((_COMPUTED,))
+        a = ratio[0] if ratio is not None and ratio[0] > 0 else self.default_s_per_token
+        return PrefillFit(0.0, _clamp(a), fit.samples)
 
     def pool_prefill(self, engines: list[str]) -> PrefillFit:
         """The mean measured line of ``engines`` (those with samples), else the default: what an engine that
         is not timed itself (a decode engine's local prefill) is taken to do."""
-        fits = [self.prefill(e) for e in engines]
-        measured = [f for f in fits if f.samples]
+        measured = [f for f in map(self.prefill, engines) if f.samples]
         if not measured:
             return PrefillFit(0.0, self.default_s_per_token, 0)
         return PrefillFit(
@@ -156,53 +138,55 @@ class Figures:
         )
 
     def bytes_per_s(self, reader: str, source: str) -> float:
-        """The link's measured bandwidth (its reverse's, every link's) or the default."""
-        for key in ((reader, source), (source, reader)):
-            ewma = self._links.get(key)
-            if ewma is not None and ewma.samples:
-                return _bandwidth(ewma.value)
-        if self._all_links.samples:
-            return _bandwidth(self._all_links.value)
-        return self.default_bytes_per_s
+        """The reader's measured pull bandwidth (else the source's, every engine's) or the default."""
+        for engine in (reader, source):
+            if engine in self._fits:
+                b = self.prefill(engine).pull_s_per_token
+                if b is not None:
+                    return self._bandwidth(b)
+        measured = self.measured_bytes_per_s
+        return self.default_bytes_per_s if measured is None else measured
 
     @property
     def measured_bytes_per_s(self) -> float | None:
-        """Every link's figure, None before the first pull sample."""
-        return _bandwidth(self._all_links.value) if self._all_links.samples else None
+        """The bandwidth of the mean measured seconds per pulled token over all engines (None: none measured)."""
+        pulls = [b for e in self._fits if (b := self.prefill(e).pull_s_per_token) is not None]
+        return self._bandwidth(sum(pulls) / len(pulls)) if pulls else None
 
     # -- observing ---------------------------------------------------------------------------
     def observe_prefill(self, engine: str, *, computed: int, context: int, seconds: float, others: int) -> None:
         """A plain prefill on ``engine``: ``computed`` tokens after ``context`` cached ones took ``seconds``,
         with ``others`` prefills of this gateway in flight on it when it started."""
-        if computed <= 0 or seconds <= 0:
-            return
-        own = seconds / (1 + max(0, others)) - self._attention_s(computed, context)
-        if own <= 0:
-            return
-        line = _slot(self._prefill, engine, lambda: DecayingLine(self._weight), self._max_engines)
-        line.add(float(computed), own)
+        self.observe_pull(engine, "", pulled=0, computed=computed, context=context, seconds=seconds, others=others)
 
     def observe_pull(
         self, reader: str, source: str, *, pulled: int, computed: int, context: int, seconds: float, others: int
     ) -> None:
-        """A prefill on ``reader`` that pulled ``pulled`` tokens from ``source`` and computed ``computed`` more
-        (after ``context`` cached ones) took ``seconds``: the part beyond the prefill's estimate was the pull."""
-        fit = self.prefill(reader)
-        if pulled <= 0 or seconds <= 0 or not fit.line:
+        """A prefill on ``reader`` that pulled ``pulled`` tokens (from ``source``) and computed ``computed`` more
+        after ``context`` cached ones took ``seconds``."""
+        if seconds <= 0 or (computed <= 0 and pulled <= 0):
             return
-        work = fit.fixed_s + fit.s_per_token * computed + self._attention_s(computed, context) if computed > 0 else 0
-        pull_s = seconds - (1 + max(0, others)) * work - self._pull_fixed_s
-        if pull_s < _MIN_PULL_S:
+        share = 1 + max(0, others)
+        y = (seconds - (self._pull_fixed_s if pulled > 0 else 0.0)) / share - self._attention_s(computed, context)
+        if y <= 0:
             return
-        s_per_byte = pull_s / (pulled * self._bytes_per_token)
-        _slot(self._links, (reader, source), lambda: _Ewma(self._weight), self._max_links).add(s_per_byte)
-        self._all_links.add(s_per_byte)
+        fit = self._fits.get(reader)
+        if fit is None:
+            if len(self._fits) >= self._max_engines:
+                self._fits.popitem(last=False)
+            fit = self._fits[reader] = DecayingFit(3, self._weight)
+        else:
+            self._fits.move_to_end(reader)
+        fit.add((1.0, float(max(0, computed)), max(0, pulled) / share), y)
 
     def _attention_s(self, new: int, context: int) -> float:
-        return self._attention * new * (context + new / 2)
+        return self._attention * max(0, new) * (context + new / 2)
+
+    def _bandwidth(self, s_per_token: float) -> float:
+        if s_per_token <= 0:
+            return _MAX_BYTES_PER_S
+        return min(max(self._bytes_per_token / s_per_token, _MIN_BYTES_PER_S), _MAX_BYTES_PER_S)
 
 
-def _bandwidth(s_per_byte: float) -> float:
-    if s_per_byte <= 0:
-        return _MAX_BYTES_PER_S
-    return min(max(1.0 / s_per_byte, _MIN_BYTES_PER_S), _MAX_BYTES_PER_S)
+def _clamp(s_per_token: float) -> float:
+    return min(max(s_per_token, _MIN_S_PER_TOKEN), _MAX_S_PER_TOKEN)

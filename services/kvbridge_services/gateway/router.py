@@ -192,7 +192,7 @@ class TurnRouter:
 
     @property
     def figures(self) -> Figures:
-        """What the placement measured: prefill lines per P, pull bandwidth per link."""
+        """What the placement measured: each P's prefill line and pull bandwidth."""
         return self._figures
 
     @property

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvbridge_services.gateway.figures import DecayingLine, Figures
+from kvbridge_services.gateway.figures import DecayingFit, Figures
 from kvbridge_services.gateway.placement import (
     Choice,
     Costs,
@@ -263,50 +263,66 @@ def test_prefill_fit_takes_the_attention_term_out_first() -> None:
     assert f.prefill("p0").s_per_token == pytest.approx(1e-4, rel=1e-6)
 
 
-def test_a_line_of_equal_sizes_is_a_ratio_and_recent_samples_weigh_most() -> None:
-    line = DecayingLine(0.5)
-    assert line.fit() is None
+def test_equal_sizes_give_a_ratio_and_recent_samples_weigh_most() -> None:
+    f = Figures(prefill_s_per_token=1.0, pull_bytes_per_s=1e9, kv_bytes_per_token=1000, weight=0.5)
     for _ in range(5):
-        line.add(100.0, 1.0)
-    ratio = line.fit()
-    assert ratio is not None and ratio[0] == 0.0 and ratio[1] == pytest.approx(0.01) and not ratio[2]
-    for _ in range(10):
-        line.add(100.0, 2.0)  # the engine got slower
-    fit = line.fit()
-    assert fit is not None and fit[1] == pytest.approx(0.02, rel=1e-3)
+        f.observe_prefill("p0", computed=100, context=0, seconds=1.0, others=0)
+    fit = f.prefill("p0")
+    assert (fit.fixed_s, fit.line) == (0.0, False) and fit.s_per_token == pytest.approx(0.01)
+    for _ in range(12):
+        f.observe_prefill("p0", computed=100, context=0, seconds=2.0, others=0)  # the engine got slower
+    assert f.prefill("p0").s_per_token == pytest.approx(0.02, rel=1e-3)
     with pytest.raises(ValueError):
-        DecayingLine(0.0)
+        DecayingFit(3, 0.0)
 
 
-def _timed(f: Figures, engine: str) -> None:
-    """Three plain prefills of different sizes: 0.01 s per call + 1e-4 s per token."""
-    for n in (100, 1000, 3000):
+def _timed(f: Figures, engine: str, sizes: tuple[int, ...] = (100, 1000, 3000)) -> None:
+    """Plain prefills: 0.01 s per call + 1e-4 s per token."""
+    for n in sizes:
         f.observe_prefill(engine, computed=n, context=0, seconds=0.01 + 1e-4 * n, others=0)
 
 
-def test_pull_bandwidth_from_the_time_beyond_the_prefill_estimate() -> None:
+def test_pull_bandwidth_is_fitted_with_the_per_call_overhead() -> None:
     f = Figures(prefill_s_per_token=1e-4, pull_bytes_per_s=1e9, kv_bytes_per_token=1000, pull_fixed_s=0.001)
-    # No fitted line for p0 yet: the remainder would hold its per-call overhead, so no sample.
+    # One pull alone cannot tell the pull from the per-call overhead: no bandwidth yet.
     f.observe_pull("p0", "d0", pulled=4000, computed=500, context=4000, seconds=0.081, others=0)
-    assert f.measured_bytes_per_s is None
+    assert f.measured_bytes_per_s is None and f.bytes_per_s("p0", "d0") == 1e9
     _timed(f, "p0")
-    # 0.01 s per call + 500 new tokens at 1e-4 s = 0.06 s; 0.001 s fixed; the rest (0.02 s) moved 4000 x 1000 bytes.
-    f.observe_pull("p0", "d0", pulled=4000, computed=500, context=4000, seconds=0.081, others=0)
+    # 0.01 s per call + 500 new tokens at 1e-4 s + 0.001 s per pull: the rest (0.02 s) moved 4000 x 1000 bytes.
+    fit = f.prefill("p0")
+    assert fit.line and fit.fixed_s == pytest.approx(0.01) and fit.s_per_token == pytest.approx(1e-4)
     assert f.bytes_per_s("p0", "d0") == pytest.approx(2e8, rel=1e-6)
-    assert f.bytes_per_s("d0", "p0") == pytest.approx(2e8, rel=1e-6)  # a link's reverse
-    assert f.bytes_per_s("d1", "p1") == pytest.approx(2e8, rel=1e-6)  # every link's figure
+    assert f.bytes_per_s("d0", "p0") == pytest.approx(2e8, rel=1e-6)  # D's pull from P: the P's figure
+    assert f.bytes_per_s("d1", "p1") == pytest.approx(2e8, rel=1e-6)  # every engine's figure
     _timed(f, "p1")
-    f.observe_pull("p1", "d1", pulled=4000, computed=500, context=4000, seconds=0.05, others=0)  # faster than its
-    assert f.bytes_per_s("p1", "d1") == pytest.approx(2e8, rel=1e-6)  # own prefill estimate: no sample
+    f.observe_pull("p1", "d1", pulled=4000, computed=500, context=4000, seconds=0.05, others=0)  # faster than
+    assert f.prefill("p1").pull_s_per_token is None  # its own prefill estimate: no bandwidth from it
+
+
+def test_pulls_alone_of_one_prefill_size_still_separate_overhead_prefill_and_pull() -> None:
+    f = Figures(prefill_s_per_token=1e-4, pull_bytes_per_s=1e9, kv_bytes_per_token=1000)
+    _timed(f, "p0", sizes=(1000, 1000))  # every first turn the same size: no line from plain prefills alone
+    assert not f.prefill("p0").line
+    for pulled in (1000, 2000, 3000):  # later turns: the same suffix, more history each time
+        f.observe_pull("p0", "d0", pulled=pulled, computed=300, context=pulled, seconds=0.04 + 5e-6 * pulled, others=0)
+    fit = f.prefill("p0")
+    assert fit.line and fit.fixed_s == pytest.approx(0.01) and fit.s_per_token == pytest.approx(1e-4)
+    assert f.bytes_per_s("p0", "d0") == pytest.approx(2e8, rel=1e-6)
+
+
+def test_a_queue_divides_the_prefill_but_not_the_pull() -> None:
+    f = Figures(prefill_s_per_token=1e-4, pull_bytes_per_s=1e9, kv_bytes_per_token=1000)
+    for n in (100, 1000, 3000):
+        f.observe_prefill("p0", computed=n, context=0, seconds=2 * (0.01 + 1e-4 * n), others=1)
+    f.observe_pull("p0", "d0", pulled=4000, computed=500, context=4000, seconds=2 * 0.06 + 0.02, others=1)
+    assert f.bytes_per_s("p0", "d0") == pytest.approx(2e8, rel=1e-6)
 
 
 def test_figure_tables_are_bounded() -> None:
-    f = Figures(prefill_s_per_token=1e-4, pull_bytes_per_s=1e9, kv_bytes_per_token=1, max_engines=2, max_links=2)
+    f = Figures(prefill_s_per_token=1e-4, pull_bytes_per_s=1e9, kv_bytes_per_token=1, max_engines=2)
     for e in ("a", "b", "c"):
         _timed(f, e)
-        f.observe_pull(e, "src", pulled=10, computed=0, context=0, seconds=1.0, others=0)
     assert f.prefill("a").samples == 0 and f.prefill("c").samples == 3 and f.prefill("c").line
-    assert len(f._links) == 2
 
 
 # -- documented ------------------------------------------------------------------------------------------
