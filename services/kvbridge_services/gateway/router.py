@@ -31,18 +31,19 @@ from .control import ControlPlane, ControlPlaneError
 from .decode import Decoder
 from .enginecalls import EngineCalls
 from .engines import DECODE, PREFILL, EnginePool, EngineState
-from .figures import Figures, PrefillFit
+from .figures import Figures
 from .freshness import RecentTurns, registration_wait_s
 from .metrics import GatewayMetrics
 from .mirror import EntryMirror
-from .placement import Choice, EngineFigures, Placement, PlacementInput, Why
+from .placement import Choice, Placement, Why
+from .placer import Placer, engine_key, recompute_instead, set_placement
 from .posturn import PostTurnWork
 from .prefill import Prefiller
 from .prompt_ids import PromptIds
 from .registration import EXPIRY_MARGIN_S, ClockOffsets, CompatRegistrar
 from .renewer import ConversationRenewer
 from .requests import Turn
-from .reuse import NoReuse, ReusePlan, ReuseVerdict
+from .reuse import NoReuse, ReuseVerdict
 from .tokenizer import LocalTokenizers
 from .trust import SecretCanary
 from .turnstate import TurnPlan, TurnResult
@@ -93,15 +94,23 @@ class TurnRouter:
             pull_fixed_s=settings.placement_pull_fixed_s,
             weight=settings.placement_figure_weight,
         )
-        self._costs = (
-            placement.Costs(
-                kv_bytes_per_token=settings.placement_kv_bytes_per_token,
-                default_bytes_per_s=settings.placement_pull_bytes_per_s,
-                attention_s_per_token_pair=settings.placement_attention_s_per_token_pair,
-                pull_fixed_s=settings.placement_pull_fixed_s,
-                decode_load_weight=settings.placement_decode_load_weight,
-                holder_max_extra_load=settings.placement_holder_max_extra_load,
-                local_prefill=settings.placement_local_prefill,
+        self._placer = (
+            Placer(
+                placement.Costs(
+                    kv_bytes_per_token=settings.placement_kv_bytes_per_token,
+                    default_bytes_per_s=settings.placement_pull_bytes_per_s,
+                    attention_s_per_token_pair=settings.placement_attention_s_per_token_pair,
+                    pull_fixed_s=settings.placement_pull_fixed_s,
+                    decode_load_weight=settings.placement_decode_load_weight,
+                    holder_max_extra_load=settings.placement_holder_max_extra_load,
+                    local_prefill=settings.placement_local_prefill,
+                ),
+                self._figures,
+                pool,
+                metrics,
+                shares_turn=lambda turn, engine: (
+                    not self._is_adapter(turn.model, engine) and not self.canary.mismatch(engine.record)
+                ),
             )
             if settings.placement
             else None
@@ -147,8 +156,8 @@ class TurnRouter:
             prefill = await self._pool.choose_live(turn.model, PREFILL)
             decode = await self._pool.choose_live(turn.model, DECODE)  # the least-loaded D
             plan = await self._plan(turn, prefill, decode, plan)
-            if self._costs is not None and plan.placement is None:
-                self._set_placement(plan, self._place(turn, plan, None, prefill, decode))  # nothing to reuse
+            if self._placer is not None and plan.placement is None:
+                set_placement(plan, self._placer.place(turn, plan, None, prefill, decode))  # nothing to reuse
             if plan.decode_engine is not None:
                 decode = plan.decode_engine
             if turn.conversation_key and self._control.enabled:
@@ -184,8 +193,9 @@ class TurnRouter:
             decode = await self._pool.choose_live(turn.model, DECODE, exclude=frozenset({holder.url}))
         except Unavailable:  # the holder is the only decode engine: through P to it, once more
             decode = await self._pool.choose_live(turn.model, DECODE)
-        fallback, decode = self._place(turn, plan, None, prefill, decode)
-        self._set_placement(plan, (Placement(fallback.chosen, Why.HOLDER_UNAVAILABLE, fallback.options), decode))
+        assert self._placer is not None
+        fallback, decode = self._placer.place(turn, plan, None, prefill, decode)
+        set_placement(plan, (Placement(fallback.chosen, Why.HOLDER_UNAVAILABLE, fallback.options), decode))
         p_params = await self._prefiller.run(turn, plan, prefill)
         self._record_verdict(span, plan, prefill, decode)
         return await self._decoder.run(turn, plan, decode, p_params)
@@ -236,8 +246,8 @@ class TurnRouter:
                 tel.ATTR_VERIFIED_TOKENS: plan.verified_tokens,
                 tel.ATTR_PULLED_TOKENS: pulled,
                 "kvbridge.prompt_tokens": plan.verdict.prompt_tokens,
-                "kvbridge.prefill.engine_id": _engine_key(prefill) if prefill is not None else "",
-                "kvbridge.decode.engine_id": _engine_key(decode),
+                "kvbridge.prefill.engine_id": engine_key(prefill) if prefill is not None else "",
+                "kvbridge.decode.engine_id": engine_key(decode),
             }
         )
         if plan.pull is not None:
@@ -246,30 +256,8 @@ class TurnRouter:
         self._metrics.verified_tokens.inc(plan.verified_tokens)
         self._metrics.pulled_tokens.inc(pulled)
         self._metrics.prompt_tokens.inc(plan.verdict.prompt_tokens)
-        if plan.placement is not None:
-            self._record_placement(span, plan.placement, pulled, prefill)
-
-    def _record_placement(self, span: trace.Span, placed: Placement, pulled: int, prefill: EngineState | None) -> None:
-        chosen = placed.chosen
-        attrs: dict[str, str | float] = {
-            "kvbridge.placement": chosen.choice.value,
-            "kvbridge.placement.reason": placed.reason.value,
-        }
-        for choice in Choice:
-            estimate = placed.estimate(choice)
-            if estimate is not None:
-                attrs[f"kvbridge.placement.ttft_estimate_s.{choice.value}"] = round(estimate, 6)
-        span.set_attributes(attrs)
-        m = self._metrics
-        m.placement.labels(chosen.choice.value, placed.reason.value).inc()
-        m.moved_tokens.labels("history_to_p").inc(pulled)
-        m.moved_tokens.labels("prompt_to_d").inc(chosen.prompt_to_d)
-        if prefill is not None:
-            key = _engine_key(prefill)
-            m.prefill_s_per_token.labels(key).set(self._figures.prefill(key).s_per_token)
-        measured = self._figures.measured_bytes_per_s
-        if measured is not None:
-            m.pull_bytes_per_s.set(measured)
+        if plan.placement is not None and self._placer is not None:
+            self._placer.record(span, plan.placement, pulled, prefill)
 
     async def drain(self) -> None:
         """Waits for post-turn work (registrations, renewals); for tests and shutdown."""
@@ -298,7 +286,7 @@ class TurnRouter:
     def _policy_for(self, block_size: int) -> reuse.Policy:
         """The reuse policy of a turn: with placement on, the threshold is one block (the cost model, not a fixed
         token count, decides whether a pull is worth it)."""
-        if self._costs is None:
+        if self._placer is None:
             return self._policy
         policy = self._policies.get(block_size)
         if policy is None:
@@ -459,9 +447,9 @@ class TurnRouter:
         if isinstance(decided, NoReuse):
             plan.verdict.outcome = decided
             return
-        if self._costs is not None:
-            placed, target = self._place(turn, plan, decided, prefill, decode)
-            self._set_placement(plan, (placed, target))
+        if self._placer is not None:
+            placed, target = self._placer.place(turn, plan, decided, prefill, decode)
+            set_placement(plan, (placed, target))
             if placed.choice is Choice.PREFILL_ON_HOLDER:
                 # No pull: the holder's own prefix cache serves the verified history (nothing to consume).
                 plan.verdict.tokens, plan.verdict.outcome, plan.verdict.in_place = decided.tokens, None, True
@@ -477,89 +465,12 @@ class TurnRouter:
             except ControlPlaneError as exc:
                 log.warning("could not consume a single-use entry, no reuse this turn: %s", exc)
                 plan.verdict.outcome = NoReuse.REGISTRY_UNAVAILABLE
-                self._recompute_instead(plan)
+                recompute_instead(plan)
                 return
             if not took:
                 plan.verdict.outcome = NoReuse.CONSUMED
-                self._recompute_instead(plan)
+                recompute_instead(plan)
                 return
         plan.pull = decided
         plan.verdict.tokens = decided.tokens
         plan.verdict.outcome = None
-
-    # -- placement (placement on) ----------------------------------------------------------------
-    def _place(
-        self, turn: Turn, plan: TurnPlan, decided: ReusePlan | None, prefill: EngineState, decode: EngineState
-    ) -> tuple[Placement, EngineState]:
-        """The cost model's choice for this turn and the decode engine it names (``decided``: the reuse decision's
-        plan, None when there is no history to reuse). Figures: P's measured prefill line; a decode engine's
-        local prefill at the mean of the measured P lines (D's prefills are not timed: they share the call with
-        the decode); loads from the pool."""
-        assert self._costs is not None
-        p_key, d_key = _engine_key(prefill), _engine_key(decode)
-        d_fit = self._figures.pool_prefill(
-            [_engine_key(e) for e in self._pool.all() if e.role == PREFILL and e.serves(turn.model)]
-        )
-        holder_id = decided.source.engine_id if decided is not None else ""
-        holder = self._eligible_holder(turn, holder_id) if holder_id else None
-        links = {(p_key, holder_id): self._figures.bytes_per_s(p_key, holder_id)} if holder_id else {}
-        for d in {d_key, holder_id} - {""}:
-            links[(d, p_key)] = self._figures.bytes_per_s(d, p_key)
-        placed = placement.place(
-            PlacementInput(
-                prompt_tokens=plan.verdict.prompt_tokens,
-                history_tokens=decided.tokens if decided is not None else 0,
-                holder_id=holder_id,
-                prefill=self._engine_figures(prefill, self._figures.prefill(p_key)),
-                decode=self._engine_figures(decode, d_fit),
-                holder=self._engine_figures(holder, d_fit) if holder is not None else None,
-                bytes_per_s=links,
-            ),
-            self._costs,
-        )
-        on_holder = holder is not None and placed.chosen.decode == holder_id
-        return placed, holder if on_holder and holder is not None else decode
-
-    def _engine_figures(self, engine: EngineState, fit: PrefillFit) -> EngineFigures:
-        return EngineFigures(
-            engine_id=_engine_key(engine),
-            prefill_s_per_token=fit.s_per_token,
-            prefill_fixed_s=fit.fixed_s,
-            load=self._pool.load(engine),
-            outstanding=engine.outstanding,
-            prefilling=engine.prefilling,
-        )
-
-    def _eligible_holder(self, turn: Turn, engine_id: str) -> EngineState | None:
-        """The holder as a decode target: a healthy, not ejected decode engine of this pool that serves the model,
-        shares this gateway's secret and is not waiting for a new incarnation; None otherwise."""
-        engine = self._pool.find_role(engine_id, DECODE)
-        if engine is None or not engine.offers_blocks or not engine.serves(turn.model):
-            return None
-        if engine.ejected(time.monotonic()) or self._is_adapter(turn.model, engine):
-            return None
-        if self.canary.mismatch(engine.record):
-            return None
-        return engine
-
-    @staticmethod
-    def _set_placement(plan: TurnPlan, placed: tuple[Placement, EngineState]) -> None:
-        plan.placement, plan.decode_engine = placed
-        plan.verdict.placement = placed[0].label
-
-    @staticmethod
-    def _recompute_instead(plan: TurnPlan) -> None:
-        """The pull the placement chose cannot happen (the entry was consumed, the consume failed): the turn
-        recomputes on the same D, recorded as that option."""
-        placed = plan.placement
-        if placed is None:
-            return
-        same_d = [o for o in placed.options if o.choice is Choice.RECOMPUTE and o.decode == placed.chosen.decode]
-        if same_d:
-            plan.placement = Placement(same_d[0], placed.reason, placed.options)
-            plan.verdict.placement = plan.placement.label
-
-
-def _engine_key(engine: EngineState) -> str:
-    """How the placement and its figures name an engine: its registry id, else its URL."""
-    return engine.engine_id or engine.url
