@@ -10,7 +10,7 @@ import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, TypedDict, TypeVar
 
 import grpc
 from google.protobuf import duration_pb2
@@ -32,6 +32,18 @@ P = ParamSpec("P")
 R = TypeVar("R")
 _REGISTRY = "kvbridge.registry.v1.RegistryService/"
 _LEASE = "kvbridge.lease.v1.LeaseService/"
+
+
+class LookupArgs(TypedDict):
+    """A keyed lookup's arguments, as the entry copy (mirror.py) and the registry (:meth:`ControlPlane.lookup`)
+    both take them."""
+
+    tenant: str
+    model: str
+    conversation_key: str
+    block_hashes: Sequence[bytes]
+    block_size: int
+    min_tokens: int
 
 
 class ControlPlaneError(Exception):

@@ -15,27 +15,21 @@ from typing import Any
 from kvbridge import telemetry as tel
 
 from . import kvparams
-from .config import GatewaySettings
-from .enginecalls import EngineCalls, completion_path, upstream_failure
-from .engines import EnginePool, EngineState
-from .metrics import GatewayMetrics
+from .enginecalls import EngineAccess, EngineStep, completion_path, upstream_failure
+from .engines import EngineState
 from .posturn import PostTurnWork
 from .registration import CompatRegistrar, connector_registers
 from .requests import Turn
 from .turnstate import TurnPlan, TurnResult
-from .upstream import TRANSPORT_ERRORS, EngineHttp, UpstreamError, UpstreamStream
+from .upstream import TRANSPORT_ERRORS, UpstreamError, UpstreamStream
 
 log = logging.getLogger(__name__)
 
 
-class Decoder:
+class Decoder(EngineStep):
     def __init__(
         self,
-        settings: GatewaySettings,
-        pool: EnginePool,
-        http: EngineHttp,
-        calls: EngineCalls,
-        metrics: GatewayMetrics,
+        access: EngineAccess,
         secret: bytes,
         registrar: CompatRegistrar,
         post_turn: PostTurnWork,
@@ -45,11 +39,7 @@ class Decoder:
     ) -> None:
         """``registers``: whether compatibility-mode registration is on now (the control plane may be off).
         ``block_size``: an engine's KV block size."""
-        self._s = settings
-        self._pool = pool
-        self._http = http
-        self._calls = calls
-        self._metrics = metrics
+        super().__init__(access)
         self._secret = secret
         self._registrar = registrar
         self._post_turn = post_turn

@@ -3,6 +3,7 @@ failure, and how a failure reaches the client."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import trace
@@ -10,9 +11,11 @@ from opentelemetry import trace
 from kvbridge import telemetry as tel
 from kvbridge.errors import DeadlineExceeded, KvbridgeError, Reason, Unavailable
 
+from .config import GatewaySettings
 from .engines import EnginePool, EngineState
+from .metrics import GatewayMetrics
 from .requests import Turn
-from .upstream import UpstreamError
+from .upstream import EngineHttp, UpstreamError
 
 
 class EngineCalls:
@@ -46,3 +49,25 @@ def upstream_failure(step: str, exc: UpstreamError) -> KvbridgeError:
     if exc.timed_out:
         return DeadlineExceeded(Reason.UPSTREAM_FAILED, f"{step} timed out: {exc}")
     return Unavailable(Reason.UPSTREAM_FAILED, f"{step} failed: {exc}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineAccess:
+    """What every step of a turn that calls engines is given (prompt ids, prefill, decode)."""
+
+    settings: GatewaySettings
+    pool: EnginePool
+    http: EngineHttp
+    calls: EngineCalls
+    metrics: GatewayMetrics
+
+
+class EngineStep:
+    """Base of those steps: their engine access, unpacked once."""
+
+    def __init__(self, access: EngineAccess) -> None:
+        self._s = access.settings
+        self._pool = access.pool
+        self._http = access.http
+        self._calls = access.calls
+        self._metrics = access.metrics

@@ -15,15 +15,13 @@ from kvbridge import telemetry as tel
 from kvbridge.errors import Unavailable
 
 from . import kvparams
-from .config import GatewaySettings
-from .enginecalls import EngineCalls, completion_path, upstream_failure
-from .engines import PREFILL, EnginePool, EngineState
+from .enginecalls import EngineAccess, EngineStep, completion_path, upstream_failure
+from .engines import PREFILL, EngineState
 from .figures import Figures
-from .metrics import GatewayMetrics
 from .requests import Turn
 from .reuse import NoReuse
 from .turnstate import TurnPlan
-from .upstream import ClientError, EngineHttp, UpstreamError
+from .upstream import ClientError, UpstreamError
 
 log = logging.getLogger(__name__)
 
@@ -38,24 +36,11 @@ def prefill_body(turn: Turn, params: dict[str, Any]) -> dict[str, Any]:
     return body
 
 
-class Prefiller:
-    def __init__(
-        self,
-        settings: GatewaySettings,
-        pool: EnginePool,
-        http: EngineHttp,
-        calls: EngineCalls,
-        metrics: GatewayMetrics,
-        secret: bytes,
-        figures: Figures | None = None,
-    ) -> None:
+class Prefiller(EngineStep):
+    def __init__(self, access: EngineAccess, secret: bytes, figures: Figures | None = None) -> None:
         """``figures``: where each prefill's timing goes (the placement's measured prefill speed and bandwidth)."""
-        self._s = settings
+        super().__init__(access)
         self._figures = figures
-        self._pool = pool
-        self._http = http
-        self._calls = calls
-        self._metrics = metrics
         self._secret = secret
         # (engine id, request id) of D's blocks some P is pulling now: the reuse decision declines a second
         # pull of the same blocks while one runs.

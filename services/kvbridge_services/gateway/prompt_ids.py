@@ -9,13 +9,11 @@ from opentelemetry import trace
 
 from kvbridge import telemetry as tel
 
-from .config import GatewaySettings
-from .enginecalls import EngineCalls
-from .engines import EnginePool, EngineState
-from .metrics import GatewayMetrics
+from .enginecalls import EngineAccess, EngineStep
+from .engines import EngineState
 from .requests import Turn
 from .tokenizer import ATTR_TOKENIZE_PATH, LocalTokenizers
-from .upstream import EngineHttp, UpstreamError
+from .upstream import UpstreamError
 
 # The chat fields that change what the chat template renders (and so the prompt's tokens).
 _CHAT_TEMPLATE_FIELDS = (
@@ -41,21 +39,9 @@ def tokenize_request(turn: Turn) -> dict[str, Any]:
     }
 
 
-class PromptIds:
-    def __init__(
-        self,
-        settings: GatewaySettings,
-        pool: EnginePool,
-        http: EngineHttp,
-        calls: EngineCalls,
-        metrics: GatewayMetrics,
-        tokenizers: LocalTokenizers | None,
-    ) -> None:
-        self._s = settings
-        self._pool = pool
-        self._http = http
-        self._calls = calls
-        self._metrics = metrics
+class PromptIds(EngineStep):
+    def __init__(self, access: EngineAccess, tokenizers: LocalTokenizers | None) -> None:
+        super().__init__(access)
         self._tokenizers = tokenizers
 
     async def of(self, turn: Turn, engine: EngineState) -> list[int]:

@@ -27,9 +27,9 @@ from kvbridge_services.common.telemetry import Telemetry
 from . import kvparams, placement, reuse
 from .chaincache import ChainCache, Scope
 from .config import GatewaySettings
-from .control import ControlPlane, ControlPlaneError
+from .control import ControlPlane, ControlPlaneError, LookupArgs
 from .decode import Decoder
-from .enginecalls import EngineCalls
+from .enginecalls import EngineAccess, EngineCalls
 from .engines import DECODE, PREFILL, EnginePool, EngineState
 from .figures import Figures
 from .freshness import RecentTurns, registration_wait_s
@@ -118,8 +118,9 @@ class TurnRouter:
         self._renewer = ConversationRenewer(control)
         self._post_turn = PostTurnWork()
         calls = EngineCalls(pool, self._tracer)
-        self._prompt_ids = PromptIds(settings, pool, http, calls, metrics, tokenizers)
-        self._prefiller = Prefiller(settings, pool, http, calls, metrics, self._secret, self._figures)
+        access = EngineAccess(settings, pool, http, calls, metrics)
+        self._prompt_ids = PromptIds(access, tokenizers)
+        self._prefiller = Prefiller(access, self._secret, self._figures)
         self._recent = RecentTurns()
         self._registrar = CompatRegistrar(
             control,
@@ -130,11 +131,7 @@ class TurnRouter:
             on_registered=self._recent.finished,
         )
         self._decoder = Decoder(
-            settings,
-            pool,
-            http,
-            calls,
-            metrics,
+            access,
             self._secret,
             self._registrar,
             self._post_turn,
@@ -359,18 +356,18 @@ class TurnRouter:
         hashes = self._chains.chain(
             Scope(turn.tenant, turn.model, turn.cache_salt, b), turn.conversation_key, plan.prompt_ids
         )
+        query = LookupArgs(
+            tenant=turn.tenant,
+            model=turn.model,
+            conversation_key=turn.conversation_key,
+            block_hashes=hashes,
+            block_size=b,
+            min_tokens=threshold,
+        )
         await self._await_previous_turn(turn)
         if self._mirror is not None:
             asked_at = time.monotonic()
-            found = self._mirror.lookup(
-                tenant=turn.tenant,
-                model=turn.model,
-                conversation_key=turn.conversation_key,
-                block_hashes=hashes,
-                block_size=b,
-                min_tokens=threshold,
-                engine_record=self._engine_record,
-            )
+            found = self._mirror.lookup(**query, engine_record=self._engine_record)
             if found is not None:
                 self._metrics.lookups.labels("mirror").inc()
                 await self._apply_lookup(turn, plan, found, asked_at, prefill, decode)
@@ -383,14 +380,7 @@ class TurnRouter:
                 plan.placement, plan.decode_engine = None, None
         asked_at = time.monotonic()
         try:
-            found = await self._control.lookup(
-                tenant=turn.tenant,
-                model=turn.model,
-                conversation_key=turn.conversation_key,
-                block_hashes=hashes,
-                block_size=b,
-                min_tokens=threshold,
-            )
+            found = await self._control.lookup(**query)
         except ControlPlaneError as exc:
             log.warning("registry lookup failed, no reuse this turn: %s", exc)
             plan.verdict.outcome = NoReuse.REGISTRY_UNAVAILABLE
