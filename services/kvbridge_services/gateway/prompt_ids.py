@@ -11,26 +11,16 @@ from kvbridge import telemetry as tel
 
 from .enginecalls import EngineAccess, EngineStep
 from .engines import EngineState
-from .requests import Turn
+from .requests import CHAT_TEMPLATE_FIELDS, Turn
 from .tokenizer import ATTR_TOKENIZE_PATH, LocalTokenizers
 from .upstream import UpstreamError
-
-# The chat fields that change what the chat template renders (and so the prompt's tokens).
-_CHAT_TEMPLATE_FIELDS = (
-    "add_generation_prompt",
-    "continue_final_message",
-    "tools",
-    "chat_template",
-    "chat_template_kwargs",
-    "add_special_tokens",
-)
 
 
 def tokenize_request(turn: Turn) -> dict[str, Any]:
     """The body of vLLM's /tokenize that renders the prompt P will see for this turn."""
     if turn.kind == "chat":
         req: dict[str, Any] = {"model": turn.model, "messages": turn.body["messages"]}
-        req.update((k, turn.body[k]) for k in _CHAT_TEMPLATE_FIELDS if k in turn.body)
+        req.update((k, turn.body[k]) for k in CHAT_TEMPLATE_FIELDS if k in turn.body)
         return req
     return {
         "model": turn.model,

@@ -19,6 +19,18 @@ SESSION_HEADER = "x-session-id"
 MAX_JSON_DEPTH = 64
 
 
+# The body fields of a chat request that change what the chat template renders (and so the prompt's tokens):
+# the gateway's tokenization takes them into account, so they do not stop reuse (reuse.TOKENIZED_FIELDS).
+CHAT_TEMPLATE_FIELDS = (
+    "add_generation_prompt",
+    "continue_final_message",
+    "tools",
+    "chat_template",
+    "chat_template_kwargs",
+    "add_special_tokens",
+)
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_messages: int

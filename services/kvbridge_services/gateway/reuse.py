@@ -20,6 +20,7 @@ from kvbridge import offers
 from kvbridge.registry.v1 import registry_pb2
 
 from . import kvparams
+from .requests import CHAT_TEMPLATE_FIELDS
 
 # Engines running the kvbridge connector register with it (kvbridge_connector.scheduler): their D holds an
 # entry's blocks for its lease, for any number of reads. Without it (stock vLLM, registered by the gateway)
@@ -160,20 +161,7 @@ class ReuseVerdict:
 # truncate_prompt_tokens, documents, mm_processor_kwargs, prompt_embeds, reasoning_effort (some chat
 # templates read it), suffix. Stock P (compatibility mode) has no prefix-digest check to catch a prompt
 # that differs from the tokenized one, so the gateway must not guess.
-TOKENIZED_FIELDS = frozenset(
-    {
-        "model",
-        "messages",
-        "prompt",
-        "add_generation_prompt",
-        "continue_final_message",
-        "tools",
-        "chat_template",
-        "chat_template_kwargs",
-        "add_special_tokens",
-        "cache_salt",
-    }
-)
+TOKENIZED_FIELDS = frozenset({"model", "messages", "prompt", "cache_salt", *CHAT_TEMPLATE_FIELDS})
 GATEWAY_FIELDS = frozenset({"conversation_id", "session_id", "kv_transfer_params", "stream", "stream_options"})
 SAMPLING_FIELDS = frozenset(
     {
