@@ -12,7 +12,7 @@ import contextlib
 import logging
 import signal
 import sys
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -108,23 +108,23 @@ async def wait_for_stop() -> None:
     await stop.wait()
 
 
-def run(load: Callable[[], T], serve: Callable[[T], Awaitable[None]]) -> int:
+def bad_config(problem: object) -> int:
+    """A configuration the service refuses: one line on stderr; the exit code."""
+    print(f"invalid configuration: {problem}", file=sys.stderr)
+    return EXIT_BAD_CONFIG
+
+
+def run(load: Callable[[], T], serve: Callable[[T], Coroutine[Any, Any, None]]) -> int:
     """Loads and validates the configuration (``load``), then serves it until a stop signal; the exit code."""
     try:
         config = load()
     except (ValidationError, ValueError) as exc:
-        print(f"invalid configuration: {exc}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return bad_config(exc)
     try:
-        asyncio.run(_awaited(serve(config)))
+        asyncio.run(serve(config))
     except EtcdTlsError as exc:  # etcd refused our TLS material: a configuration error, found at start
-        print(f"invalid configuration: {exc}", file=sys.stderr)
-        return EXIT_BAD_CONFIG
+        return bad_config(exc)
     except StoreOpenError as exc:  # a damaged or locked --data-dir: say what and how to repair, no traceback
         print(f"cannot start: {exc}", file=sys.stderr)
         return EXIT_FAILED
     return EXIT_OK
-
-
-async def _awaited(work: Awaitable[None]) -> None:
-    await work

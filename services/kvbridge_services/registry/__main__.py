@@ -107,14 +107,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         cfg = _load(args)
     except (ValueError, TypeError) as exc:
-        print(f"invalid configuration: {exc}", file=sys.stderr)
-        return entrypoint.EXIT_BAD_CONFIG
+        return entrypoint.bad_config(exc)
     entrypoint.configure_logging(cfg.server.log_level)
     if cfg.worker is None and cfg.registry.serve_processes > 1:
         problem = _multi_process_problem(cfg)
         if problem:
-            print(f"invalid configuration: {problem}", file=sys.stderr)
-            return entrypoint.EXIT_BAD_CONFIG
+            return entrypoint.bad_config(problem)
         # Each worker prints its own "registry listening" line once it serves; flags go to every worker.
         log.info(
             "registry: %d server processes on %s:%d", cfg.registry.serve_processes, cfg.server.host, cfg.registry.port
