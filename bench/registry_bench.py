@@ -338,7 +338,7 @@ async def run_backend(
             t0 = time.perf_counter()
             for _ in range(args.lookups):
                 t = time.perf_counter()
-                resp = app.registry.lookup(DEV_PRINCIPAL, req)
+                resp = app.registry.lookups.lookup(DEV_PRINCIPAL, req)
                 lat.append(time.perf_counter() - t)
             assert resp.verdict == registry_pb2.LOOKUP_VERDICT_HIT
             out[f"core_{form}"] = (args.lookups / (time.perf_counter() - t0), pct(lat, 0.5), pct(lat, 0.99))
@@ -347,7 +347,7 @@ async def run_backend(
         )
         t0 = time.perf_counter()
         for _ in range(args.lookups // 4):
-            resp = app.registry.lookup(DEV_PRINCIPAL, content)
+            resp = app.registry.lookups.lookup(DEV_PRINCIPAL, content)
         out["content_lookup_rate"] = (args.lookups // 4) / (time.perf_counter() - t0)
         assert resp.verdict == registry_pb2.LOOKUP_VERDICT_HIT
     finally:

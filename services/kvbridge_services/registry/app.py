@@ -151,7 +151,7 @@ class RegistryApp:
         while True:
             await asyncio.sleep(self.settings.engine_sweep_interval_s)
             try:
-                await self.registry.sweep_engines()
+                await self.registry.engines.sweep_engines()
             except Exception:
                 log.warning("engine sweep failed", exc_info=True)
 

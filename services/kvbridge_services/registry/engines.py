@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable, Coroutine, Iterable
+from collections.abc import Coroutine, Iterable
 from typing import Any
 
 from kvbridge import ids
@@ -14,15 +14,14 @@ from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common import validation as cv
 from kvbridge_services.common.auth import Principal
-from kvbridge_services.common.keys import KeyLayout
-from kvbridge_services.common.store.base import Compare, Delete, LeaseNotFound, Put, Store
+from kvbridge_services.common.store.base import Compare, Delete, LeaseNotFound, Put
 
 from . import validation as v
 from .cas import exists
 from .evictions import EntryEvictor
-from .index import RegistryIndex
 from .leases import check_node_lease, lease_gone, parse_lease
 from .page_tokens import decode_page_token, encode_page_token
+from .parts import RegistryParts
 from .records import now_ts
 
 log = logging.getLogger(__name__)
@@ -54,52 +53,36 @@ def list_engines(
 
 
 class Engines:
-    def __init__(
-        self,
-        store: Store,
-        keys: KeyLayout,
-        index: RegistryIndex,
-        evictor: EntryEvictor,
-        limits: v.Limits,
-        *,
-        max_engines: int,
-        timeout_s: float,
-        clock: Callable[[], float],
-    ) -> None:
-        self._store = store
-        self._keys = keys
-        self._index = index
+    def __init__(self, parts: RegistryParts, evictor: EntryEvictor, *, max_engines: int) -> None:
+        self._parts = parts
         self._evictor = evictor
-        self._limits = limits
         self._max_engines = max_engines
-        self._timeout = timeout_s
-        self._clock = clock
         self._background: set[asyncio.Task[object]] = set()
 
     async def register_engine(self, principal: Principal, engine: types_pb2.Engine) -> types_pb2.Engine:
-        v.check_engine(engine, self._limits)
-        if engine.engine_id not in self._index.engines and len(self._index.engines) >= self._max_engines:
+        v.check_engine(engine, self._parts.limits)
+        if engine.engine_id not in self._parts.index.engines and len(self._parts.index.engines) >= self._max_engines:
             raise ResourceExhausted(Reason.BUDGET_EXCEEDED, f"at most {self._max_engines} engines")
-        lease_key = self._keys.lease(engine.node_lease_id)
-        lease_kv = await self._store.get(lease_key, timeout=self._timeout)
+        lease_key = self._parts.keys.lease(engine.node_lease_id)
+        lease_kv = await self._parts.store.get(lease_key, timeout=self._parts.timeout_s)
         check_node_lease(parse_lease(lease_kv, "engine.node_lease_id"), engine.engine_id)
         stored = types_pb2.Engine()
         stored.CopyFrom(engine)
-        stored.registered_at.CopyFrom(now_ts(self._clock))
-        key = self._keys.engine(engine.engine_id)
+        stored.registered_at.CopyFrom(now_ts(self._parts.clock))
+        key = self._parts.keys.engine(engine.engine_id)
         assert lease_kv is not None
         try:
-            result = await self._store.txn(
+            result = await self._parts.store.txn(
                 [exists(lease_key)],
                 [Put(key, stored.SerializeToString(), lease=lease_kv.lease)],
-                timeout=self._timeout,
+                timeout=self._parts.timeout_s,
             )
         except LeaseNotFound:
             raise lease_gone("engine.node_lease_id") from None
         if not result.succeeded:
             raise lease_gone("engine.node_lease_id")
-        self._index.put_engine(stored, result.revision)
-        previous = self._index.of_other_incarnations(stored)
+        self._parts.index.put_engine(stored, result.revision)
+        previous = self._parts.index.of_other_incarnations(stored)
         if previous:
             # This replica's lookups refuse them already (their incarnation is not the engine's); deleting them
             # and revoking their leases runs off the RPC's path (the engine sweep retries what this misses).
@@ -130,13 +113,13 @@ class Engines:
         Each delete is conditional on the engine record being the one read here, so an index that lags the
         store (an engine re-registered since) never deletes the current incarnation's entries.
         """
-        engine_key = self._keys.engine(engine_id)
-        kv = await self._store.get(engine_key, timeout=self._timeout)
+        engine_key = self._parts.keys.engine(engine_id)
+        kv = await self._parts.store.get(engine_key, timeout=self._parts.timeout_s)
         if kv is None:
             return 0  # deregistered: lookups answer ENGINE_GONE; the node lease's end revokes the leases
         current = types_pb2.Engine.FromString(kv.value)
         dropped = 0
-        for item in self._index.of_other_incarnations(current):
+        for item in self._parts.index.of_other_incarnations(current):
             if await self._evictor.delete_indexed(
                 item, types_pb2.REVOKE_REASON_ENGINE_GONE, Compare.mod_revision_is(engine_key, kv.mod_revision)
             ):
@@ -145,9 +128,11 @@ class Engines:
 
     async def deregister_engine(self, principal: Principal, engine_id: str) -> None:
         ids.ENGINE_ID.check("engine_id", engine_id)
-        if not await self._store.delete(self._keys.engine(engine_id), timeout=self._timeout):
+        if not await self._parts.store.delete(self._parts.keys.engine(engine_id), timeout=self._parts.timeout_s):
             raise NotFound(Reason.ENGINE_NOT_FOUND, f"engine {engine_id!r} is not registered")
-        self._index.delete_engine(engine_id, await self._store.current_revision(timeout=self._timeout))
+        self._parts.index.delete_engine(
+            engine_id, await self._parts.store.current_revision(timeout=self._parts.timeout_s)
+        )
 
     async def sweep_engines(self) -> int:
         """Deregister engines whose node lease record is gone (the lease manager ended it).
@@ -157,37 +142,37 @@ class Engines:
         makes "registered" mean "live" within one sweep interval. Idempotent across replicas.
         """
         removed = 0
-        for engine in list(self._index.engines.values()):
-            lease_key = self._keys.lease(engine.node_lease_id)
-            if await self._store.get(lease_key, timeout=self._timeout) is not None:
+        for engine in list(self._parts.index.engines.values()):
+            lease_key = self._parts.keys.lease(engine.node_lease_id)
+            if await self._parts.store.get(lease_key, timeout=self._parts.timeout_s) is not None:
                 continue
-            key = self._keys.engine(engine.engine_id)
-            current = await self._store.get(key, timeout=self._timeout)
+            key = self._parts.keys.engine(engine.engine_id)
+            current = await self._parts.store.get(key, timeout=self._parts.timeout_s)
             if current is None or types_pb2.Engine.FromString(current.value).node_lease_id != engine.node_lease_id:
                 continue
-            result = await self._store.txn(
+            result = await self._parts.store.txn(
                 [Compare.mod_revision_is(key, current.mod_revision), Compare.absent(lease_key)],
                 [Delete(key)],
-                timeout=self._timeout,
+                timeout=self._parts.timeout_s,
             )
             if result.succeeded:
-                self._index.delete_engine(engine.engine_id, result.revision)
+                self._parts.index.delete_engine(engine.engine_id, result.revision)
                 log.info("engine %s deregistered: node lease %d ended", engine.engine_id, engine.node_lease_id)
                 removed += 1
-        for engine_id in list(self._index.suspect_engines):
-            self._index.suspect_engines.discard(engine_id)
+        for engine_id in list(self._parts.index.suspect_engines):
+            self._parts.index.suspect_engines.discard(engine_id)
             await self.drop_other_incarnations(engine_id)
-            now = self._index.engines.get(engine_id)
-            if now is not None and self._index.of_other_incarnations(now):
-                self._index.suspect_engines.add(engine_id)  # a delete lost a race: the next sweep tries again
+            now = self._parts.index.engines.get(engine_id)
+            if now is not None and self._parts.index.of_other_incarnations(now):
+                self._parts.index.suspect_engines.add(engine_id)  # a delete lost a race: the next sweep tries again
         return removed
 
     def get_engine(self, engine_id: str) -> types_pb2.Engine:
         ids.ENGINE_ID.check("engine_id", engine_id)
-        engine = self._index.engines.get(engine_id)
+        engine = self._parts.index.engines.get(engine_id)
         if engine is None:
             raise NotFound(Reason.ENGINE_NOT_FOUND, f"engine {engine_id!r} is not registered")
         return engine
 
     def list_engines(self, request: registry_pb2.ListEnginesRequest) -> registry_pb2.ListEnginesResponse:
-        return list_engines(self._index.engines.values(), request)
+        return list_engines(self._parts.index.engines.values(), request)

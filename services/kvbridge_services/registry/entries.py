@@ -9,33 +9,27 @@ from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common import validation as cv
 from kvbridge_services.common.auth import Principal
-from kvbridge_services.common.keys import KeyLayout
-from kvbridge_services.common.store.base import Compare, Delete, Store
+from kvbridge_services.common.store.base import Compare, Delete
 
 from . import validation as v
 from .cas import CAS_ATTEMPTS, contention
-from .index import RegistryIndex
 from .page_tokens import decode_page_token, encode_page_token
-from .releaser import BackgroundRevoker
+from .parts import RegistryParts
 
 # Store pages read for one list page at most: a filtered page may come back short, with a token to go on.
 _MAX_SCANS = 8
 
 
 class Entries:
-    def __init__(
-        self, store: Store, keys: KeyLayout, index: RegistryIndex, revoker: BackgroundRevoker, *, timeout_s: float
-    ) -> None:
-        self._store = store
-        self._keys = keys
-        self._index = index
-        self._revoker = revoker
-        self._timeout = timeout_s
+    def __init__(self, parts: RegistryParts) -> None:
+        self._parts = parts
 
     async def get_entry(self, principal: Principal, key: registry_pb2.EntryKey) -> registry_pb2.Entry:
         v.check_entry_key("key", key)
         tenant = principal.tenant_for(key.tenant, field="key.tenant")
-        kv = await self._store.get(self._keys.entry(tenant, key.model, key.conversation_key), timeout=self._timeout)
+        kv = await self._parts.store.get(
+            self._parts.keys.entry(tenant, key.model, key.conversation_key), timeout=self._parts.timeout_s
+        )
         if kv is None:
             raise NotFound(Reason.ENTRY_NOT_FOUND, "no entry for this key")
         return registry_pb2.Entry.FromString(kv.value)
@@ -54,9 +48,9 @@ class Entries:
         if reason not in types_pb2.RevokeReason.values():
             raise invalid_field("reason", "unknown revoke reason")
         tenant = principal.tenant_for(key.tenant, field="key.tenant")
-        store_key = self._keys.entry(tenant, key.model, key.conversation_key)
+        store_key = self._parts.keys.entry(tenant, key.model, key.conversation_key)
         for _ in range(CAS_ATTEMPTS):
-            kv = await self._store.get(store_key, timeout=self._timeout)
+            kv = await self._parts.store.get(store_key, timeout=self._parts.timeout_s)
             if kv is None:
                 raise NotFound(Reason.ENTRY_NOT_FOUND, "no entry for this key")
             entry = registry_pb2.Entry.FromString(kv.value)
@@ -66,12 +60,14 @@ class Entries:
                     f"stored epoch {entry.epoch} is not the expected {expected_epoch}",
                     metadata={"field": "expected_epoch", "stored_epoch": str(entry.epoch)},
                 )
-            result = await self._store.txn(
-                [Compare.mod_revision_is(store_key, kv.mod_revision)], [Delete(store_key)], timeout=self._timeout
+            result = await self._parts.store.txn(
+                [Compare.mod_revision_is(store_key, kv.mod_revision)],
+                [Delete(store_key)],
+                timeout=self._parts.timeout_s,
             )
             if result.succeeded:
-                self._index.delete_entry((tenant, key.model, key.conversation_key), result.revision)
-                self._revoker.submit(entry.lease_id, reason or types_pb2.REVOKE_REASON_OPERATOR)
+                self._parts.index.delete_entry((tenant, key.model, key.conversation_key), result.revision)
+                self._parts.revoker.submit(entry.lease_id, reason or types_pb2.REVOKE_REASON_OPERATOR)
                 return entry
         raise contention()
 
@@ -85,7 +81,7 @@ class Entries:
         if request.engine_id:
             ids.ENGINE_ID.check("engine_id", request.engine_id)
         size = cv.page_size("page_size", request.page_size, default=v.DEFAULT_PAGE_SIZE, maximum=v.MAX_PAGE_SIZE)
-        prefix = self._keys.entries_prefix(tenant, request.model or None)
+        prefix = self._parts.keys.entries_prefix(tenant, request.model or None)
         # The token is bound to the whole query, the engine filter included.
         query = prefix + b"\x00" + request.engine_id.encode()
         after = decode_page_token(request.page_token, query) if request.page_token else None
@@ -93,8 +89,8 @@ class Entries:
         last_key: bytes | None = None
         more = True
         for _ in range(_MAX_SCANS):
-            kvs, _rev = await self._store.range_prefix(
-                prefix, start_after=after, limit=size + 1 - len(out), timeout=self._timeout
+            kvs, _rev = await self._parts.store.range_prefix(
+                prefix, start_after=after, limit=size + 1 - len(out), timeout=self._parts.timeout_s
             )
             more = len(kvs) > size - len(out)
             for kv in kvs[: size - len(out)]:

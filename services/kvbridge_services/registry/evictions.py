@@ -9,11 +9,10 @@ from __future__ import annotations
 import logging
 
 from kvbridge.types.v1 import types_pb2
-from kvbridge_services.common.keys import KeyLayout
-from kvbridge_services.common.store.base import Compare, Delete, Store
+from kvbridge_services.common.store.base import Compare, Delete
 
-from .index import EntryId, IndexedEntry, RegistryIndex
-from .releaser import BackgroundRevoker
+from .index import EntryId, IndexedEntry
+from .parts import RegistryParts
 
 log = logging.getLogger(__name__)
 # Why the registry itself removed an entry (a label of kvbridge_registry_entries_evicted_total).
@@ -21,22 +20,9 @@ EVICTED_TENANT_CAP = "tenant_cap"
 
 
 class EntryEvictor:
-    def __init__(
-        self,
-        store: Store,
-        keys: KeyLayout,
-        index: RegistryIndex,
-        revoker: BackgroundRevoker,
-        *,
-        max_entries_per_tenant: int,
-        timeout_s: float,
-    ) -> None:
-        self._store = store
-        self._keys = keys
-        self._index = index
-        self._revoker = revoker
+    def __init__(self, parts: RegistryParts, *, max_entries_per_tenant: int) -> None:
+        self._parts = parts
         self._cap = max_entries_per_tenant
-        self._timeout = timeout_s
         self.evictions: dict[str, int] = {}  # entries the registry removed itself, by reason (never loss)
 
     async def make_room(self, tenant: str, incoming: EntryId) -> None:
@@ -46,8 +32,8 @@ class EntryEvictor:
         (``kvbridge_registry_entries_evicted_total{reason="tenant_cap"}``) and logged (INFO) with the entry.
         """
         cap = self._cap
-        while self._index.tenant_count(tenant) >= cap:
-            victim = self._index.oldest_idle(tenant, exclude=incoming)
+        while self._parts.index.tenant_count(tenant) >= cap:
+            victim = self._parts.index.oldest_idle(tenant, exclude=incoming)
             if victim is None:
                 return
             if await self.delete_indexed(victim, types_pb2.REVOKE_REASON_BUDGET):
@@ -63,12 +49,12 @@ class EntryEvictor:
         self, item: IndexedEntry, reason: types_pb2.RevokeReason.ValueType, *also: Compare
     ) -> bool:
         """Deletes ``item`` if unchanged in the store (and ``also`` holds), revoking its lease with ``reason``."""
-        key = self._keys.entry(*item.id)
-        result = await self._store.txn(
-            [Compare.mod_revision_is(key, item.mod_revision), *also], [Delete(key)], timeout=self._timeout
+        key = self._parts.keys.entry(*item.id)
+        result = await self._parts.store.txn(
+            [Compare.mod_revision_is(key, item.mod_revision), *also], [Delete(key)], timeout=self._parts.timeout_s
         )
         # Either we deleted it, or it changed/vanished in the store; the watch brings the truth.
-        self._index.delete_entry(item.id, result.revision if result.succeeded else item.mod_revision + 1)
+        self._parts.index.delete_entry(item.id, result.revision if result.succeeded else item.mod_revision + 1)
         if result.succeeded:
-            self._revoker.submit(item.entry.lease_id, reason)
+            self._parts.revoker.submit(item.entry.lease_id, reason)
         return result.succeeded

@@ -16,7 +16,8 @@ from kvbridge_services.common.auth import Principal
 from kvbridge_services.common.entrylookup import answer_hit, unusable
 
 from . import validation as v
-from .index import EntryId, IndexedEntry, RegistryIndex
+from .index import EntryId, IndexedEntry
+from .parts import RegistryParts
 
 # The type only: members are read as registry_pb2.LOOKUP_VERDICT_* (the enum wrapper's __getattr__ is slower)
 Verdict = registry_pb2.LookupVerdict
@@ -70,21 +71,17 @@ def outranks(item: IndexedEntry, blocks: int, best: tuple[IndexedEntry, int] | N
 
 
 class Lookups:
-    def __init__(
-        self, index: RegistryIndex, limits: v.Limits, *, max_content_candidates: int, clock: Callable[[], float]
-    ) -> None:
-        self._index = index
-        self._limits = limits
+    def __init__(self, parts: RegistryParts, *, max_content_candidates: int) -> None:
+        self._parts = parts
         self._max_candidates = max_content_candidates
-        self._clock = clock
 
     def lookup(
         self, principal: Principal, request: registry_pb2.LookupEntryRequest
     ) -> registry_pb2.LookupEntryResponse:
-        prompt = v.check_lookup_request(request, self._limits)
+        prompt = v.check_lookup_request(request, self._parts.limits)
         tenant = principal.tenant_for(request.tenant)
         response = registry_pb2.LookupEntryResponse(prompt_block_tokens=len(prompt) * request.block_size)
-        index = self._index
+        index = self._parts.index
         if not index.fresh():
             # The index lags the store past its bound: a hit could name an entry deleted meanwhile.
             response.verdict = registry_pb2.LOOKUP_VERDICT_INDEX_STALE
@@ -95,7 +92,7 @@ class Lookups:
                 response.verdict = registry_pb2.LOOKUP_VERDICT_NOT_FOUND
                 return response
             match = keyed_match(
-                item, index.engines.get(item.entry.engine_id), request.block_size, prompt, self._clock()
+                item, index.engines.get(item.entry.engine_id), request.block_size, prompt, self._parts.clock()
             )
             if isinstance(match, Refused):
                 response.verdict = match.verdict
@@ -121,7 +118,7 @@ class Lookups:
         every block below j), then the positions up to the next checkpoint for
         entries whose final block ends there.
         """
-        index = self._index
+        index = self._parts.index
         stride = index.content_stride
         lo = deepest_checkpoint(prompt, stride, lambda h: bool(index.holders(tenant, model, h, limit=1)))
         cap = self._max_candidates
@@ -130,7 +127,7 @@ class Lookups:
             candidates += index.holders(tenant, model, prompt[lo * stride - 1], limit=cap)
         for pos in range(lo * stride, min(len(prompt), (lo + 1) * stride)):
             candidates += index.holders(tenant, model, prompt[pos], limit=cap)
-        now_s = self._clock()
+        now_s = self._parts.clock()
         best: tuple[IndexedEntry, int] | None = None
         # Bounded work per lookup: many conversations sharing one prefix must not make lookups slow.
         for eid in candidates[: 2 * cap]:

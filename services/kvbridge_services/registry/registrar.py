@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.auth import Principal
-from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.base import Compare, Get, KeyValue, LeaseNotFound, Put, Store
 
 from . import validation as v
@@ -18,11 +17,10 @@ from .batcher import BatchJob, BatchLimits, PlannedWrite, RegistrationBatcher
 from .cas import CAS_ATTEMPTS, contention, exists
 from .config import RegistrySettings
 from .evictions import EntryEvictor
-from .index import RegistryIndex
 from .leases import lease_gone
+from .parts import RegistryParts
 from .records import compact, now_ts, request_record
 from .registration import Registration, Replay, decide
-from .releaser import BackgroundRevoker
 
 Response = registry_pb2.RegisterEntryResponse
 
@@ -66,29 +64,12 @@ class _GroupCommitHandler:
 
 class Registrar:
     def __init__(
-        self,
-        store: Store,
-        keys: KeyLayout,
-        settings: RegistrySettings,
-        index: RegistryIndex,
-        revoker: BackgroundRevoker,
-        evictor: EntryEvictor,
-        limits: v.Limits,
-        *,
-        timeout_s: float,
-        clock: Callable[[], float],
-        group_commit: bool,
+        self, parts: RegistryParts, settings: RegistrySettings, evictor: EntryEvictor, *, group_commit: bool
     ) -> None:
-        self._store = store
-        self._keys = keys
+        self._parts = parts
         self._settings = settings
-        self._index = index
-        self._revoker = revoker
         self._evictor = evictor
-        self._limits = limits
-        self._timeout = timeout_s
-        self._clock = clock
-        self._idem = IdempotencyLease(store, settings.idempotency_ttl_s, timeout_s)
+        self._idem = IdempotencyLease(parts.store, settings.idempotency_ttl_s, parts.timeout_s)
         self.batcher: RegistrationBatcher[Response] | None = None
         if group_commit:
             batch_limits = BatchLimits(
@@ -98,27 +79,29 @@ class Registrar:
                 max_txn_bytes=settings.register_batch_max_bytes,
                 max_inflight=settings.register_batch_max_inflight,
             )
-            self.batcher = RegistrationBatcher(store, _GroupCommitHandler(self), batch_limits, timeout_s=timeout_s)
+            self.batcher = RegistrationBatcher(
+                parts.store, _GroupCommitHandler(self), batch_limits, timeout_s=parts.timeout_s
+            )
 
     async def register_entry(self, principal: Principal, request: registry_pb2.RegisterEntryRequest) -> Response:
-        v.check_register_request(request, self._limits)
+        v.check_register_request(request, self._parts.limits)
         tenant = principal.tenant_for(request.entry.key.tenant, field="entry.key.tenant")
         entry, digest = compact(
             request.entry,
             tenant,
             stride=self._settings.chain_stride,
             exact_tail_blocks=self._settings.chain_exact_tail_blocks,
-            register_time=now_ts(self._clock),
+            register_time=now_ts(self._parts.clock),
         )
         key = entry.key
         reg = Registration(
             request_id=request.request_id,
             entry=entry,
             digest=digest,
-            entry_key=self._keys.entry(tenant, key.model, key.conversation_key),
-            request_key=self._keys.registry_request(request.request_id),
-            lease_key=self._keys.lease(entry.lease_id),
-            engine_key=self._keys.engine(entry.engine_id),
+            entry_key=self._parts.keys.entry(tenant, key.model, key.conversation_key),
+            request_key=self._parts.keys.registry_request(request.request_id),
+            lease_key=self._parts.keys.lease(entry.lease_id),
+            engine_key=self._parts.keys.engine(entry.engine_id),
             asserted_incarnation=request.entry.engine_incarnation,
         )
         if self.batcher is None:
@@ -141,13 +124,13 @@ class Registrar:
         """Read, decide and CAS-write one registration, re-reading on conflict (``plan``: already decided)."""
         for _ in range(CAS_ATTEMPTS):
             if plan is None:
-                snap = await self._store.txn([], [Get(k) for k in reg.read_keys], timeout=self._timeout)
+                snap = await self._parts.store.txn([], [Get(k) for k in reg.read_keys], timeout=self._parts.timeout_s)
                 outcome = await self.decide(reg, dict(zip(reg.read_keys, snap.gets, strict=True)))
                 if not isinstance(outcome, PlannedWrite):
                     return outcome
                 plan = outcome
             try:
-                result = await self._store.txn(plan.compares, plan.puts, timeout=self._timeout)
+                result = await self._parts.store.txn(plan.compares, plan.puts, timeout=self._parts.timeout_s)
             except LeaseNotFound:
                 raise lease_gone("entry.lease_id") from None
             if result.succeeded:
@@ -180,9 +163,9 @@ class Registrar:
         idem_lease = await self._idem.current()
 
         def on_commit(revision: int) -> Response:
-            self._index.put_entry(entry, revision)
+            self._parts.index.put_entry(entry, revision)
             if current is not None and current.lease_id != entry.lease_id:
-                self._revoker.submit(current.lease_id, types_pb2.REVOKE_REASON_SUPERSEDED)
+                self._parts.revoker.submit(current.lease_id, types_pb2.REVOKE_REASON_SUPERSEDED)
             return response
 
         return PlannedWrite(

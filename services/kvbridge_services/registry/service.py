@@ -169,27 +169,27 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         principal = caller()
         if not request.HasField("engine"):
             raise invalid_field("engine", "required")
-        engine = await self._registry.register_engine(principal, request.engine)
+        engine = await self._registry.engines.register_engine(principal, request.engine)
         return registry_pb2.RegisterEngineResponse(engine=engine)
 
     @rpc_boundary
     async def DeregisterEngine(
         self, request: registry_pb2.DeregisterEngineRequest, context: Ctx
     ) -> registry_pb2.DeregisterEngineResponse:
-        await self._registry.deregister_engine(caller(), request.engine_id)
+        await self._registry.engines.deregister_engine(caller(), request.engine_id)
         return registry_pb2.DeregisterEngineResponse()
 
     @rpc_boundary
     async def GetEngine(self, request: registry_pb2.GetEngineRequest, context: Ctx) -> registry_pb2.GetEngineResponse:
         caller()
-        return registry_pb2.GetEngineResponse(engine=self._registry.get_engine(request.engine_id))
+        return registry_pb2.GetEngineResponse(engine=self._registry.engines.get_engine(request.engine_id))
 
     @rpc_boundary
     async def ListEngines(
         self, request: registry_pb2.ListEnginesRequest, context: Ctx
     ) -> registry_pb2.ListEnginesResponse:
         caller()
-        return self._registry.list_engines(request)
+        return self._registry.engines.list_engines(request)
 
     @rpc_boundary
     async def RegisterEntry(
@@ -206,7 +206,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 }
             )
         try:
-            response = await self._registry.register_entry(caller(), request)
+            response = await self._registry.registrar.register_entry(caller(), request)
         except KvbridgeError as err:
             self.metrics.registrations.labels((err.reason or err.code.name).lower()).inc()
             raise
@@ -219,7 +219,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         self, request: registry_pb2.LookupEntryRequest, context: Ctx
     ) -> registry_pb2.LookupEntryResponse:
         span = self._annotate(request.tenant, request.model, request.conversation_key)
-        response = self._registry.lookup(caller(), request)
+        response = self._registry.lookups.lookup(caller(), request)
         verdict = self.metrics.count_lookup(response.verdict, response.verified_tokens)
         if span.is_recording():
             span.set_attributes({tel.ATTR_VERDICT: verdict, tel.ATTR_VERIFIED_TOKENS: response.verified_tokens})
@@ -229,20 +229,20 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
 
     @rpc_boundary
     async def GetEntry(self, request: registry_pb2.GetEntryRequest, context: Ctx) -> registry_pb2.GetEntryResponse:
-        entry = await self._registry.get_entry(caller(), request.key)
+        entry = await self._registry.entries.get_entry(caller(), request.key)
         return registry_pb2.GetEntryResponse(entry=entry)
 
     @rpc_boundary
     async def ListEntries(
         self, request: registry_pb2.ListEntriesRequest, context: Ctx
     ) -> registry_pb2.ListEntriesResponse:
-        return await self._registry.list_entries(caller(), request)
+        return await self._registry.entries.list_entries(caller(), request)
 
     @rpc_boundary
     async def DeleteEntry(
         self, request: registry_pb2.DeleteEntryRequest, context: Ctx
     ) -> registry_pb2.DeleteEntryResponse:
-        entry = await self._registry.delete_entry(
+        entry = await self._registry.entries.delete_entry(
             caller(), request.key, request.reason, expected_epoch=request.expected_epoch
         )
         return registry_pb2.DeleteEntryResponse(entry=entry)

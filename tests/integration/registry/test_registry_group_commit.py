@@ -45,7 +45,7 @@ def batcher(env: Env) -> Any:
 async def register_in_process(env: Env, requests: Sequence[registry_pb2.RegisterEntryRequest]) -> list[Any]:
     """Call the registry core in order (tasks start in creation order), so one window sees them in that order."""
     return await asyncio.gather(
-        *(env.app.registry.register_entry(DEV_PRINCIPAL, r) for r in requests), return_exceptions=True
+        *(env.app.registry.registrar.register_entry(DEV_PRINCIPAL, r) for r in requests), return_exceptions=True
     )
 
 

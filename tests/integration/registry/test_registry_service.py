@@ -256,7 +256,7 @@ async def test_engine_whose_node_lease_ended_is_gone(env: Env) -> None:
     engine = await env.engine()
     await env.register(HISTORY)
     await env.store.delete(env.keys.lease(engine.node_lease_id))  # the lease manager ended the node lease
-    assert await env.app.registry.sweep_engines() == 1
+    assert await env.app.registry.engines.sweep_engines() == 1
     assert (await env.lookup(HISTORY)).verdict == V.LOOKUP_VERDICT_ENGINE_GONE
     await expect_error(
         env.stub.GetEngine(registry_pb2.GetEngineRequest(engine_id="d0")), grpc.StatusCode.NOT_FOUND, "ENGINE_NOT_FOUND"

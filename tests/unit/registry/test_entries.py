@@ -3,6 +3,7 @@ filtered pages that come back short, deletes at an expected epoch."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator
 
 import pytest
@@ -15,6 +16,8 @@ from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.registry.entries import Entries
 from kvbridge_services.registry.index import RegistryIndex
+from kvbridge_services.registry.parts import RegistryParts
+from kvbridge_services.registry.validation import Limits
 from kvbridge_services.registry.releaser import BackgroundRevoker, LogOnlyReleaser
 
 KEYS = KeyLayout()
@@ -41,7 +44,8 @@ async def store() -> AsyncIterator[MemoryStore]:
 async def entries_over(store: MemoryStore, *stored: registry_pb2.Entry) -> Entries:
     for e in stored:
         await store.put(KEYS.entry(e.key.tenant, e.key.model, e.key.conversation_key), e.SerializeToString())
-    return Entries(store, KEYS, RegistryIndex(), BackgroundRevoker(LogOnlyReleaser()), timeout_s=5.0)
+    revoker = BackgroundRevoker(LogOnlyReleaser())
+    return Entries(RegistryParts(store, KEYS, RegistryIndex(), revoker, Limits(), 5.0, time.time))
 
 
 def convs(response: registry_pb2.ListEntriesResponse) -> list[str]:
