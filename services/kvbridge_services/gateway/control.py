@@ -10,7 +10,8 @@ import functools
 import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from typing import Concatenate, ParamSpec, TypedDict, TypeVar
+from dataclasses import dataclass
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 import grpc
 from google.protobuf import duration_pb2
@@ -34,9 +35,9 @@ _REGISTRY = "kvbridge.registry.v1.RegistryService/"
 _LEASE = "kvbridge.lease.v1.LeaseService/"
 
 
-class LookupArgs(TypedDict):
-    """A keyed lookup's arguments, as the entry copy (mirror.py) and the registry (:meth:`ControlPlane.lookup`)
-    both take them."""
+@dataclass(frozen=True, slots=True)
+class KeyedLookup:
+    """A keyed lookup, as the entry copy (mirror.py) and the registry (:meth:`ControlPlane.lookup`) both take it."""
 
     tenant: str
     model: str
@@ -150,25 +151,19 @@ class ControlPlane:
         err: KvbridgeError = exc if isinstance(exc, KvbridgeError) else from_rpc_error(exc)
         return ControlPlaneError(f"{what}: {err}", reason=err.reason or err.code.name, code=err.code.name)
 
+    async def _ask(self, what: str, method: Callable[..., Awaitable[Any]], request: object) -> Any:
+        """One unary registry call under the control plane's deadline and credentials, its failure wrapped."""
+        try:
+            return await method(request, timeout=self._timeout, metadata=self._metadata)
+        except grpc.RpcError as exc:
+            raise self._wrap(exc, what) from exc
+
     # -- registry ----------------------------------------------------------------------
     @_traced(_REGISTRY + "LookupEntry")
-    async def lookup(
-        self,
-        *,
-        tenant: str,
-        model: str,
-        conversation_key: str,
-        block_hashes: Sequence[bytes],
-        block_size: int,
-        min_tokens: int,
-    ) -> registry_pb2.LookupEntryResponse:
-        req = lookup_request(tenant, model, conversation_key, block_hashes, block_size, min_tokens)
-        try:
-            resp: registry_pb2.LookupEntryResponse = await self._reg().LookupEntry(
-                req, timeout=self._timeout, metadata=self._metadata
-            )
-        except grpc.RpcError as exc:
-            raise self._wrap(exc, "LookupEntry") from exc
+    async def lookup(self, query: KeyedLookup) -> registry_pb2.LookupEntryResponse:
+        q = query
+        req = lookup_request(q.tenant, q.model, q.conversation_key, q.block_hashes, q.block_size, q.min_tokens)
+        resp: registry_pb2.LookupEntryResponse = await self._ask("LookupEntry", self._reg().LookupEntry, req)
         return resp
 
     async def watch_entries(
@@ -203,12 +198,7 @@ class ControlPlane:
     @_traced(_REGISTRY + "RegisterEntry")
     async def register_entry(self, entry: registry_pb2.Entry) -> registry_pb2.RegisterEntryResponse:
         req = registry_pb2.RegisterEntryRequest(request_id=f"gw-{uuid.uuid4().hex}", entry=entry)
-        try:
-            resp: registry_pb2.RegisterEntryResponse = await self._reg().RegisterEntry(
-                req, timeout=self._timeout, metadata=self._metadata
-            )
-        except grpc.RpcError as exc:
-            raise self._wrap(exc, "RegisterEntry") from exc
+        resp: registry_pb2.RegisterEntryResponse = await self._ask("RegisterEntry", self._reg().RegisterEntry, req)
         return resp
 
     @_traced(_REGISTRY + "DeleteEntry")
@@ -242,14 +232,8 @@ class ControlPlane:
         engines: list[types_pb2.Engine] = []
         token = ""
         for _ in range(page_limit):
-            try:
-                resp = await self._reg().ListEngines(
-                    registry_pb2.ListEnginesRequest(page_size=500, page_token=token),
-                    timeout=self._timeout,
-                    metadata=self._metadata,
-                )
-            except grpc.RpcError as exc:
-                raise self._wrap(exc, "ListEngines") from exc
+            req = registry_pb2.ListEnginesRequest(page_size=500, page_token=token)
+            resp: registry_pb2.ListEnginesResponse = await self._ask("ListEngines", self._reg().ListEngines, req)
             engines.extend(resp.engines)
             token = resp.next_page_token
             if not token:
@@ -258,12 +242,8 @@ class ControlPlane:
 
     @_traced(_REGISTRY + "RegisterEngine")
     async def register_engine(self, engine: types_pb2.Engine) -> types_pb2.Engine:
-        try:
-            resp = await self._reg().RegisterEngine(
-                registry_pb2.RegisterEngineRequest(engine=engine), timeout=self._timeout, metadata=self._metadata
-            )
-        except grpc.RpcError as exc:
-            raise self._wrap(exc, "RegisterEngine") from exc
+        req = registry_pb2.RegisterEngineRequest(engine=engine)
+        resp: registry_pb2.RegisterEngineResponse = await self._ask("RegisterEngine", self._reg().RegisterEngine, req)
         registered: types_pb2.Engine = resp.engine
         return registered
 

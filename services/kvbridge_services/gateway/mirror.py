@@ -21,7 +21,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kvbridge.registry.v1 import registry_pb2
@@ -29,7 +29,7 @@ from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.entrylookup import answer_hit, record_of, unusable
 from kvbridge_services.common.hashrecord import HashRecord
 
-from .control import ControlPlane, ControlPlaneError
+from .control import ControlPlane, ControlPlaneError, KeyedLookup
 
 log = logging.getLogger(__name__)
 
@@ -158,31 +158,21 @@ class EntryMirror:
             if not waiting:
                 self._waiters.pop(eid, None)
 
-    def lookup(
-        self,
-        *,
-        tenant: str,
-        model: str,
-        conversation_key: str,
-        block_hashes: Sequence[bytes],
-        block_size: int,
-        min_tokens: int,
-        engine_record: EngineRecords,
-    ) -> registry_pb2.LookupEntryResponse | None:
+    def lookup(self, query: KeyedLookup, *, engine_record: EngineRecords) -> registry_pb2.LookupEntryResponse | None:
         """The registry's answer for a keyed lookup when it is a HIT the copy can vouch for; else None (ask
         the registry: not in sync, no entry here, expired, engine unknown, mismatch, below threshold)."""
-        if not conversation_key or not self.in_sync():
+        if not query.conversation_key or not self.in_sync():
             return None
-        item = self._entries.get((tenant, model, conversation_key))
+        item = self._entries.get((query.tenant, query.model, query.conversation_key))
         if item is None:
             return None
         entry = item.entry
         engine = engine_record(entry.engine_id)
-        if engine is None or unusable(entry, block_size, self._wall_clock(), engine) is not None:
+        if engine is None or unusable(entry, query.block_size, self._wall_clock(), engine) is not None:
             return None
-        blocks = item.record.verified_blocks(block_hashes)
-        response = registry_pb2.LookupEntryResponse(prompt_block_tokens=len(block_hashes) * block_size)
-        if blocks == 0 or not answer_hit(response, entry, engine, blocks, min_tokens):
+        blocks = item.record.verified_blocks(query.block_hashes)
+        response = registry_pb2.LookupEntryResponse(prompt_block_tokens=len(query.block_hashes) * query.block_size)
+        if blocks == 0 or not answer_hit(response, entry, engine, blocks, query.min_tokens):
             return None
         return response
 

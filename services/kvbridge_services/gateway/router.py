@@ -27,7 +27,7 @@ from kvbridge_services.common.telemetry import Telemetry
 from . import kvparams, placement, reuse
 from .chaincache import ChainCache, Scope
 from .config import GatewaySettings
-from .control import ControlPlane, ControlPlaneError, LookupArgs
+from .control import ControlPlane, ControlPlaneError, KeyedLookup
 from .decode import Decoder
 from .enginecalls import EngineAccess, EngineCalls
 from .engines import DECODE, PREFILL, EnginePool, EngineState
@@ -356,7 +356,7 @@ class TurnRouter:
         hashes = self._chains.chain(
             Scope(turn.tenant, turn.model, turn.cache_salt, b), turn.conversation_key, plan.prompt_ids
         )
-        query = LookupArgs(
+        query = KeyedLookup(
             tenant=turn.tenant,
             model=turn.model,
             conversation_key=turn.conversation_key,
@@ -367,7 +367,7 @@ class TurnRouter:
         await self._await_previous_turn(turn)
         if self._mirror is not None:
             asked_at = time.monotonic()
-            found = self._mirror.lookup(**query, engine_record=self._engine_record)
+            found = self._mirror.lookup(query, engine_record=self._engine_record)
             if found is not None:
                 self._metrics.lookups.labels("mirror").inc()
                 await self._apply_lookup(turn, plan, found, asked_at, prefill, decode)
@@ -380,7 +380,7 @@ class TurnRouter:
                 plan.placement, plan.decode_engine = None, None
         asked_at = time.monotonic()
         try:
-            found = await self._control.lookup(**query)
+            found = await self._control.lookup(query)
         except ControlPlaneError as exc:
             log.warning("registry lookup failed, no reuse this turn: %s", exc)
             plan.verdict.outcome = NoReuse.REGISTRY_UNAVAILABLE

@@ -5,6 +5,7 @@ from __future__ import annotations
 from kvbridge import hashchain
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
+from kvbridge_services.gateway.control import KeyedLookup
 from kvbridge_services.gateway.mirror import EntryMirror
 
 SECRET = b"s" * 32
@@ -71,12 +72,14 @@ def lookup(
 ) -> registry_pb2.LookupEntryResponse | None:
     known = {"d0": ENGINE} if engines is None else engines
     return mirror.lookup(
-        tenant="acme",
-        model="m",
-        conversation_key=conv,
-        block_hashes=chain(tokens),
-        block_size=BLOCK,
-        min_tokens=min_tokens,
+        KeyedLookup(
+            tenant="acme",
+            model="m",
+            conversation_key=conv,
+            block_hashes=chain(tokens),
+            block_size=BLOCK,
+            min_tokens=min_tokens,
+        ),
         engine_record=known.get,
     )
 
