@@ -22,7 +22,6 @@ import json
 import os
 import secrets
 import shutil
-import signal
 import subprocess
 import sys
 import tempfile
@@ -32,6 +31,8 @@ from contextlib import suppress
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
+
+from kvbridge_services.common.tasks import ended_before, stop_on_signals
 
 MODEL = "tiny"  # the launcher's served model name, whatever the shape
 OUTPUT_TOKENS = 24
@@ -495,10 +496,11 @@ def _print_report(report: DemoReport, as_json: bool) -> None:
 
 async def main_async(args: Any, progress: Progress) -> int:
     """The CLI entry (``kvbridge demo``): Ctrl-C or SIGTERM stops the engines' process groups, then the services."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    with stop_on_signals() as stop:
+        return await _until_stopped(args, progress, stop)
+
+
+async def _until_stopped(args: Any, progress: Progress, stop: asyncio.Event) -> int:
     demo = asyncio.create_task(
         run(
             etcd=args.etcd,
@@ -510,27 +512,16 @@ async def main_async(args: Any, progress: Progress) -> int:
             progress=progress,
         )
     )
-    stopping = asyncio.create_task(stop.wait())
+    if not await ended_before(demo, stop, lambda: progress("interrupted: stopping the engines and the services")):
+        progress("stopped")  # run()'s finally stopped the stack (engines first)
+        return 130
     try:
-        await asyncio.wait({demo, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not demo.done():
-            progress("interrupted: stopping the engines and the services")
-            demo.cancel()
-            with suppress(asyncio.CancelledError):
-                await demo  # run()'s finally stops the stack (engines first)
-            progress("stopped")
-            return 130
-        try:
-            report = demo.result()
-        except (OSError, RuntimeError, TimeoutError) as exc:  # a port in use, an engine that died or hung
-            print(f"kvbridge: demo failed: {exc}", file=sys.stderr)
-            return 1
-        _print_report(report, args.json)
-        return 0
-    finally:
-        stopping.cancel()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(sig)
+        report = demo.result()
+    except (OSError, RuntimeError, TimeoutError) as exc:  # a port in use, an engine that died or hung
+        print(f"kvbridge: demo failed: {exc}", file=sys.stderr)
+        return 1
+    _print_report(report, args.json)
+    return 0
 
 
 __all__ = ["DemoReport", "TurnReport", "main_async", "parse_reuse_header", "run", "write_keys_file"]

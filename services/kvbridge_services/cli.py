@@ -12,7 +12,6 @@ import asyncio
 import json
 import logging
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Sequence
@@ -26,6 +25,7 @@ from google.protobuf.message import Message
 from kvbridge.errors import KvbridgeError
 from kvbridge.sdk import ClientOptions, LeaseClient, RegistryClient
 from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common.tasks import ended_before, stop_on_signals
 
 DEFAULT_REGISTRY = os.environ.get("KVBRIDGE_REGISTRY_ADDRESS", "127.0.0.1:50051")
 DEFAULT_LEASE = os.environ.get("KVBRIDGE_LEASE_ADDRESS", "127.0.0.1:50052")
@@ -84,19 +84,14 @@ async def _up(args: argparse.Namespace) -> int:
         print(f"kvbridge: up: {exc}", file=sys.stderr)
         return 2
     stack = Stack(config, progress=_progress)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
+    with stop_on_signals() as stop:
+        return await _serve(stack, stop)
+
+
+async def _serve(stack: Any, stop: asyncio.Event) -> int:
     starting = asyncio.create_task(stack.start())
-    stopping = asyncio.create_task(stop.wait())
     try:
-        await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        if not starting.done():
-            _progress("interrupted while starting")
-            starting.cancel()
-            with suppress(asyncio.CancelledError):
-                await starting
+        if not await ended_before(starting, stop, lambda: _progress("interrupted while starting")):
             return 130
         try:
             starting.result()
@@ -108,7 +103,6 @@ async def _up(args: argparse.Namespace) -> int:
         _print_ready(stack)
         return await _run_until_stopped(stack, stop)
     finally:
-        stopping.cancel()
         _progress("stopping")
         await stack.stop()
         _progress("stopped")
