@@ -52,10 +52,24 @@ class Reason(enum.StrEnum):
     ENGINE_RESTARTED = "ENGINE_RESTARTED"
 
 
+# The exception class of each status code, filled by the subclasses below as they are defined.
+_BY_CODE: dict[grpc.StatusCode, type[KvbridgeError]] = {}
+
+
 class KvbridgeError(Exception):
-    """An error with a gRPC code and a machine reason."""
+    """An error with a gRPC code and a machine reason.
+
+    A subclass names its status code as a class argument (``class NotFound(KvbridgeError, code=...)``), which
+    also makes it the class :func:`from_rpc_error` raises for that code.
+    """
 
     code: grpc.StatusCode = grpc.StatusCode.UNKNOWN
+
+    def __init_subclass__(cls, code: grpc.StatusCode | None = None, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if code is not None:
+            cls.code = code
+            _BY_CODE[code] = cls
 
     def __init__(
         self,
@@ -85,66 +99,39 @@ class KvbridgeError(Exception):
         return result
 
 
-class InvalidArgument(KvbridgeError):
-    code = grpc.StatusCode.INVALID_ARGUMENT
+class InvalidArgument(KvbridgeError, code=grpc.StatusCode.INVALID_ARGUMENT): ...
 
 
-class NotFound(KvbridgeError):
-    code = grpc.StatusCode.NOT_FOUND
+class NotFound(KvbridgeError, code=grpc.StatusCode.NOT_FOUND): ...
 
 
-class FailedPrecondition(KvbridgeError):
-    code = grpc.StatusCode.FAILED_PRECONDITION
+class FailedPrecondition(KvbridgeError, code=grpc.StatusCode.FAILED_PRECONDITION): ...
 
 
-class AlreadyExists(KvbridgeError):
-    code = grpc.StatusCode.ALREADY_EXISTS
+class AlreadyExists(KvbridgeError, code=grpc.StatusCode.ALREADY_EXISTS): ...
 
 
-class PermissionDenied(KvbridgeError):
-    code = grpc.StatusCode.PERMISSION_DENIED
+class PermissionDenied(KvbridgeError, code=grpc.StatusCode.PERMISSION_DENIED): ...
 
 
-class Unauthenticated(KvbridgeError):
-    code = grpc.StatusCode.UNAUTHENTICATED
+class Unauthenticated(KvbridgeError, code=grpc.StatusCode.UNAUTHENTICATED): ...
 
 
-class ResourceExhausted(KvbridgeError):
-    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+class ResourceExhausted(KvbridgeError, code=grpc.StatusCode.RESOURCE_EXHAUSTED): ...
 
 
-class Unavailable(KvbridgeError):
-    code = grpc.StatusCode.UNAVAILABLE
+class Unavailable(KvbridgeError, code=grpc.StatusCode.UNAVAILABLE): ...
 
 
-class DeadlineExceeded(KvbridgeError):
-    code = grpc.StatusCode.DEADLINE_EXCEEDED
+class DeadlineExceeded(KvbridgeError, code=grpc.StatusCode.DEADLINE_EXCEEDED): ...
 
 
-class Aborted(KvbridgeError):
-    code = grpc.StatusCode.ABORTED
+class Aborted(KvbridgeError, code=grpc.StatusCode.ABORTED): ...
 
 
-class Internal(KvbridgeError):
-    code = grpc.StatusCode.INTERNAL
+class Internal(KvbridgeError, code=grpc.StatusCode.INTERNAL): ...
 
 
-_BY_CODE: dict[grpc.StatusCode, type[KvbridgeError]] = {
-    cls.code: cls
-    for cls in (
-        InvalidArgument,
-        NotFound,
-        FailedPrecondition,
-        AlreadyExists,
-        PermissionDenied,
-        Unauthenticated,
-        ResourceExhausted,
-        Unavailable,
-        DeadlineExceeded,
-        Aborted,
-        Internal,
-    )
-}
 _CODE_BY_NUMBER = {c.value[0]: c for c in grpc.StatusCode}
 
 

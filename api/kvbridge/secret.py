@@ -129,13 +129,24 @@ class _Scheme:
         )
         return hmac.new(hashchain.check_secret(secret), message, hashlib.sha256).hexdigest()[:32]
 
-    def sign(self, secret: bytes, params: MutableMapping[str, Any], now: float) -> None:
+    def sign(self, secret: bytes, params: MutableMapping[str, Any], *, now: float) -> None:
+        """Adds the signing time and the signature over the scheme's fields to ``params``, in place. Sign last:
+        any later change voids it."""
         params[self.issued_at] = round(now, 3)
         params[self.signature] = self.mac(secret, params)
 
-    def problem(
-        self, secret: bytes | None, params: Mapping[str, Any], accepted_at: float, validity_s: float, skew_s: float
+    def verify(
+        self,
+        secret: bytes | None,
+        params: Mapping[str, Any],
+        *,
+        accepted_at: float,
+        validity_s: float = DEFAULT_VALIDITY_S,
+        clock_skew_s: float = DEFAULT_CLOCK_SKEW_S,
     ) -> str:
+        """Why the signed fields of ``params`` must be ignored ("" when a gateway sharing ``secret`` signed
+        exactly these values): ``no_secret``, ``unsigned``, ``bad_signature`` or ``expired``. ``accepted_at``:
+        when the engine received the request (Unix seconds), not when it looks at the params."""
         if secret is None:
             return "no_secret"
         signature, issued = params.get(self.signature), params.get(self.issued_at)
@@ -149,53 +160,22 @@ class _Scheme:
             return "bad_signature"
         if not hmac.compare_digest(signature, expected):
             return "bad_signature"
-        if not issued - skew_s <= accepted_at <= issued + validity_s:
+        if not issued - clock_skew_s <= accepted_at <= issued + validity_s:
             return "expired"
         return ""
 
 
+# The two schemes' public functions are their bound methods (same arguments, keyword-only after ``params``).
+# Decode requests: the kvbridge fields and the transfer they belong to (P's ``remote_engine_id`` /
+# ``remote_request_id``); an engine trusts those fields only from a gateway.
 _DECODE = _Scheme(_SIGN_LABEL, SIGNED_FIELDS, ISSUED_AT, SIGNATURE)
+sign_kv_params = _DECODE.sign
+verify_kv_params = _DECODE.verify
+# Pull offers to P (``OFFER_SIGNED_FIELDS``: the source engine and request, its address, the block ids, the
+# token count, D's expiry, the prefix digest and the read window): P pulls only what a gateway signed.
 _OFFER = _Scheme(_OFFER_LABEL, OFFER_SIGNED_FIELDS, OFFER_ISSUED_AT, OFFER_SIGNATURE)
-
-
-def sign_kv_params(secret: bytes, params: MutableMapping[str, Any], *, now: float) -> None:
-    """Adds ``kvbridge_issued_at`` and ``kvbridge_signature`` over the kvbridge fields and the transfer they
-    belong to (P's ``remote_engine_id`` / ``remote_request_id``) to a decode request's params, in place."""
-    _DECODE.sign(secret, params, now)
-
-
-def verify_kv_params(
-    secret: bytes | None,
-    params: Mapping[str, Any],
-    *,
-    accepted_at: float,
-    validity_s: float = DEFAULT_VALIDITY_S,
-    clock_skew_s: float = DEFAULT_CLOCK_SKEW_S,
-) -> str:
-    """Why the kvbridge fields of ``params`` must be ignored ("" when they come from a gateway sharing
-    ``secret``): ``no_secret``, ``unsigned``, ``bad_signature`` or ``expired``. ``accepted_at``: when the
-    engine received the request (Unix seconds), not when it looks at the params."""
-    return _DECODE.problem(secret, params, accepted_at, validity_s, clock_skew_s)
-
-
-def sign_pull_offer(secret: bytes, params: MutableMapping[str, Any], *, now: float) -> None:
-    """Adds ``kvbridge_offer_issued_at`` and ``kvbridge_offer_signature`` over a prefill request's pull offer
-    (``OFFER_SIGNED_FIELDS``: the source engine and request, its address, the block ids, the token count, D's
-    expiry, the prefix digest and the read window), in place. Sign last: any later change voids it."""
-    _OFFER.sign(secret, params, now)
-
-
-def verify_pull_offer(
-    secret: bytes | None,
-    params: Mapping[str, Any],
-    *,
-    accepted_at: float,
-    validity_s: float = DEFAULT_VALIDITY_S,
-    clock_skew_s: float = DEFAULT_CLOCK_SKEW_S,
-) -> str:
-    """Why P must not pull what ``params`` offer ("" when a gateway sharing ``secret`` signed exactly this
-    offer): ``no_secret``, ``unsigned``, ``bad_signature`` or ``expired``."""
-    return _OFFER.problem(secret, params, accepted_at, validity_s, clock_skew_s)
+sign_pull_offer = _OFFER.sign
+verify_pull_offer = _OFFER.verify
 
 
 __all__ = [

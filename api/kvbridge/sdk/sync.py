@@ -18,7 +18,7 @@ from . import conversation as aio_conversation
 from . import gateway as aio_gateway
 from . import lease as aio_lease
 from . import registry as aio_registry
-from .channel import BaseClient, ClientOptions
+from .channel import BaseClient
 
 P = ParamSpec("P")
 R = TypeVar("R")
@@ -143,9 +143,26 @@ def _iterating(
     return call
 
 
+def _constructor(
+    aio_class: Callable[P, C],
+) -> Callable[[Callable[..., None]], Callable[Concatenate[SyncClient[C], P], None]]:
+    """Turns the decorated empty ``__init__`` into one that takes ``aio_class``'s arguments (same signature,
+    as mypy and ``help`` see it) and builds that client on the facade's loop thread. A decorated def rather
+    than ``__init__ = ...``: mypy takes a class's constructor signature only from a def."""
+
+    def decorate(_: Callable[..., None]) -> Callable[Concatenate[SyncClient[C], P], None]:
+        @functools.wraps(aio_class.__init__)
+        def __init__(self: SyncClient[C], /, *args: P.args, **kwargs: P.kwargs) -> None:
+            SyncClient.__init__(self, lambda: aio_class(*args, **kwargs))
+
+        return __init__
+
+    return decorate
+
+
 class RegistryClient(SyncClient[aio_registry.RegistryClient]):
-    def __init__(self, target: str, options: ClientOptions | None = None) -> None:
-        super().__init__(lambda: aio_registry.RegistryClient(target, options))
+    @_constructor(aio_registry.RegistryClient)
+    def __init__(self) -> None: ...
 
     register_engine = _blocking(aio_registry.RegistryClient.register_engine)
     deregister_engine = _blocking(aio_registry.RegistryClient.deregister_engine)
@@ -158,8 +175,8 @@ class RegistryClient(SyncClient[aio_registry.RegistryClient]):
 
 
 class LeaseClient(SyncClient[aio_lease.LeaseClient]):
-    def __init__(self, target: str, options: ClientOptions | None = None) -> None:
-        super().__init__(lambda: aio_lease.LeaseClient(target, options))
+    @_constructor(aio_lease.LeaseClient)
+    def __init__(self) -> None: ...
 
     grant = _blocking(aio_lease.LeaseClient.grant)
     revoke = _blocking(aio_lease.LeaseClient.revoke)
@@ -185,19 +202,8 @@ def _conversation(
 class GatewayClient(SyncClient[aio_gateway.GatewayClient]):
     __doc__ = aio_gateway.GatewayClient.__doc__
 
-    def __init__(
-        self,
-        target: str,
-        options: ClientOptions | None = None,
-        *,
-        lease_target: str | None = None,
-        heartbeat_interval_s: float = 5.0,
-    ) -> None:
-        super().__init__(
-            lambda: aio_gateway.GatewayClient(
-                target, options, lease_target=lease_target, heartbeat_interval_s=heartbeat_interval_s
-            )
-        )
+    @_constructor(aio_gateway.GatewayClient)
+    def __init__(self) -> None: ...
 
     chat = _blocking(aio_gateway.GatewayClient.chat)
     stream_chat = _iterating(aio_gateway.GatewayClient.stream_chat)
