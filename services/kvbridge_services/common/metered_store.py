@@ -3,44 +3,41 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Awaitable, Sequence
-from typing import TypeVar
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 
-from .store.base import DEFAULT_TIMEOUT_S, Compare, KeyValue, Op, Store, TxnResult, WatchBatch
+from .metric_factory import MetricFactory
+from .store.base import Store, WatchBatch
 
+P = ParamSpec("P")
 T = TypeVar("T")
 
 
 class StoreMetrics:
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.seconds = Histogram(
+        m = MetricFactory(registry)
+        self.seconds = m.histogram(
             "kvbridge_store_request_seconds",
             "Store (etcd) call latency, by operation",
             ["op"],
-            registry=registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
         )
-        self.errors = Counter(
-            "kvbridge_store_errors_total",
-            "Store calls that failed, by operation and error type",
-            ["op", "error"],
-            registry=registry,
+        self.errors = m.counter(
+            "kvbridge_store_errors_total", "Store calls that failed, by operation and error type", ["op", "error"]
         )
-        self.watch_events = Counter(
-            "kvbridge_store_watch_events_total", "Events received on store watches", registry=registry
-        )
+        self.watch_events = m.counter("kvbridge_store_watch_events_total", "Events received on store watches")
 
 
-class MeteredStore(Store):
-    """Wraps ``inner``; closing it closes ``inner``."""
+def _timed(
+    op: str, method: Callable[Concatenate[Store, P], Awaitable[T]]
+) -> Callable[Concatenate[MeteredStore, P], Coroutine[Any, Any, T]]:
+    """``method`` of ``inner``, its latency and failures counted under ``op`` (typed as the Store's ``method``)."""
+    name = method.__name__
 
-    def __init__(self, inner: Store, registry: CollectorRegistry | StoreMetrics) -> None:
-        self.inner = inner
-        self.metrics = registry if isinstance(registry, StoreMetrics) else StoreMetrics(registry)
-
-    async def _timed(self, op: str, call: Awaitable[T]) -> T:
+    async def timed(self: MeteredStore, /, *args: P.args, **kwargs: P.kwargs) -> T:
+        call: Awaitable[T] = getattr(self.inner, name)(*args, **kwargs)
         started = time.perf_counter()
         try:
             return await call
@@ -50,55 +47,18 @@ class MeteredStore(Store):
         finally:
             self.metrics.seconds.labels(op).observe(time.perf_counter() - started)
 
-    async def get(self, key: bytes, *, timeout: float = DEFAULT_TIMEOUT_S) -> KeyValue | None:
-        return await self._timed("get", self.inner.get(key, timeout=timeout))
+    timed.__name__, timed.__qualname__, timed.__doc__ = name, f"MeteredStore.{name}", method.__doc__
+    return timed
 
-    async def range_prefix(
-        self,
-        prefix: bytes,
-        *,
-        start_after: bytes | None = None,
-        limit: int = 0,
-        keys_only: bool = False,
-        timeout: float = DEFAULT_TIMEOUT_S,
-    ) -> tuple[list[KeyValue], int]:
-        return await self._timed(
-            "range",
-            self.inner.range_prefix(prefix, start_after=start_after, limit=limit, keys_only=keys_only, timeout=timeout),
-        )
 
-    async def put(self, key: bytes, value: bytes, *, lease: int = 0, timeout: float = DEFAULT_TIMEOUT_S) -> int:
-        return await self._timed("put", self.inner.put(key, value, lease=lease, timeout=timeout))
+def _counted(
+    method: Callable[Concatenate[Store, P], AsyncIterator[WatchBatch]],
+) -> Callable[Concatenate[MeteredStore, P], AsyncIterator[WatchBatch]]:
+    """Watch ``method`` of ``inner``, its events and failures counted."""
+    name = method.__name__
 
-    async def delete(self, key: bytes, *, prefix: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> int:
-        return await self._timed("delete", self.inner.delete(key, prefix=prefix, timeout=timeout))
-
-    async def txn(
-        self,
-        compares: Sequence[Compare],
-        success: Sequence[Op],
-        failure: Sequence[Op] = (),
-        *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-    ) -> TxnResult:
-        return await self._timed("txn", self.inner.txn(compares, success, failure, timeout=timeout))
-
-    async def grant_lease(self, ttl_s: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> int:
-        return await self._timed("lease_grant", self.inner.grant_lease(ttl_s, timeout=timeout))
-
-    async def refresh_lease(self, lease_id: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> int:
-        return await self._timed("lease_refresh", self.inner.refresh_lease(lease_id, timeout=timeout))
-
-    async def revoke_lease(self, lease_id: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> None:
-        await self._timed("lease_revoke", self.inner.revoke_lease(lease_id, timeout=timeout))
-
-    async def lease_ttl(self, lease_id: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> int:
-        return await self._timed("lease_ttl", self.inner.lease_ttl(lease_id, timeout=timeout))
-
-    async def watch_prefix(
-        self, prefix: bytes, *, start_revision: int = 0, progress_interval_s: float = 0.0
-    ) -> AsyncIterator[WatchBatch]:
-        stream = self.inner.watch_prefix(prefix, start_revision=start_revision, progress_interval_s=progress_interval_s)
+    async def counted(self: MeteredStore, /, *args: P.args, **kwargs: P.kwargs) -> AsyncIterator[WatchBatch]:
+        stream: AsyncIterator[WatchBatch] = getattr(self.inner, name)(*args, **kwargs)
         try:
             async for batch in stream:
                 self.metrics.watch_events.inc(len(batch.events))
@@ -109,8 +69,32 @@ class MeteredStore(Store):
         finally:
             await stream.aclose()  # type: ignore[attr-defined]
 
-    async def current_revision(self, *, timeout: float = DEFAULT_TIMEOUT_S) -> int:
-        return await self._timed("revision", self.inner.current_revision(timeout=timeout))
+    counted.__name__, counted.__qualname__, counted.__doc__ = name, f"MeteredStore.{name}", method.__doc__
+    return counted
+
+
+class MeteredStore(Store):
+    """Wraps ``inner``: every call goes to the same method of ``inner`` (its overrides included), metered under
+    its operation's label. Closing it closes ``inner``."""
+
+    def __init__(self, inner: Store, registry: CollectorRegistry | StoreMetrics) -> None:
+        self.inner = inner
+        self.metrics = registry if isinstance(registry, StoreMetrics) else StoreMetrics(registry)
+
+    get = _timed("get", Store.get)
+    range_prefix = _timed("range", Store.range_prefix)
+    read_range = _timed("range", Store.read_range)
+    put = _timed("put", Store.put)
+    delete = _timed("delete", Store.delete)
+    txn = _timed("txn", Store.txn)
+    apply_txn = _timed("txn", Store.apply_txn)
+    grant_lease = _timed("lease_grant", Store.grant_lease)
+    refresh_lease = _timed("lease_refresh", Store.refresh_lease)
+    revoke_lease = _timed("lease_revoke", Store.revoke_lease)
+    lease_ttl = _timed("lease_ttl", Store.lease_ttl)
+    current_revision = _timed("revision", Store.current_revision)
+    watch_prefix = _counted(Store.watch_prefix)
+    watch = _counted(Store.watch)
 
     async def close(self) -> None:
         await self.inner.close()

@@ -25,13 +25,14 @@ from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from kvbridge import telemetry as api_telemetry
 
 from .handler_cache import WrappingInterceptor
+from .metric_factory import MetricFactory
 
 log = logging.getLogger(__name__)
 
@@ -89,17 +90,14 @@ class RpcMetrics:
     """Per-method gRPC server counters and latency, registered in the service's registry."""
 
     def __init__(self, registry: CollectorRegistry) -> None:
-        self.handled = Counter(
-            "kvbridge_grpc_server_handled_total",
-            "RPCs completed, by method and status code",
-            ["method", "code"],
-            registry=registry,
+        m = MetricFactory(registry)
+        self.handled = m.counter(
+            "kvbridge_grpc_server_handled_total", "RPCs completed, by method and status code", ["method", "code"]
         )
-        self.seconds = Histogram(
+        self.seconds = m.histogram(
             "kvbridge_grpc_server_handling_seconds",
             "RPC handling time, by method",
             ["method"],
-            registry=registry,
             buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 5, 30),
         )
 

@@ -16,6 +16,7 @@ from prometheus_client import generate_latest
 
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge_services.common.store.memory import MemoryStore
+from kvbridge_services.gateway.control import KeyedLookup
 from tests.fixtures.etcd import EtcdServer
 
 from .conftest import Env, etcd_store, start_env, stop_env
@@ -155,12 +156,14 @@ async def test_the_gateway_mirror_stops_answering_when_the_registry_store_freeze
 
         def mirror_hit() -> bool:
             got = mirror.lookup(
-                tenant="acme",
-                model=MODEL,
-                conversation_key="c1",
-                block_hashes=chain(HISTORY),
-                block_size=BLOCK,
-                min_tokens=0,
+                KeyedLookup(
+                    tenant="acme",
+                    model=MODEL,
+                    conversation_key="c1",
+                    block_hashes=chain(HISTORY),
+                    block_size=BLOCK,
+                    min_tokens=0,
+                ),
                 engine_record={"d0": engine}.get,
             )
             return got is not None and got.verdict == V.LOOKUP_VERDICT_HIT

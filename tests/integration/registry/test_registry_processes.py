@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge_services.common.keys import KeyLayout
+from kvbridge_services.gateway.control import KeyedLookup
 from tests.fixtures.common import consecutive_free_ports, free_port
 
 from .conftest import Env, etcd_store
@@ -167,12 +168,14 @@ async def test_a_gateway_with_several_registry_connections_reaches_every_process
             hashes = chain([*TOKENS, 1])
             for _ in range(200):
                 found = await control.lookup(
-                    tenant="acme",
-                    model=MODEL,
-                    conversation_key="shared",
-                    block_hashes=hashes,
-                    block_size=BLOCK,
-                    min_tokens=BLOCK,
+                    KeyedLookup(
+                        tenant="acme",
+                        model=MODEL,
+                        conversation_key="shared",
+                        block_hashes=hashes,
+                        block_size=BLOCK,
+                        min_tokens=BLOCK,
+                    ),
                 )
                 if found.verdict == HIT:
                     per_process = await registry.hits_per_process()

@@ -6,28 +6,11 @@ from pathlib import Path
 
 from kvbridge_services.common.config import StoreSettings
 
-from .base import (
-    DEFAULT_TIMEOUT_S,
-    Compacted,
-    Compare,
-    CompareTarget,
-    Delete,
-    EventType,
-    Get,
-    KeyValue,
-    LeaseNotFound,
-    Op,
-    Put,
-    Store,
-    StoreError,
-    StoreUnavailable,
-    TxnResult,
-    WatchBatch,
-    WatchEvent,
-)
+from . import base
+from .base import *  # noqa: F403  (the Store interface, re-exported)
 
 
-def open_store(settings: StoreSettings, *, data_dir: Path | None = None) -> Store:
+def open_store(settings: StoreSettings, *, data_dir: Path | None = None) -> base.Store:
     """etcd when endpoints are configured, else the embedded MemoryStore
     (durable when ``data_dir`` is given, in-memory only otherwise)."""
     if settings.etcd_endpoints:
@@ -39,23 +22,4 @@ def open_store(settings: StoreSettings, *, data_dir: Path | None = None) -> Stor
     return MemoryStore(data_dir=data_dir)
 
 
-__all__ = [
-    "DEFAULT_TIMEOUT_S",
-    "Compacted",
-    "Compare",
-    "CompareTarget",
-    "Delete",
-    "EventType",
-    "Get",
-    "KeyValue",
-    "LeaseNotFound",
-    "Op",
-    "Put",
-    "Store",
-    "StoreError",
-    "StoreUnavailable",
-    "TxnResult",
-    "WatchBatch",
-    "WatchEvent",
-    "open_store",
-]
+__all__ = [*base.__all__, "open_store"]

@@ -20,6 +20,30 @@ from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
+__all__ = [
+    "DEFAULT_TIMEOUT_S",
+    "Compacted",
+    "Compare",
+    "CompareOp",
+    "CompareTarget",
+    "Delete",
+    "EventType",
+    "Get",
+    "KeyValue",
+    "LeaseNotFound",
+    "Op",
+    "Put",
+    "RangeQuery",
+    "Store",
+    "StoreError",
+    "StoreUnavailable",
+    "Txn",
+    "TxnResult",
+    "WatchBatch",
+    "WatchEvent",
+    "WatchQuery",
+]
+
 DEFAULT_TIMEOUT_S = 5.0
 
 
@@ -126,6 +150,44 @@ class WatchEvent:
 
 
 @dataclass(frozen=True, slots=True)
+class RangeQuery:
+    """Keys under ``prefix`` in key order (after ``start_after``), at most ``limit`` (0: all); with ``keys_only``
+    their values come back empty."""
+
+    prefix: bytes
+    start_after: bytes | None = None
+    limit: int = 0
+    keys_only: bool = False
+
+    def __post_init__(self) -> None:
+        if self.limit < 0:
+            raise ValueError("limit must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
+class Txn:
+    """If every compare holds run ``success`` else ``failure``."""
+
+    compares: Sequence[Compare]
+    success: Sequence[Op]
+    failure: Sequence[Op] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class WatchQuery:
+    """Changes under ``prefix`` from ``start_revision`` (0: from now on); with ``progress_interval_s`` > 0 an idle
+    watch yields empty batches carrying the current revision."""
+
+    prefix: bytes
+    start_revision: int = 0
+    progress_interval_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.start_revision < 0:
+            raise ValueError("start_revision must be >= 0")
+
+
+@dataclass(frozen=True, slots=True)
 class WatchBatch:
     events: list[WatchEvent]
     # The store revision this batch brings the watcher up to (progress
@@ -134,12 +196,14 @@ class WatchBatch:
 
 
 class Store(abc.ABC):
-    """etcd-shaped async key-value store. All methods are coroutine-safe."""
+    """etcd-shaped async key-value store. All methods are coroutine-safe.
+
+    A backend implements the abstract methods; ``range_prefix``, ``txn`` and ``watch_prefix`` are the keyword
+    forms of ``read_range``, ``apply_txn`` and ``watch``, which take the request as one object."""
 
     @abc.abstractmethod
     async def get(self, key: bytes, *, timeout: float = DEFAULT_TIMEOUT_S) -> KeyValue | None: ...
 
-    @abc.abstractmethod
     async def range_prefix(
         self,
         prefix: bytes,
@@ -151,6 +215,11 @@ class Store(abc.ABC):
     ) -> tuple[list[KeyValue], int]:
         """Keys under ``prefix`` in key order (after ``start_after``), at most
         ``limit`` (0: all), and the store revision they were read at."""
+        return await self.read_range(RangeQuery(prefix, start_after, limit, keys_only), timeout=timeout)
+
+    @abc.abstractmethod
+    async def read_range(self, query: RangeQuery, *, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[list[KeyValue], int]:
+        """The keys ``query`` selects and the store revision they were read at."""
 
     @abc.abstractmethod
     async def put(self, key: bytes, value: bytes, *, lease: int = 0, timeout: float = DEFAULT_TIMEOUT_S) -> int:
@@ -160,7 +229,6 @@ class Store(abc.ABC):
     async def delete(self, key: bytes, *, prefix: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> int:
         """Returns how many keys were deleted."""
 
-    @abc.abstractmethod
     async def txn(
         self,
         compares: Sequence[Compare],
@@ -170,6 +238,11 @@ class Store(abc.ABC):
         timeout: float = DEFAULT_TIMEOUT_S,
     ) -> TxnResult:
         """Atomically: if every compare holds run ``success`` else ``failure``."""
+        return await self.apply_txn(Txn(compares, success, failure), timeout=timeout)
+
+    @abc.abstractmethod
+    async def apply_txn(self, txn: Txn, *, timeout: float = DEFAULT_TIMEOUT_S) -> TxnResult:
+        """Runs ``txn`` atomically."""
 
     # --- leases: etcd semantics; expiry deletes attached keys atomically ---
 
@@ -191,7 +264,6 @@ class Store(abc.ABC):
 
     # --- watch ---
 
-    @abc.abstractmethod
     def watch_prefix(
         self,
         prefix: bytes,
@@ -199,9 +271,14 @@ class Store(abc.ABC):
         start_revision: int = 0,
         progress_interval_s: float = 0.0,
     ) -> AsyncIterator[WatchBatch]:
-        """Changes under ``prefix`` from ``start_revision`` (0: from now on).
+        """Changes under ``prefix`` from ``start_revision`` (0: from now on): ``watch`` of a ``WatchQuery``."""
+        return self.watch(WatchQuery(prefix, start_revision, progress_interval_s))
 
-        Raises ``Compacted`` if ``start_revision`` is older than the store keeps;
+    @abc.abstractmethod
+    def watch(self, query: WatchQuery) -> AsyncIterator[WatchBatch]:
+        """The changes ``query`` selects.
+
+        Raises ``Compacted`` if ``query.start_revision`` is older than the store keeps;
         the caller then re-lists and watches from the list's revision. With
         ``progress_interval_s`` > 0 an idle watch yields empty batches carrying
         the current revision. Closing the iterator (``aclose``) cancels the watch.

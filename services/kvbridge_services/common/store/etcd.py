@@ -57,12 +57,15 @@ from .base import (
     LeaseNotFound,
     Op,
     Put,
+    RangeQuery,
     Store,
     StoreError,
     StoreUnavailable,
+    Txn,
     TxnResult,
     WatchBatch,
     WatchEvent,
+    WatchQuery,
 )
 
 _log = logging.getLogger(__name__)
@@ -250,21 +253,13 @@ class EtcdStore(Store):
         resp = await self._call("get", lambda t: self._kvs.get(key, timeout=t), timeout)
         return _kv(resp.kvs[0]) if resp.kvs else None
 
-    async def range_prefix(
-        self,
-        prefix: bytes,
-        *,
-        start_after: bytes | None = None,
-        limit: int = 0,
-        keys_only: bool = False,
-        timeout: float = DEFAULT_TIMEOUT_S,
-    ) -> tuple[list[KeyValue], int]:
-        if limit < 0:
-            raise ValueError("limit must be >= 0")
-        start = _range_start(prefix, start_after)
-        end = prefix_range_end(prefix) if prefix else b"\x00"
+    async def read_range(self, query: RangeQuery, *, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[list[KeyValue], int]:
+        start = _range_start(query.prefix, query.start_after)
+        end = prefix_range_end(query.prefix) if query.prefix else b"\x00"
         resp = await self._call(
-            "range", lambda t: self._kvs.get(start, end, limit=limit, keys_only=keys_only, timeout=t), timeout
+            "range",
+            lambda t: self._kvs.get(start, end, limit=query.limit, keys_only=query.keys_only, timeout=t),
+            timeout,
         )
         return [_kv(kv) for kv in resp.kvs], int(resp.header.revision)
 
@@ -287,18 +282,11 @@ class EtcdStore(Store):
         )
         return int(resp.deleted)
 
-    async def txn(
-        self,
-        compares: Sequence[Compare],
-        success: Sequence[Op],
-        failure: Sequence[Op] = (),
-        *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-    ) -> TxnResult:
-        pb_compares = [_to_pb_compare(c) for c in compares]
-        pb_success = [_to_pb_op(op) for op in success]
-        pb_failure = [_to_pb_op(op) for op in failure]
-        writes = any(not isinstance(op, Get) for op in (*success, *failure))
+    async def apply_txn(self, txn: Txn, *, timeout: float = DEFAULT_TIMEOUT_S) -> TxnResult:
+        pb_compares = [_to_pb_compare(c) for c in txn.compares]
+        pb_success = [_to_pb_op(op) for op in txn.success]
+        pb_failure = [_to_pb_op(op) for op in txn.failure]
+        writes = any(not isinstance(op, Get) for op in (*txn.success, *txn.failure))
         resp = await self._call(
             "txn",
             lambda t: self._kvs.txn(pb_compares, pb_success, pb_failure, timeout=t),
@@ -355,17 +343,10 @@ class EtcdStore(Store):
 
     # ------------------------------------------------------------------- watch
 
-    async def watch_prefix(
-        self,
-        prefix: bytes,
-        *,
-        start_revision: int = 0,
-        progress_interval_s: float = 0.0,
-    ) -> AsyncIterator[WatchBatch]:
-        if start_revision < 0:
-            raise ValueError("start_revision must be >= 0")
+    async def watch(self, query: WatchQuery) -> AsyncIterator[WatchBatch]:
+        prefix, progress_interval_s = query.prefix, query.progress_interval_s
         # "From now" is pinned to a revision up front, so a reconnect cannot skip events.
-        next_rev = start_revision or await self.current_revision(timeout=self.default_timeout) + 1
+        next_rev = query.start_revision or await self.current_revision(timeout=self.default_timeout) + 1
         key = prefix or b"\x00"
         end = prefix_range_end(prefix) if prefix else b"\x00"
         loop = asyncio.get_running_loop()

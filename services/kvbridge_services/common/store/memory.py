@@ -41,11 +41,14 @@ from .base import (
     LeaseNotFound,
     Op,
     Put,
+    RangeQuery,
     Store,
     StoreUnavailable,
+    Txn,
     TxnResult,
     WatchBatch,
     WatchEvent,
+    WatchQuery,
 )
 from .wal import DEFAULT_MAX_LOG_BYTES, StoreDamaged, WriteAheadLog, b2s, s2b
 
@@ -135,23 +138,13 @@ class MemoryStore(Store):
         self._check_open()
         return self._kvs.get(key)
 
-    async def range_prefix(
-        self,
-        prefix: bytes,
-        *,
-        start_after: bytes | None = None,
-        limit: int = 0,
-        keys_only: bool = False,
-        timeout: float = DEFAULT_TIMEOUT_S,
-    ) -> tuple[list[KeyValue], int]:
+    async def read_range(self, query: RangeQuery, *, timeout: float = DEFAULT_TIMEOUT_S) -> tuple[list[KeyValue], int]:
         self._check_open()
-        if limit < 0:
-            raise ValueError("limit must be >= 0")
-        keys = self._keys_with_prefix(prefix, start_after)
-        if limit:
-            keys = keys[:limit]
+        keys = self._keys_with_prefix(query.prefix, query.start_after)
+        if query.limit:
+            keys = keys[: query.limit]
         out = [self._kvs[k] for k in keys]
-        if keys_only:
+        if query.keys_only:
             out = [KeyValue(kv.key, b"", kv.create_revision, kv.mod_revision, kv.version, kv.lease) for kv in out]
         return out, self._rev
 
@@ -191,17 +184,10 @@ class MemoryStore(Store):
 
         return await self._commit(build, timeout)
 
-    async def txn(
-        self,
-        compares: Sequence[Compare],
-        success: Sequence[Op],
-        failure: Sequence[Op] = (),
-        *,
-        timeout: float = DEFAULT_TIMEOUT_S,
-    ) -> TxnResult:
+    async def apply_txn(self, txn: Txn, *, timeout: float = DEFAULT_TIMEOUT_S) -> TxnResult:
         def build() -> tuple[list[Mutation], TxnResult]:
-            succeeded = all(compare_holds(c, self._kvs.get(c.key)) for c in compares)
-            mutations, gets = self._plan_ops(success if succeeded else failure)
+            succeeded = all(compare_holds(c, self._kvs.get(c.key)) for c in txn.compares)
+            mutations, gets = self._plan_ops(txn.success if succeeded else txn.failure)
             revision = self._rev + 1 if any(m[0] in ("put", "del") for m in mutations) else self._rev
             return mutations, TxnResult(succeeded=succeeded, revision=revision, gets=gets)
 
@@ -416,17 +402,10 @@ class MemoryStore(Store):
 
     # ------------------------------------------------------------------- watch
 
-    async def watch_prefix(
-        self,
-        prefix: bytes,
-        *,
-        start_revision: int = 0,
-        progress_interval_s: float = 0.0,
-    ) -> AsyncIterator[WatchBatch]:
+    async def watch(self, query: WatchQuery) -> AsyncIterator[WatchBatch]:
         self._check_open()
-        if start_revision < 0:
-            raise ValueError("start_revision must be >= 0")
-        next_rev = start_revision or self._rev + 1
+        prefix, progress_interval_s = query.prefix, query.progress_interval_s
+        next_rev = query.start_revision or self._rev + 1
         while True:
             if self._closed:
                 raise StoreUnavailable("store is closed")
