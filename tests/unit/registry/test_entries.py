@@ -17,8 +17,8 @@ from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.registry.entries import Entries
 from kvbridge_services.registry.index import RegistryIndex
 from kvbridge_services.registry.parts import RegistryParts
-from kvbridge_services.registry.validation import Limits
 from kvbridge_services.registry.releaser import BackgroundRevoker, LogOnlyReleaser
+from kvbridge_services.registry.validation import Limits
 
 KEYS = KeyLayout()
 
