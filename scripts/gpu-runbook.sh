@@ -58,7 +58,7 @@ case "$mode" in
     # stays CPU-only: left out here (docs/gpu.md).
     say "3. e2e suite on GPUs $KVBRIDGE_PREFILL_GPUS (prefill) / $KVBRIDGE_DECODE_GPUS (decode), logs under pytest's basetemp"
     exec "$py" -m pytest tests/e2e -q -rA \
-      --ignore=tests/e2e/test_cli_up_engines.py --ignore=tests/e2e/test_cli_up_secure.py \
+      --ignore=tests/e2e/test_cli_up_engines.py \
       --ignore=tests/e2e/test_demo_agent.py "$@" ;;
   bench)
     out=${KVBRIDGE_GPU_BENCH_OUT:-bench/results/gpu-$(date -u +%Y-%m-%d)}
