@@ -86,6 +86,7 @@ raw_bodies = st.one_of(
             b'{"model": "\xff\xfe"}',
             b"\xef\xbb\xbf{}",
             b'{"model": 1e999}',
+            b'{"model": "sim-model", "messages": [{"role": "user", "content": "x"}], "logit_bias": {"1": NaN}}',
             b'{"a":' * 5000,
             b'{"model": "sim-model", "messages": [' + b'{"role":"user","content":"x"},' * 3000 + b'{"role":"user"}]}',
         ]

@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import json
+import math
 from dataclasses import dataclass
 from typing import Any, Literal
 
 from kvbridge import ids
 from kvbridge.errors import InvalidArgument, Reason, invalid_field
 
+from .jsoncodec import loads_strict
 from .kvparams import strip_client_params
 
 TurnKind = Literal["chat", "completion"]
@@ -55,7 +56,7 @@ class Turn:
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(raw)
+        body = loads_strict(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise InvalidArgument(Reason.INVALID_FIELD, f"malformed JSON body: {exc}", metadata={"field": "body"}) from exc
     except RecursionError:
@@ -119,8 +120,10 @@ def _check_sampling(body: dict[str, Any]) -> None:
             raise invalid_field(name, "must be a positive integer")
     for name in ("temperature", "top_p", "presence_penalty", "frequency_penalty"):
         value = body.get(name)
-        if value is not None and (not isinstance(value, int | float) or isinstance(value, bool)):
-            raise invalid_field(name, "must be a number")
+        if value is not None and (
+            not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value)
+        ):
+            raise invalid_field(name, "must be a finite number")
     if "stream" in body and not isinstance(body["stream"], bool):
         raise invalid_field("stream", "must be a boolean")
     n = body.get("n")

@@ -18,6 +18,8 @@ from typing import Any
 
 import aiohttp
 
+from .jsoncodec import dumps
+
 # (method, url, headers) of each request the gateway sends to an engine.
 RequestObserver = Callable[[str, str, Mapping[str, str]], None]
 
@@ -78,6 +80,10 @@ def _body_of(raw: bytes) -> Any:
 _IDLE_KEEPALIVE_S = 4.0
 
 
+def _json_headers(headers: Mapping[str, str] | None) -> dict[str, str]:
+    return {**(headers or {}), "Content-Type": "application/json"}
+
+
 class EngineHttp:
     """The gateway's HTTP client to its engines: one keep-alive pool, a deadline on every call.
 
@@ -96,9 +102,7 @@ class EngineHttp:
             # Idle connections are dropped before the engine's server drops them (uvicorn's and vLLM's
             # keep-alive timeout is 5 s): reusing one the server just closed fails the request.
             connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=_IDLE_KEEPALIVE_S, ttl_dns_cache=300)
-            self._session = aiohttp.ClientSession(
-                connector=connector, json_serialize=json.dumps, auto_decompress=False, raise_for_status=False
-            )
+            self._session = aiohttp.ClientSession(connector=connector, auto_decompress=False, raise_for_status=False)
         return self._session
 
     def _observe(self, method: str, url: str, headers: Mapping[str, str] | None) -> None:
@@ -122,7 +126,7 @@ class EngineHttp:
         self._observe("POST", url, headers)
         try:
             async with asyncio.timeout(timeout_s):
-                async with self._http().post(url, json=body, headers=headers) as resp:
+                async with self._http().post(url, data=dumps(body), headers=_json_headers(headers)) as resp:
                     status, raw = resp.status, await resp.read()
         except TRANSPORT_ERRORS as exc:
             raise UpstreamError(
@@ -155,7 +159,7 @@ class EngineHttp:
             total=None, connect=connect_timeout_s, sock_connect=connect_timeout_s, sock_read=read_timeout_s
         )
         try:
-            resp = await self._http().post(url, json=body, headers=headers, timeout=timeout)
+            resp = await self._http().post(url, data=dumps(body), headers=_json_headers(headers), timeout=timeout)
         except TRANSPORT_ERRORS as exc:
             raise UpstreamError(
                 f"{url}: {type(exc).__name__}: {exc}", transport=True, timed_out=isinstance(exc, TimeoutError)
