@@ -18,7 +18,7 @@ from typing import Any
 
 import aiohttp
 
-from .jsoncodec import dumps
+from .jsoncodec import dumps, loads_engine
 
 # (method, url, headers) of each request the gateway sends to an engine.
 RequestObserver = Callable[[str, str, Mapping[str, str]], None]
@@ -137,7 +137,7 @@ class EngineHttp:
         if status != 200:
             raise UpstreamError(f"{url}: HTTP {status}", status=status, body=_body_of(raw))
         try:
-            data = json.loads(raw)
+            data = loads_engine(raw)
         except ValueError as exc:
             raise UpstreamError(f"{url}: response is not JSON") from exc
         if not isinstance(data, dict):

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from kvbridge.errors import InvalidArgument
-from kvbridge_services.gateway.jsoncodec import dumps, loads_strict
+from kvbridge_services.gateway.jsoncodec import dumps, loads_engine, loads_strict
 from kvbridge_services.gateway.requests import parse_json_body
 
 JSON_VALUES = st.recursive(
@@ -49,3 +49,27 @@ def test_a_client_body_with_nan_is_invalid_argument_naming_the_body() -> None:
     with pytest.raises(InvalidArgument) as err:
         parse_json_body(b'{"model": "m", "temperature": NaN}')
     assert err.value.metadata == {"field": "body"}
+
+
+@given(JSON_VALUES.filter(lambda v: "NaN" not in json.dumps(v)))
+def test_an_engine_answer_reads_as_the_standard_library_reads_it(value: object) -> None:
+    raw = json.dumps(value).encode()
+    got, want = loads_engine(raw), json.loads(raw)
+    if not _has_huge_int(want):  # vLLM never writes one (its ids and counts are below 2^63)
+        assert got == want
+
+
+def test_an_engine_answer_orjson_refuses_is_read_by_the_standard_library() -> None:
+    assert loads_engine(b'{"logprob": NaN, "text": "\\ud800"}')["text"] == "\ud800"
+
+
+def _has_huge_int(value: object) -> bool:
+    if isinstance(value, bool):
+        return False
+    if isinstance(value, int):
+        return not -(2**63) <= value < 2**64
+    if isinstance(value, list):
+        return any(_has_huge_int(v) for v in value)
+    if isinstance(value, dict):
+        return any(_has_huge_int(v) for v in value.values())
+    return False
