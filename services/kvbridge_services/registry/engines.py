@@ -25,8 +25,12 @@ from .parts import RegistryParts
 from .records import now_ts
 
 log = logging.getLogger(__name__)
-# What every ListEngines page token is bound to (the filters are not part of it).
-ENGINES_QUERY = b"engines"
+
+
+def engines_query(request: registry_pb2.ListEnginesRequest) -> bytes:
+    """What a ListEngines page token is bound to: the list and its filters (a token of one filter is refused
+    with another, as ListEntries' tokens are)."""
+    return b"engines\x00" + request.model.encode() + b"\x00" + str(request.role).encode()
 
 
 def list_engines(
@@ -36,7 +40,8 @@ def list_engines(
     if request.model:
         ids.MODEL.check("model", request.model)
     size = cv.page_size("page_size", request.page_size, default=v.DEFAULT_PAGE_SIZE, maximum=v.MAX_PAGE_SIZE)
-    after = decode_page_token(request.page_token, ENGINES_QUERY).decode() if request.page_token else ""
+    query = engines_query(request)
+    after = decode_page_token(request.page_token, query).decode() if request.page_token else ""
     matching = sorted(
         (
             e
@@ -48,7 +53,7 @@ def list_engines(
         key=lambda e: e.engine_id,
     )
     page = matching[:size]
-    token = encode_page_token(ENGINES_QUERY, page[-1].engine_id.encode()) if len(matching) > size else ""
+    token = encode_page_token(query, page[-1].engine_id.encode()) if len(matching) > size else ""
     return registry_pb2.ListEnginesResponse(engines=page, next_page_token=token)
 
 

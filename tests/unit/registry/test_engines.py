@@ -66,3 +66,15 @@ def test_a_bad_model_filter_is_an_invalid_field() -> None:
     with pytest.raises(InvalidArgument) as err:
         list_engines(ENGINES, registry_pb2.ListEnginesRequest(model="has space"))
     assert err.value.metadata["field"] == "model"
+
+
+def test_a_token_is_bound_to_its_filters() -> None:
+    first = list_engines(ENGINES, registry_pb2.ListEnginesRequest(model="m", page_size=2))
+    assert ids(first) == ["d0", "d1"] and first.next_page_token
+    for other in (registry_pb2.ListEnginesRequest(model="other"), registry_pb2.ListEnginesRequest(role=DECODE)):
+        other.page_token = first.next_page_token
+        with pytest.raises(InvalidArgument) as err:
+            list_engines(ENGINES, other)
+        assert err.value.reason == Reason.INVALID_PAGE_TOKEN
+    same = registry_pb2.ListEnginesRequest(model="m", page_size=2, page_token=first.next_page_token)
+    assert ids(list_engines(ENGINES, same)) == ["d2", "p0"]
