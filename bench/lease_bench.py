@@ -83,6 +83,8 @@ def start_lease_manager(port: int, etcd: str | None, log_path: Path) -> subproce
         "KVBRIDGE_LEASE_PORT": str(port),
         "KVBRIDGE_LEASE_STATS_LOG_INTERVAL_S": "1",
         "KVBRIDGE_LEASE_MAX_IDS_PER_KEEPALIVE": "10000",
+        # /metrics off: the leader and the failover phase's standby would both take the default port.
+        "KVBRIDGE_LEASE_METRICS_PORT": "0",
     }
     env.pop("KVBRIDGE_ETCD_ENDPOINTS", None)
     if etcd:
@@ -182,9 +184,13 @@ async def failover_phase(
     channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}", options=[("grpc.max_receive_message_length", 64 << 20)])
     stub = lease_pb2_grpc.LeaseServiceStub(channel)
     try:
-        async with asyncio.timeout(60):  # the standby is up and watching the leader key
-            while "waiting for leadership" not in log_path.read_text(errors="replace"):  # noqa: ASYNC110
-                await asyncio.sleep(0.1)
+        try:
+            async with asyncio.timeout(60):  # the standby is up and watching the leader key
+                while "waiting for leadership" not in log_path.read_text(errors="replace"):  # noqa: ASYNC110
+                    await asyncio.sleep(0.1)
+        except TimeoutError:
+            tail = log_path.read_text(errors="replace")[-3000:]
+            sys.exit(f"the standby did not come up within 60 s; its log:\n{tail}")
         await asyncio.sleep(1)
         leader.send_signal(signal.SIGKILL)
         killed = time.perf_counter()
