@@ -199,6 +199,7 @@ def test_a_restart_under_the_same_engine_id_ends_the_previous_process_entries(pr
         second.stop()
 
 
+@pytest.mark.serial  # a time bound (scripts/test)
 def test_unreachable_control_plane_never_blocks_submit() -> None:
     settings = ConnectorSettings(
         registry_target="127.0.0.1:9", lease_target="127.0.0.1:9", hash_secret=SECRET, rpc_deadline_s=0.2, queue_size=16

@@ -48,6 +48,7 @@ async def grant(stub: lease_pb2_grpc.LeaseServiceAsyncStub, conv: str) -> lease_
     return (await stub.GrantLease(request, timeout=2)).lease
 
 
+@pytest.mark.serial  # a time bound (scripts/test)
 async def test_kill_leader_standby_serves_within_5s_and_keeps_leases(etcd_server) -> None:
     ports = [free_port(), free_port()]
     procs = {f"127.0.0.1:{p}": spawn(etcd_server.endpoint, p) for p in ports}

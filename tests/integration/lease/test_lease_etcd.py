@@ -58,6 +58,7 @@ async def put_entry(store, conv: str, lease_id: int, tenant: str = "acme") -> No
     await store.put(KEYS.entry(tenant, "m", conv), entry.SerializeToString())
 
 
+@pytest.mark.serial  # a time bound (scripts/test)
 async def test_renewal_keeps_alive_and_silence_expires_within_ttl_plus_1s(store) -> None:
     async with lease_app(store, checkpoint_interval_s=0.5) as (_app, stub):
         kept = (await stub.GrantLease(grant_entry("kept", seconds=1.0))).lease
@@ -80,6 +81,7 @@ async def test_renewal_keeps_alive_and_silence_expires_within_ttl_plus_1s(store)
         assert await store.get(KEYS.entry("acme", "m", "lonely")) is None
 
 
+@pytest.mark.serial  # a time bound (scripts/test)
 async def test_revoke_reaches_watcher_within_1s_and_deletes_entry(store) -> None:
     async with lease_app(store) as (_app, stub):
         lease = (await stub.GrantLease(grant_entry("c1", seconds=30))).lease

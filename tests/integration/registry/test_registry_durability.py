@@ -120,6 +120,7 @@ async def test_kill_9_and_restart_keeps_every_acknowledged_entry(etcd_server) ->
         await store.close()
 
 
+@pytest.mark.serial  # a time bound (scripts/test)
 async def test_two_replicas_agree_within_one_second(etcd_server) -> None:
     store_a, store_b = etcd_store([etcd_server.endpoint]), etcd_store([etcd_server.endpoint])
     a, b = await start_env(store_a), await start_env(store_b)

@@ -87,6 +87,7 @@ async def test_a_stopped_feeder_turns_hits_into_index_stale_and_not_serving(memo
 
 
 @pytest.mark.etcd
+@pytest.mark.serial  # a time bound (scripts/test)
 async def test_a_frozen_etcd_stops_hits_within_the_bound_and_recovers(etcd_server: EtcdServer) -> None:
     store = etcd_store([etcd_server.endpoint])
     env = await start_env(store, index_max_lag_s=MAX_LAG_S)

@@ -114,6 +114,7 @@ async def supervised_registry(endpoint: str, tmp_path: Path) -> AsyncIterator[Su
         await store.close()
 
 
+@pytest.mark.serial  # a time bound (scripts/test)
 async def test_processes_share_the_port_see_every_registration_and_survive_a_kill(etcd_server, tmp_path: Path) -> None:
     async with supervised_registry(etcd_server.endpoint, tmp_path) as registry:
         proc, target, helper = registry.proc, registry.target, registry.helper
