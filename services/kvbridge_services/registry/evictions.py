@@ -25,16 +25,16 @@ class EntryEvictor:
         self._cap = max_entries_per_tenant
         self.evictions: dict[str, int] = {}  # entries the registry removed itself, by reason (never loss)
 
-    async def make_room(self, tenant: str, incoming: EntryId, *, replacing: bool) -> None:
+    async def make_room(self, tenant: str, incoming: EntryId) -> None:
         """Per-tenant cap: evict the tenant's oldest-idle entries (leases revoked with BUDGET) until ``incoming``
-        fits. ``replacing``: the store holds an entry under ``incoming``'s key (a previous incarnation's), which
-        the write replaces, so the tenant's count does not grow.
+        fits. An entry already indexed under ``incoming``'s key (a previous incarnation's) is replaced by the
+        write, so the count does not grow: decided on the index, the same view the count comes from.
 
         An eviction is recorded, so that it is never mistaken for loss: counted in ``evictions``
         (``kvbridge_registry_entries_evicted_total{reason="tenant_cap"}``) and logged (INFO) with the entry.
         """
         cap, index = self._cap, self._parts.index
-        adds = 0 if replacing else 1
+        adds = 0 if incoming in index.entries else 1
         while index.tenant_count(tenant) + adds > cap:
             victim = index.oldest_idle(tenant, exclude=incoming)
             if victim is None:

@@ -151,8 +151,7 @@ class Registrar:
         entry.engine_incarnation = decision.incarnation
         if decision.needs_room:
             key = entry.key
-            incoming = (key.tenant, key.model, key.conversation_key)
-            await self._evictor.make_room(key.tenant, incoming, replacing=current is not None)
+            await self._evictor.make_room(key.tenant, (key.tenant, key.model, key.conversation_key))
         response = Response(entry=entry, superseded_epoch=current.epoch if current is not None else 0)
         current_kv, lease_kv, engine_kv = reads[reg.entry_key], reads[reg.lease_key], reads[reg.engine_key]
         assert lease_kv is not None and engine_kv is not None

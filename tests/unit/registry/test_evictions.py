@@ -48,11 +48,11 @@ def indexed(evictor: EntryEvictor) -> list[str]:
 
 
 async def test_a_new_key_at_the_cap_evicts_the_oldest_idle_entry(evictor: EntryEvictor) -> None:
-    await evictor.make_room("acme", ("acme", "m", "c2"), replacing=False)
+    await evictor.make_room("acme", ("acme", "m", "c2"))
     assert indexed(evictor) == ["c1"] and evictor.evictions == {EVICTED_TENANT_CAP: 1}
 
 
 async def test_replacing_the_entry_under_its_own_key_evicts_nothing(evictor: EntryEvictor) -> None:
     # A restarted engine registering c1 again: its write replaces c1, the tenant stays at 2 entries.
-    await evictor.make_room("acme", ("acme", "m", "c1"), replacing=True)
+    await evictor.make_room("acme", ("acme", "m", "c1"))
     assert indexed(evictor) == ["c0", "c1"] and evictor.evictions == {}
