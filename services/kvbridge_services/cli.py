@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from contextlib import suppress
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from google.protobuf import json_format
 from google.protobuf.message import Message
@@ -26,6 +26,9 @@ from kvbridge.errors import KvbridgeError
 from kvbridge.sdk import ClientOptions, LeaseClient, RegistryClient
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.tasks import ended_before, stop_on_signals
+
+if TYPE_CHECKING:  # imported lazily at run time: the other commands start without it
+    from kvbridge_services.stack import Stack
 
 DEFAULT_REGISTRY = os.environ.get("KVBRIDGE_REGISTRY_ADDRESS", "127.0.0.1:50051")
 DEFAULT_LEASE = os.environ.get("KVBRIDGE_LEASE_ADDRESS", "127.0.0.1:50052")
@@ -88,7 +91,7 @@ async def _up(args: argparse.Namespace) -> int:
         return await _serve(stack, stop)
 
 
-async def _serve(stack: Any, stop: asyncio.Event) -> int:
+async def _serve(stack: Stack, stop: asyncio.Event) -> int:
     starting = asyncio.create_task(stack.start())
     try:
         if not await ended_before(starting, stop, lambda: _progress("interrupted while starting")):
@@ -108,7 +111,7 @@ async def _serve(stack: Any, stop: asyncio.Event) -> int:
         _progress("stopped")
 
 
-async def _run_until_stopped(stack: Any, stop: asyncio.Event) -> int:
+async def _run_until_stopped(stack: Stack, stop: asyncio.Event) -> int:
     """0 once asked to stop (Ctrl-C, SIGTERM); 1 if an engine process exits on its own first."""
     while not stop.is_set():
         with suppress(TimeoutError):

@@ -11,7 +11,7 @@ import logging
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Concatenate, ParamSpec, TypeVar
+from typing import Concatenate, ParamSpec, TypeVar
 
 import grpc
 from google.protobuf import duration_pb2
@@ -31,6 +31,8 @@ from kvbridge_services.common.telemetry import client_interceptors
 log = logging.getLogger(__name__)
 P = ParamSpec("P")
 R = TypeVar("R")
+Req = TypeVar("Req")
+Resp = TypeVar("Resp")
 _REGISTRY = "kvbridge.registry.v1.RegistryService/"
 _LEASE = "kvbridge.lease.v1.LeaseService/"
 
@@ -151,7 +153,7 @@ class ControlPlane:
         err: KvbridgeError = exc if isinstance(exc, KvbridgeError) else from_rpc_error(exc)
         return ControlPlaneError(f"{what}: {err}", reason=err.reason or err.code.name, code=err.code.name)
 
-    async def _ask(self, what: str, method: Callable[..., Awaitable[Any]], request: object) -> Any:
+    async def _ask(self, what: str, method: grpc.aio.UnaryUnaryMultiCallable[Req, Resp], request: Req) -> Resp:
         """One unary registry call under the control plane's deadline and credentials, its failure wrapped."""
         try:
             return await method(request, timeout=self._timeout, metadata=self._metadata)
@@ -163,8 +165,7 @@ class ControlPlane:
     async def lookup(self, query: KeyedLookup) -> registry_pb2.LookupEntryResponse:
         q = query
         req = lookup_request(q.tenant, q.model, q.conversation_key, q.block_hashes, q.block_size, q.min_tokens)
-        resp: registry_pb2.LookupEntryResponse = await self._ask("LookupEntry", self._reg().LookupEntry, req)
-        return resp
+        return await self._ask("LookupEntry", self._reg().LookupEntry, req)
 
     async def watch_entries(
         self, *, progress_interval_s: float, lifetime_s: float
@@ -198,8 +199,7 @@ class ControlPlane:
     @_traced(_REGISTRY + "RegisterEntry")
     async def register_entry(self, entry: registry_pb2.Entry) -> registry_pb2.RegisterEntryResponse:
         req = registry_pb2.RegisterEntryRequest(request_id=f"gw-{uuid.uuid4().hex}", entry=entry)
-        resp: registry_pb2.RegisterEntryResponse = await self._ask("RegisterEntry", self._reg().RegisterEntry, req)
-        return resp
+        return await self._ask("RegisterEntry", self._reg().RegisterEntry, req)
 
     @_traced(_REGISTRY + "DeleteEntry")
     async def delete_entry(self, *, tenant: str, model: str, conversation_key: str) -> None:
@@ -233,7 +233,7 @@ class ControlPlane:
         token = ""
         for _ in range(page_limit):
             req = registry_pb2.ListEnginesRequest(page_size=500, page_token=token)
-            resp: registry_pb2.ListEnginesResponse = await self._ask("ListEngines", self._reg().ListEngines, req)
+            resp = await self._ask("ListEngines", self._reg().ListEngines, req)
             engines.extend(resp.engines)
             token = resp.next_page_token
             if not token:
@@ -243,7 +243,7 @@ class ControlPlane:
     @_traced(_REGISTRY + "RegisterEngine")
     async def register_engine(self, engine: types_pb2.Engine) -> types_pb2.Engine:
         req = registry_pb2.RegisterEngineRequest(engine=engine)
-        resp: registry_pb2.RegisterEngineResponse = await self._ask("RegisterEngine", self._reg().RegisterEngine, req)
+        resp = await self._ask("RegisterEngine", self._reg().RegisterEngine, req)
         registered: types_pb2.Engine = resp.engine
         return registered
 
