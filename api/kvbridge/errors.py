@@ -68,6 +68,8 @@ class KvbridgeError(Exception):
     def __init_subclass__(cls, code: grpc.StatusCode | None = None, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)
         if code is not None:
+            if code in _BY_CODE:  # from_rpc_error raises one class per code
+                raise TypeError(f"{_BY_CODE[code].__name__} already stands for {code.name}")
             cls.code = code
             _BY_CODE[code] = cls
 

@@ -34,7 +34,8 @@ def loads_strict(raw: bytes | str) -> Any:
 
 
 def dumps(value: Any) -> bytes:
-    """Compact UTF-8 JSON; the same document the standard library would write, byte for byte or not."""
+    """Compact UTF-8 JSON of a value the standard library reads back unchanged (no NaN or infinity: the
+    strict parse and the sampling checks keep them out; the fallback refuses one with ValueError)."""
     try:
         return orjson.dumps(value)
     except TypeError:  # an integer beyond 64 bits, a lone surrogate: the standard library writes them exactly

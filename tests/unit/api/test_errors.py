@@ -34,3 +34,10 @@ def test_status_round_trips_code_reason_and_metadata() -> None:
 def test_error_without_error_info_keeps_code(code: grpc.StatusCode) -> None:
     back = errors.from_rpc_error(grpc.aio.AioRpcError(code, details="plain"))
     assert back.code is code and back.reason == "" and back.message == "plain"
+
+
+def test_a_second_class_for_a_status_code_is_refused() -> None:
+    # from_rpc_error raises one class per code: a later subclass may not silently take NOT_FOUND over.
+    with pytest.raises(TypeError, match="NotFound already stands for NOT_FOUND"):
+
+        class Missing(errors.KvbridgeError, code=grpc.StatusCode.NOT_FOUND): ...

@@ -85,3 +85,11 @@ def test_engine_pools_from_env_accept_url_lists_and_json(monkeypatch: pytest.Mon
     settings = GatewaySettings()
     assert [e.url for e in settings.prefill_engines] == ["http://p1:8000", "http://p2:8000"]
     assert settings.decode_engines[0].model == "m"
+
+
+@pytest.mark.parametrize("value", [float("nan"), float("inf"), float("-inf")])
+def test_a_non_finite_sampling_number_is_an_invalid_field(value: float) -> None:
+    # The gRPC front door builds the body from protobuf floats, which may be NaN: never forwarded (jsoncodec).
+    with pytest.raises(InvalidArgument) as err:
+        turn("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": value})
+    assert err.value.metadata == {"field": "temperature"}
