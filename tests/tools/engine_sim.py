@@ -17,7 +17,7 @@ import zlib
 from collections import deque
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 import uvicorn
@@ -25,6 +25,9 @@ from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+if TYPE_CHECKING:
+    from tests.tools.sim_connector import SimConnector
 
 BOS, EOS = 0, 1
 ROLE_TOKENS = {"system": 2, "user": 3, "assistant": 4, "tool": 5}
@@ -77,6 +80,10 @@ class SimConfig:
     # Non-streaming responses carry "sim_timing": when the first token was generated (wall clock) and the
     # prompt tokens hit in the local prefix cache, pulled and computed.
     report_timing: bool = False
+    # The kvbridge connector's kv_connector_extra_config (tests/tools/sim_connector.py): with
+    # ``kvbridge_registry`` set the engine runs the connector's control plane (connector mode): it registers
+    # itself and D's retained requests, P pulls only signed offers whose prefix digest matches its prompt.
+    kvbridge_config: dict[str, Any] = field(default_factory=dict)
 
 
 # ---- tokenizer and "model" -------------------------------------------------------------
@@ -178,6 +185,8 @@ def root_hash(cache_salt: str) -> int:
 class Held:
     block_ids: list[int]
     deadline: float  # perf_counter-free wall clock (time.time) deadline
+    # Held by reference for the kvbridge connector (connector mode): a READ leaves the blocks held.
+    multi_use: bool = False
 
 
 @dataclass
@@ -262,6 +271,12 @@ class BlockStore:
         self.held[request_id] = Held(block_ids, deadline)
         return deadline
 
+    def release(self, request_id: str) -> None:
+        """Frees a held request's blocks (its entry lease ended); nothing if it is no longer held."""
+        held = self.held.pop(request_id, None)
+        if held is not None:
+            self.free(held.block_ids)
+
     def free(self, block_ids: list[int]) -> None:
         for bid in block_ids:
             if bid in self.in_use:
@@ -280,7 +295,8 @@ class BlockStore:
 
     def read(self, request_id: str, block_ids: list[int]) -> list[int]:
         """A one-sided NIXL READ of ``block_ids`` (what they hold now), then the reader's notification for
-        ``request_id``, which frees that request's blocks if D still holds them (stock single use)."""
+        ``request_id``, which frees that request's blocks if D still holds them (stock single use; blocks the
+        kvbridge connector holds by reference stay held)."""
         self.reap()
         if any(not 0 <= b < self.total for b in block_ids):
             raise KVError("block id outside the KV cache")  # NIXL fails a read outside registered memory
@@ -290,7 +306,7 @@ class BlockStore:
         out: list[int] = []
         for bid in block_ids:
             out.extend(self.blocks.get(bid, [0] * self.block_size))
-        if held is not None:
+        if held is not None and not held.multi_use:
             self.free(self.held.pop(request_id).block_ids)
         return out
 
@@ -335,6 +351,28 @@ class Engine:
         self.compute = asyncio.Lock()  # serialize_compute: the engine's one compute unit
         self.http = httpx.AsyncClient(timeout=10.0)
         self.hf = HfText(cfg.hf_tokenizer) if cfg.hf_tokenizer else None
+        self.connector = self._connector(cfg) if cfg.kvbridge_config.get("kvbridge_registry") else None
+
+    def _connector(self, cfg: SimConfig) -> SimConnector:
+        from tests.tools.sim_connector import SimConnector  # only connector mode needs the connector package
+
+        connector = SimConnector(
+            cfg.kvbridge_config,
+            engine_id=self.engine_id,
+            role=cfg.role,
+            model=cfg.model,
+            host=cfg.host,
+            port=cfg.port,
+            block_size=cfg.block_size,
+            total_blocks=cfg.total_blocks,
+        )
+        connector.start()
+        return connector
+
+    def sync_connector(self) -> None:
+        """Applies the connector's lease events (bound, ended) to the held blocks, as vLLM's scheduler step does."""
+        if self.connector is not None:
+            self.connector.apply_events(self.kv.held, self.kv.release)
 
     def detok(self, token_id: int) -> str:
         return self.hf.detokenize(token_id) if self.hf is not None else detokenize(token_id)
@@ -422,6 +460,8 @@ class Engine:
             and params.get("remote_block_ids")
             and all(k in params for k in ("remote_engine_id", "remote_request_id", "remote_host", "remote_port"))
         ):
+            if self.connector is not None and self.connector.offer_problem(params, prompt, accepted_at=time.time()):
+                return local, 0  # declined: computed here, never loaded for tokens nobody verified
             n = min(int(params.get("remote_num_tokens") or 0), len(prompt))
             if n <= 0 or (self.cfg.kv_recompute_threshold and 0 < n - len(cached) < self.cfg.kv_recompute_threshold):
                 return local, 0
@@ -458,7 +498,16 @@ class Engine:
             block_ids = self.kv.store(kv[:computed])
         ttl = self.cfg.kv_lease_duration if is_p else self.cfg.decoder_kv_blocks_ttl
         deadline = self.kv.hold(request_id, block_ids, ttl)
-        return {
+        retained = False
+        if not is_p and self.connector is not None and head is not None:
+            conversation = self.connector.conversation(head["params"], accepted_at=head["accepted_at"])
+            if conversation is not None:
+                held = self.kv.held[request_id]
+                held.multi_use, retained = True, True
+                held.deadline = deadline = self.connector.retain(
+                    request_id, conversation, block_ids, head["token_ids"][:computed], head["cache_salt"]
+                )
+        params: dict[str, Any] = {
             "do_remote_prefill": is_p,
             "do_remote_decode": not is_p,
             "remote_block_ids": [block_ids],
@@ -473,10 +522,15 @@ class Engine:
             "remote_blocks_expiry_time": None if is_p else deadline,
             "transfer_mode": "pull",
         }
+        if retained:
+            params["kvbridge_retained"] = True  # as the connector marks it (kvbridge_connector.params.RETAINED)
+        return params
 
     async def run(self, body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
         """Validates and prefills; returns the response head and an iterator of generated steps."""
         self.stats.requests += 1
+        accepted_at = time.time()
+        self.sync_connector()
         self.stats.bodies_seen = [*self.stats.bodies_seen[-49:], body]
         if self.fail_next > 0:
             self.fail_next -= 1
@@ -513,6 +567,8 @@ class Engine:
             "is_p": is_p,
             "max_tokens": max_tokens,
             "params": params,
+            "accepted_at": accepted_at,
+            "cache_salt": str(body.get("cache_salt") or ""),
         }
         self.stats.local_hit_tokens += len(cached)
         self.stats.computed_tokens += len(prompt) - pulled - len(cached)
@@ -743,6 +799,7 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
         if engine.fail_reads > 0:
             engine.fail_reads -= 1
             return _error(503, "NIXL transfer failed")
+        engine.sync_connector()
         try:
             tokens = engine.kv.read(str(body["request_id"]), [int(b) for b in body["block_ids"]])
         except KVError as exc:
@@ -758,6 +815,11 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
                 "remote_pulled_tokens": s.remote_pulled_tokens,
                 "remote_pulled_bytes": s.remote_pulled_bytes,
                 "remote_reads": s.remote_reads,
+                "kvbridge": (
+                    {"registered": engine.connector.registered, "declined": dict(engine.connector.declined)}
+                    if engine.connector is not None
+                    else None
+                ),
                 "local_hit_tokens": s.local_hit_tokens,
                 "computed_tokens": s.computed_tokens,
                 "running": s.running,
@@ -903,6 +965,8 @@ class SimServer:
                 await self._task
         self._socket.close()
         await self.engine.http.aclose()
+        if self.engine.connector is not None:
+            await asyncio.to_thread(self.engine.connector.stop)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -948,6 +1012,13 @@ def main(argv: list[str] | None = None) -> None:
         "--serialize-compute", action="store_true", help="one compute unit: prefills queue, decode steps wait for them"
     )
     parser.add_argument("--report-timing", action="store_true", help="responses carry sim_timing")
+    parser.add_argument(
+        "--kvbridge-config",
+        type=json.loads,
+        default={},
+        help="JSON: the kvbridge connector's kv_connector_extra_config; with kvbridge_registry the engine runs the "
+        "connector's control plane (connector mode, tests/tools/sim_connector.py)",
+    )
     a = parser.parse_args(argv)
     cfg = SimConfig(
         role=a.role,
@@ -972,6 +1043,7 @@ def main(argv: list[str] | None = None) -> None:
         pull_bytes_per_s=a.pull_bytes_per_s,
         serialize_compute=a.serialize_compute,
         report_timing=a.report_timing,
+        kvbridge_config=a.kvbridge_config,
     )
     app, _ = build_app(cfg)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")

@@ -60,7 +60,15 @@ class Decoder(EngineStep):
             epoch=plan.sent_epoch,
             secret=self._secret,
         )
-        register = self._registers() and bool(turn.conversation_key) and not turn.stream and covered
+        # A connector D registers its own entry: asking it for the sequence's ids would only cost a write, a
+        # parse and a registration task that skips (tens of KB at agent context lengths).
+        register = (
+            self._registers()
+            and bool(turn.conversation_key)
+            and not turn.stream
+            and covered
+            and not plan.connector_registers
+        )
         if register:
             body["return_token_ids"] = True
         self._metrics.router_overhead.observe(max(0.0, time.perf_counter() - plan.started - plan.engine_seconds))
