@@ -9,13 +9,16 @@ manager (embedded in-memory store) in another, as deployed (``--layout all-in-on
 this process is the load client.
 
 Each client worker runs multi-turn conversations twice in lockstep with identical prompts: one through the
-gateway (``conversation_id`` set, so lookups, pulls and compatibility-mode registrations happen), one
+gateway (``conversation_id`` set, so lookups, pulls and registrations happen), one
 directly: prefill on P (``max_tokens=1``, ``do_remote_decode``), then decode on D with P's returned params.
 The direct path also pulls the previous turn's KV from D exactly like the gateway's hit path (an oracle
 router with no control plane), so engine work is the same on both sides and the per-turn difference is what
 the gateway adds. Order alternates per turn. ``--direct-mode plain`` drops the pull. ``--prompt-tokens
 2048,8192,24576,65536,131072`` replaces the concurrency levels by prompt-size levels (one conversation each,
-the simulators' --max-model-len raised to fit; bench/results/gateway_by_size.md). Writes <out>.md,
+the simulators' --max-model-len raised to fit; bench/results/gateway_by_size.md). ``--engines connector`` runs
+the simulators with the kvbridge connector's control plane (connector mode, the mode kvbridge ships:
+D registers its own entries and holds them by reference, so the gateway neither registers nor consumes;
+bench/results/gateway_connector_by_size.md); the default ``stock`` measures compatibility mode. Writes <out>.md,
 <out>_overhead.png and (with ``--profile-seconds``) <out>_profile.txt (cProfile of the control-plane process).
 """
 
@@ -26,6 +29,7 @@ import asyncio
 import contextlib
 import cProfile
 import io
+import json
 import os
 import pstats
 import signal
@@ -74,16 +78,18 @@ async def _serve(args: argparse.Namespace) -> None:
 
     def gateway_settings(**update: Any) -> GatewaySettings:
         tokenizers = {MODEL: args.tokenizer_dir} if args.tokenizer_dir else {}
+        connector = args.engines == "connector"  # the engines register themselves: none configured here
         return GatewaySettings(
             host="127.0.0.1",
             http_port=0,
             grpc_port=0,
             hash_secret_hex=SECRET_HEX,
             default_block_size=BLOCK,
-            engines_from_registry=False,
+            engines_from_registry=connector,
+            registry_refresh_s=0.5,
             tokenizers=tokenizers,
-            prefill_engines=[engine(args.prefill_url, "p0")],
-            decode_engines=[engine(args.decode_url, "d0")],
+            prefill_engines=[] if connector else [engine(args.prefill_url, "p0")],
+            decode_engines=[] if connector else [engine(args.decode_url, "d0")],
             **update,
         )
 
@@ -94,6 +100,11 @@ async def _serve(args: argparse.Namespace) -> None:
     if args.role == "gateway":
         app = GatewayApp(gateway_settings(registry_address=args.registry, lease_address=args.lease))
         await app.start()
+        ready_by = time.monotonic() + 60
+        while not app.core.ready():  # connector mode: until the engines' registrations reach the gateway
+            if time.monotonic() > ready_by:
+                raise RuntimeError("no P and D engine registered within 60 s")
+            await asyncio.sleep(0.1)
         if args.profiler is not None:  # from here on: serving, not start-up (imports, tokenizer loading)
             args.profiler.enable()
         print("READY", app.http_url, flush=True)
@@ -118,8 +129,9 @@ def serve_main(argv: list[str]) -> None:
     import logging
 
     p = argparse.ArgumentParser(prog="gateway_overhead.py serve")
-    p.add_argument("--prefill-url", required=True)
-    p.add_argument("--decode-url", required=True)
+    p.add_argument("--prefill-url", default="", help="roles all and gateway (stock engines)")
+    p.add_argument("--decode-url", default="", help="roles all and gateway (stock engines)")
+    p.add_argument("--engines", choices=["stock", "connector"], default="stock")
     p.add_argument("--role", choices=["all", "control", "gateway"], default="all")
     p.add_argument("--registry", default="", help="role gateway: the control process's registry address")
     p.add_argument("--lease", default="", help="role gateway: the control process's lease manager address")
@@ -178,6 +190,22 @@ class Procs:
         build_tokenizer(self.tokenizer_dir, 512)
 
     def start_sims(self, args: argparse.Namespace) -> None:
+        """``--engines connector``: the simulators run the kvbridge connector's control plane
+        (tests/tools/sim_connector.py) against the control process, which must be running."""
+        kvbridge_config: dict[str, Any] = {}
+        if args.engines == "connector":
+            registry, lease = self.control_addresses
+            kvbridge_config = {
+                "kvbridge_registry": registry,
+                "kvbridge_lease": lease,
+                "kvbridge_hash_secret": SECRET_HEX,
+                # The direct (oracle) path has no deployment secret and no tokenizer: P accepts its unsigned
+                # offers without a digest or deadline. The gateway's offers still carry the prompt-prefix
+                # digest, which P checks when present.
+                "kvbridge_require_signed_offer": False,
+                "kvbridge_require_prefix_digest": False,
+                "kvbridge_require_offer_deadline": False,
+            }
         for role, eid in (("prefill", "p0"), ("decode", "d0")):
             port = free_port()
             cmd = [
@@ -207,6 +235,8 @@ class Procs:
             ]
             if self.tokenizer_dir is not None:
                 cmd += ["--hf-tokenizer", str(self.tokenizer_dir)]
+            if kvbridge_config:
+                cmd += ["--kvbridge-config", json.dumps(kvbridge_config)]
             log = open(self.tmp / f"sim-{eid}.log", "wb")  # noqa: SIM115 - lives as long as the process
             self.sims.append(
                 subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=log, preexec_fn=_pinned(args.other_cpus))
@@ -234,6 +264,8 @@ class Procs:
             self.decode_url,
             "--log-level",
             args.gateway_log_level,
+            "--engines",
+            args.engines,
             *extra,
         ]
         if args.uvloop:
@@ -257,13 +289,17 @@ class Procs:
         if args.layout == "all-in-one":
             self.gateway, (self.gateway_url,) = self._start_serve(args, "all", "gateway.log", [], profile)
             return
-        if self.control is None:
-            self.control, (registry, lease) = self._start_serve(args, "control", "control.log", [], None)
-            self.control_addresses = (registry, lease)
+        self.start_control(args)
         registry, lease = self.control_addresses
         self.gateway, (self.gateway_url,) = self._start_serve(
             args, "gateway", "gateway.log", ["--registry", registry, "--lease", lease], profile
         )
+
+    def start_control(self, args: argparse.Namespace) -> None:
+        """The registry + lease manager process (``--layout split``), once."""
+        if self.control is None:
+            self.control, (registry, lease) = self._start_serve(args, "control", "control.log", [], None)
+            self.control_addresses = (registry, lease)
 
     def stop_gateway(self) -> None:
         if self.gateway is not None:
@@ -339,6 +375,7 @@ class Level:
     tokenize_paths: dict[str, float] = field(default_factory=dict)  # kvbridge_gateway_tokenize_total deltas
     lookup_sources: dict[str, float] = field(default_factory=dict)  # kvbridge_gateway_lookups_total deltas
     seconds: float = 0.0
+    declined: dict[str, int] = field(default_factory=dict)  # P's declined pulls so far (connector mode)
 
 
 class TurnFailed(Exception):
@@ -526,6 +563,9 @@ async def run_level(
         t.result()
     level.seconds = time.monotonic() - record_from
     level.load_after = os.getloadavg()
+    async with aiohttp.ClientSession() as http, http.get(procs.prefill_url + "/sim/stats") as resp:
+        connector = (await resp.json()).get("kvbridge") or {}
+    level.declined = dict(connector.get("declined") or {})
     if metrics_at_start is not None:
         cpu1 = procs.cpu()
         level.cpu_s = {k: cpu1[k] - cpu0[k] for k in cpu1}
@@ -684,6 +724,11 @@ def write_report(
         lambda lv: ", ".join(f"{k}: {v}" for k, v in sorted(Counter(p.verdict for p in lv.pairs).items())),
     )
     row("same answer gateway vs direct", lambda lv: f"{sum(p.same_answer for p in lv.pairs)}/{len(lv.pairs)}")
+    if args.engines == "connector":
+        row(
+            "pulls P declined, whole run (both paths must pull: none expected)",
+            lambda lv: ", ".join(f"{k}: {v}" for k, v in sorted(lv.declined.items())) or "0",
+        )
     for name in ("gateway+control plane", "gateway", "control plane", "prefill sim", "decode sim", "client"):
         if not any(name in lv.cpu_s for lv in levels):
             continue
@@ -707,12 +752,28 @@ def write_report(
         "/tokenize",
         "sim": "the simulators' whitespace tokenizer; the gateway asks P's /tokenize",
     }[args.tokenize]
+    engines_note, registration_note = {
+        "stock": (
+            "stock-like (`--engines stock`, compatibility mode: the gateway registers D's state after each turn "
+            "from D's returned token ids, and consumes a single-use entry before P pulls)",
+            "compatibility-mode registration",
+        ),
+        "connector": (
+            "running the kvbridge connector's control plane (`--engines connector`, connector mode: "
+            "tests/tools/sim_connector.py; the engines register themselves, D registers each turn's entry under "
+            "its own lease and holds the blocks by reference, P checks the gateway's prompt-prefix digest; P "
+            "accepts offers with no signature, digest or deadline so that the direct path, which holds no secret "
+            "and no tokenizer, can pull)",
+            "D's connector registers",
+        ),
+    }[args.engines]
     lines = [
         "# Gateway router overhead vs calling the engines directly",
         "",
         f"Command: `{command}`",
         "",
         f"Setup: engine simulators (test tool) for one prefill and one decode engine, each in its own process, "
+        f"{engines_note}, "
         f"{args.prefill_us_per_token} us/prompt token (TTFT) and {args.decode_us_per_token} us/output token, "
         f"{args.max_tokens} output tokens; {layout}, gateway log level {args.gateway_log_level}"
         f"{', on uvloop' if args.uvloop else ''}; this load client (aiohttp) in its own process. "
@@ -725,7 +786,7 @@ def write_report(
             else f"Conversations of {args.turns} turns starting from {args.prompt_words} words, "
         )
         + f"{args.think_ms} ms think time; each turn is sent through the gateway (`conversation_id` set: lookup, "
-        f"pull, compatibility-mode registration) and directly ({args.direct_mode} mode: prefill max_tokens=1 + "
+        f"pull, {registration_note}) and directly ({args.direct_mode} mode: prefill max_tokens=1 + "
         f"do_remote_decode{pull_note}, then decode with P's params), alternating which goes first, "
         f"with identical prompts. "
         f"Warm-up {args.warmup_s} s per level not counted. Machine: 2 cores shared with other engineers' work "
@@ -933,6 +994,14 @@ def main() -> None:
     p.add_argument("--decode-us-per-token", type=float, default=100.0)
     p.add_argument("--direct-mode", choices=["pull", "plain"], default="pull")
     p.add_argument(
+        "--engines",
+        choices=["stock", "connector"],
+        default="stock",
+        help="stock: stock-like simulators the gateway registers (compatibility mode: single-use entries, D's "
+        "token ids returned); connector: the simulators run the kvbridge connector's control plane and register "
+        "themselves and D's entries (connector mode, the mode kvbridge ships; needs --layout split)",
+    )
+    p.add_argument(
         "--uvloop",
         action="store_true",
         help="run the kvbridge processes on uvloop (the services themselves use the default asyncio loop)",
@@ -968,6 +1037,8 @@ def main() -> None:
     args = p.parse_args()
     if not args.max_model_len:
         args.max_model_len = max([8192, *(t + 8192 for t in args.prompt_tokens)])
+    if args.engines == "connector" and args.layout != "split":
+        p.error("--engines connector needs --layout split (the engines register with the control process)")
     if (args.gateway_cpus is None) != (args.other_cpus is None):
         p.error("--gateway-cpus and --other-cpus go together")
     if args.other_cpus is not None:
@@ -978,6 +1049,8 @@ def main() -> None:
         procs = Procs(args.logs_dir or Path(tmp))
         try:
             procs.build_tokenizer(args)
+            if args.engines == "connector":
+                procs.start_control(args)  # the engines' connectors register there as they start
             procs.start_sims(args)
             procs.start_gateway(args)
             print(f"sims: P {procs.prefill_url}, D {procs.decode_url}; gateway {procs.gateway_url}", flush=True)
