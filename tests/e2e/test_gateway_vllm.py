@@ -27,7 +27,7 @@ pytestmark = [pytest.mark.e2e, pytest.mark.slow]
 MODEL = "tiny"
 
 
-async def _gateway(pd: PDEngines, *, reuse: bool) -> AsyncIterator[GatewayApp]:
+async def _gateway(pd: PDEngines, *, reuse: bool, placement: bool = False) -> AsyncIterator[GatewayApp]:
     store = MemoryStore()
     # Generous leader TTL and health timeout: the engines spin both cores of a CI machine.
     lease = LeaseApp(store, LeasePolicy(port=0, leader_ttl_s=15, leader_refresh_s=1), ServerSettings())
@@ -54,6 +54,7 @@ async def _gateway(pd: PDEngines, *, reuse: bool) -> AsyncIterator[GatewayApp]:
         hash_secret_hex="ab" * 16,
         default_block_size=BLOCK_SIZE,
         reuse_enabled=reuse,
+        placement=placement,
         engines_from_registry=False,
         health_timeout_s=10,
         control_timeout_s=10,
@@ -75,9 +76,16 @@ EDIT_AT = 170  # inside turn 1's 200 prompt tokens, past the first 128-token che
 
 
 async def _complete(
-    c: httpx.AsyncClient, gw: GatewayApp, prompt: list[int], conv: str, *, max_tokens: int = 16
+    c: httpx.AsyncClient,
+    gw: GatewayApp,
+    prompt: list[int],
+    conv: str,
+    *,
+    max_tokens: int = 16,
+    placements: list[str] | None = None,
 ) -> tuple[str, list[int]]:
-    """One greedy completion turn through the gateway; its reuse verdict and output token ids."""
+    """One greedy completion turn through the gateway; its reuse verdict and output token ids (``placements``:
+    gets the turn's placement header)."""
     r = await c.post(
         "/v1/completions",
         json={
@@ -91,16 +99,20 @@ async def _complete(
     )
     assert r.status_code == 200, r.text
     await gw.core.router.drain()
+    if placements is not None:
+        placements.append(r.headers.get("x-kvbridge-placement", ""))
     return r.headers["x-kvbridge-reuse"], r.json()["choices"][0]["token_ids"]
 
 
-async def _conversation(gw: GatewayApp, conv: str, turns: int) -> list[tuple[str, list[int]]]:
+async def _conversation(
+    gw: GatewayApp, conv: str, turns: int, placements: list[str] | None = None
+) -> list[tuple[str, list[int]]]:
     rng = random.Random(5)
     prompt = [rng.randrange(10, 500) for _ in range(200)]
     out = []
     async with httpx.AsyncClient(base_url=gw.http_url, timeout=600) as c:
         for _ in range(turns):
-            verdict, ids = await _complete(c, gw, prompt, conv, max_tokens=24)
+            verdict, ids = await _complete(c, gw, prompt, conv, max_tokens=24, placements=placements)
             out.append((verdict, ids))
             prompt = prompt + ids + [rng.randrange(10, 500) for _ in range(20)]
     return out
@@ -120,6 +132,36 @@ async def test_gateway_reuses_decode_kv_and_answers_equal_no_reuse(pd_engines: P
         # The gateway timed the pull out and recomputed correctly; the reuse claim is not shown by this run.
         pytest.xfail(f"vLLM's NIXL pull stalled on this host; gateway fell back to recompute: {stalled}")
     assert all(v.startswith("hit;") for v, _ in with_reuse[1:]), with_reuse
+
+
+async def _prefix_cache_hits(url: str) -> float:
+    """The engine's prefix-cache hits so far, in tokens (vLLM's ``vllm:prefix_cache_hits_total``)."""
+    async with httpx.AsyncClient(timeout=30) as c:
+        text = (await c.get(url + "/metrics")).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits"))
+
+
+async def test_placement_prefills_on_the_holder_d_from_its_prefix_cache_and_answers_equal(
+    pd_engines: PDEngines,
+) -> None:
+    """Placement's local prefill on real vLLM (ADR 0020): turn 2+ goes straight to the D holding the history as a
+    plain request with signed params and neither remote flag; vLLM's prefix cache on D serves the history (its
+    hits grow by at least the verified tokens), nothing is pulled, D retains the new state (the next turn hits
+    again), and the answers equal no reuse."""
+    placements: list[str] = []
+    hits_before = await _prefix_cache_hits(pd_engines.decode.url)
+    async for gw in _gateway(pd_engines, reuse=True, placement=True):
+        local = await _conversation(gw, "e2e-local", 3, placements)
+    hits = await _prefix_cache_hits(pd_engines.decode.url) - hits_before
+    async for gw in _gateway(pd_engines, reuse=False):
+        without = await _conversation(gw, "e2e-local-2", 3)
+    assert [ids for _, ids in local] == [ids for _, ids in without]
+    assert local[0][0].startswith("miss"), local[0][0]
+    assert placements[1:] == ["prefill_on_holder;reason=cheapest"] * 2, placements
+    verified = [int(v.split("tokens=")[1]) for v, _ in local[1:]]
+    assert all(v.startswith("hit;") for v, _ in local[1:]), local
+    assert all(t >= 200 // BLOCK_SIZE * BLOCK_SIZE for t in verified), verified
+    assert hits >= sum(verified), (hits, verified)  # D computed none of the verified history again
 
 
 async def _edited_and_foreign(gw: GatewayApp) -> list[tuple[str, list[int]]]:
