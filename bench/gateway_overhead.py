@@ -806,7 +806,7 @@ def write_report(
         "included), so it omits the extra "
         "client→gateway hop and the response relay.",
         "",
-        "![latency CDFs and added latency](gateway_overhead.png)",
+        f"![latency CDFs and added latency]({out.name}_overhead.png)",
     ]
     if profile_text is not None:
         where = (
