@@ -21,6 +21,7 @@ from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
+from tests.e2e.gateway_turns import complete, conversation, prefix_cache_hits
 from tests.fixtures.vllm_engines import BLOCK_SIZE, PDEngines
 
 pytestmark = [pytest.mark.e2e, pytest.mark.slow]
@@ -75,54 +76,11 @@ async def _gateway(pd: PDEngines, *, reuse: bool, placement: bool = False) -> As
 EDIT_AT = 170  # inside turn 1's 200 prompt tokens, past the first 128-token checkpoint span (not block-aligned)
 
 
-async def _complete(
-    c: httpx.AsyncClient,
-    gw: GatewayApp,
-    prompt: list[int],
-    conv: str,
-    *,
-    max_tokens: int = 16,
-    placements: list[str] | None = None,
-) -> tuple[str, list[int]]:
-    """One greedy completion turn through the gateway; its reuse verdict and output token ids (``placements``:
-    gets the turn's placement header)."""
-    r = await c.post(
-        "/v1/completions",
-        json={
-            "model": MODEL,
-            "prompt": prompt,
-            "max_tokens": max_tokens,
-            "temperature": 0,
-            "conversation_id": conv,
-            "return_token_ids": True,
-        },
-    )
-    assert r.status_code == 200, r.text
-    await gw.core.router.drain()
-    if placements is not None:
-        placements.append(r.headers.get("x-kvbridge-placement", ""))
-    return r.headers["x-kvbridge-reuse"], r.json()["choices"][0]["token_ids"]
-
-
-async def _conversation(
-    gw: GatewayApp, conv: str, turns: int, placements: list[str] | None = None
-) -> list[tuple[str, list[int]]]:
-    rng = random.Random(5)
-    prompt = [rng.randrange(10, 500) for _ in range(200)]
-    out = []
-    async with httpx.AsyncClient(base_url=gw.http_url, timeout=600) as c:
-        for _ in range(turns):
-            verdict, ids = await _complete(c, gw, prompt, conv, max_tokens=24, placements=placements)
-            out.append((verdict, ids))
-            prompt = prompt + ids + [rng.randrange(10, 500) for _ in range(20)]
-    return out
-
-
 async def test_gateway_reuses_decode_kv_and_answers_equal_no_reuse(pd_engines: PDEngines) -> None:
     async for gw in _gateway(pd_engines, reuse=True):
-        with_reuse = await _conversation(gw, "e2e-1", 3)
+        with_reuse = await conversation(gw, "e2e-1", 3)
     async for gw in _gateway(pd_engines, reuse=False):
-        without = await _conversation(gw, "e2e-2", 3)
+        without = await conversation(gw, "e2e-2", 3)
     assert with_reuse[0][0].startswith("miss")
     # Correctness holds whatever happened on the reuse path.
     assert [ids for _, ids in with_reuse] == [ids for _, ids in without]
@@ -134,13 +92,6 @@ async def test_gateway_reuses_decode_kv_and_answers_equal_no_reuse(pd_engines: P
     assert all(v.startswith("hit;") for v, _ in with_reuse[1:]), with_reuse
 
 
-async def _prefix_cache_hits(url: str) -> float:
-    """The engine's prefix-cache hits so far, in tokens (vLLM's ``vllm:prefix_cache_hits_total``)."""
-    async with httpx.AsyncClient(timeout=30) as c:
-        text = (await c.get(url + "/metrics")).text
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith("vllm:prefix_cache_hits"))
-
-
 async def test_placement_prefills_on_the_holder_d_from_its_prefix_cache_and_answers_equal(
     pd_engines: PDEngines,
 ) -> None:
@@ -149,12 +100,12 @@ async def test_placement_prefills_on_the_holder_d_from_its_prefix_cache_and_answ
     hits grow by at least the verified tokens), nothing is pulled, D retains the new state (the next turn hits
     again), and the answers equal no reuse."""
     placements: list[str] = []
-    hits_before = await _prefix_cache_hits(pd_engines.decode.url)
+    hits_before = await prefix_cache_hits(pd_engines.decode.url)
     async for gw in _gateway(pd_engines, reuse=True, placement=True):
-        local = await _conversation(gw, "e2e-local", 3, placements)
-    hits = await _prefix_cache_hits(pd_engines.decode.url) - hits_before
+        local = await conversation(gw, "e2e-local", 3, placements)
+    hits = await prefix_cache_hits(pd_engines.decode.url) - hits_before
     async for gw in _gateway(pd_engines, reuse=False):
-        without = await _conversation(gw, "e2e-local-2", 3)
+        without = await conversation(gw, "e2e-local-2", 3)
     assert [ids for _, ids in local] == [ids for _, ids in without]
     assert local[0][0].startswith("miss"), local[0][0]
     assert placements[1:] == ["prefill_on_holder;reason=cheapest"] * 2, placements
@@ -170,12 +121,12 @@ async def _edited_and_foreign(gw: GatewayApp) -> list[tuple[str, list[int]]]:
     prompt = [rng.randrange(10, 500) for _ in range(200)]
     out = []
     async with httpx.AsyncClient(base_url=gw.http_url, timeout=600) as c:
-        out.append(await _complete(c, gw, prompt, "e2e-edit"))
+        out.append(await complete(c, gw, prompt, "e2e-edit"))
         edited = prompt + out[0][1] + [rng.randrange(10, 500) for _ in range(20)]
         edited[EDIT_AT] = 9 if edited[EDIT_AT] != 9 else 8
-        out.append(await _complete(c, gw, edited, "e2e-edit"))
+        out.append(await complete(c, gw, edited, "e2e-edit"))
         foreign = [rng.randrange(10, 500) for _ in range(260)]
-        out.append(await _complete(c, gw, foreign, "e2e-edit"))
+        out.append(await complete(c, gw, foreign, "e2e-edit"))
     return out
 
 
