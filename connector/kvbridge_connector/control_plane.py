@@ -14,7 +14,7 @@ import asyncio
 import logging
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -30,6 +30,7 @@ from kvbridge.sdk.lease import LeaseClient
 from kvbridge.types.v1 import types_pb2
 from kvbridge_connector import tracing
 from kvbridge_connector.params import ConversationRef
+from kvbridge_connector.retention import RetentionTable
 from kvbridge_connector.settings import ConnectorSettings
 from kvbridge_connector.tracing import Carrier, ConnectorTracer
 
@@ -100,6 +101,23 @@ class Connection:
 
 Command = RegisterEntry | RevokeLease
 Event = LeaseBound | LeaseAlive | LeaseEnded | RegistrationFailed | LeaseSnapshot | Connection
+
+
+def apply_events(retention: RetentionTable, events: Iterable[Event]) -> None:
+    """Tells the retention table what the control-plane thread reported (the scheduler does this each step)."""
+    for event in events:
+        if isinstance(event, LeaseBound):
+            retention.bind_lease(event.request_id, event.lease_id)
+        elif isinstance(event, LeaseAlive):
+            retention.lease_alive(event.lease_id)
+        elif isinstance(event, LeaseEnded):
+            retention.lease_ended(event.lease_id)
+        elif isinstance(event, RegistrationFailed):
+            retention.registration_failed(event.request_id, event.lease_id, event.withdrawn)
+        elif isinstance(event, LeaseSnapshot):
+            retention.snapshot(event.live_lease_ids)
+        elif isinstance(event, Connection):
+            retention.set_connected(event.up)
 
 
 def _duration(seconds: float) -> duration_pb2.Duration:

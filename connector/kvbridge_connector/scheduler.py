@@ -348,21 +348,8 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             self._refcount_released[request_id] = None
 
     def _apply_control_plane_events(self) -> None:
-        if self.control_plane is None:
-            return
-        for event in self.control_plane.drain():
-            if isinstance(event, cp.LeaseBound):
-                self.retention.bind_lease(event.request_id, event.lease_id)
-            elif isinstance(event, cp.LeaseAlive):
-                self.retention.lease_alive(event.lease_id)
-            elif isinstance(event, cp.LeaseEnded):
-                self.retention.lease_ended(event.lease_id)
-            elif isinstance(event, cp.RegistrationFailed):
-                self.retention.registration_failed(event.request_id, event.lease_id, event.withdrawn)
-            elif isinstance(event, cp.LeaseSnapshot):
-                self.retention.snapshot(event.live_lease_ids)
-            elif isinstance(event, cp.Connection):
-                self.retention.set_connected(event.up)
+        if self.control_plane is not None:
+            cp.apply_events(self.retention, self.control_plane.drain())
 
     def _refcount_ids(self) -> set[str]:
         """Requests whose blocks we hold (or held) by our own reference, not through vLLM."""

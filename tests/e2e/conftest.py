@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from tests.e2e.pd_client import E2E_SECRET
-from tests.fixtures.common import VLLM_HINT, free_port, require, require_etcd_binary
+from tests.fixtures.common import VLLM_HINT, require, require_etcd_binary
 from tests.fixtures.control_plane_procs import ControlPlaneProcs, run_control_plane
 from tests.fixtures.tiny_model import model_dir_for_engines
 from tests.fixtures.vllm_engines import EnginePool, PDEngines
@@ -61,12 +61,9 @@ def control_plane(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ControlP
         yield procs
 
 
-def kvbridge_overrides(
-    procs: ControlPlaneProcs, *, http_ports: tuple[int, int] | None = None, **extra: object
-) -> tuple[dict[str, Any], dict[str, Any]]:
-    """EngineSpec overrides: the kvbridge connector on P and D, both registered with the control plane.
-    ``http_ports``: P's and D's HTTP ports, registered as their ``http_url`` (a gateway then routes to them from
-    the registry's engine list)."""
+def kvbridge_overrides(procs: ControlPlaneProcs, **extra: object) -> tuple[dict[str, Any], dict[str, Any]]:
+    """EngineSpec overrides: the kvbridge connector on P and D, both registered with the control plane (with
+    their HTTP address: the launcher adds it, so a gateway can route to them from the registry's engine list)."""
     # NIXL progress thread stays on: without it an idle engine never progresses UCX TCP, so a
     # peer's READ hung here (engines only poll NIXL while they have requests).
     common: dict[str, Any] = {
@@ -83,24 +80,8 @@ def kvbridge_overrides(
         kvbridge_entry_lease_ttl_s=ENTRY_LEASE_TTL_S,
         **extra,
     )
-    connector: dict[str, Any] = {
-        "kv_connector": "KvbridgeConnector",
-        "kv_connector_module_path": "kvbridge_connector.connector",
-    }
-    configs = [common, decode_extra]
-    if http_ports is None:
-        return dict(connector, extra_config=common), dict(connector, extra_config=decode_extra)
-    prefill, decode = (
-        dict(connector, port=port, extra_config=dict(config, kvbridge_http_url=f"http://127.0.0.1:{port}"))
-        for config, port in zip(configs, http_ports, strict=True)
-    )
-    return prefill, decode
-
-
-@pytest.fixture(scope="session")
-def kvbridge_http_ports() -> tuple[int, int]:
-    """P's and D's HTTP ports for the session's kvbridge engines (fixed, so the pool starts that pair once)."""
-    return free_port(), free_port()
+    connector = {"kv_connector": "KvbridgeConnector", "kv_connector_module_path": "kvbridge_connector.connector"}
+    return dict(connector, extra_config=common), dict(connector, extra_config=decode_extra)
 
 
 @pytest.fixture
@@ -110,5 +91,5 @@ def kvbridge_pd(engine_pool: EnginePool, request: pytest.FixtureRequest) -> PDEn
     if not engine_pool.holds("kvbridge"):
         engine_pool.close()
     control_plane: ControlPlaneProcs = request.getfixturevalue("control_plane")
-    prefill, decode = kvbridge_overrides(control_plane, http_ports=request.getfixturevalue("kvbridge_http_ports"))
+    prefill, decode = kvbridge_overrides(control_plane)
     return engine_pool.get("kvbridge", prefill, decode)

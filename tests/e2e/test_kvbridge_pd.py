@@ -352,6 +352,7 @@ async def test_connector_mode_gateway_prefills_on_the_holder_d_and_answers_equal
     async with connector_mode_gateway(control_plane, reuse=True, placement=True) as gw:
         # The pause lets D's connector register a turn before the next looks it up (its own schedule).
         local = await conversation(gw, "conv-connector-local", 3, placements, headers=key, settle_s=1.0)
+        entry = get_entry(control_plane, "conv-connector-local")  # while this gateway still renews its lease
     hits = await prefix_cache_hits(kvbridge_pd.decode.url) - hits_before
     async with connector_mode_gateway(control_plane, reuse=False, placement=False) as gw:
         without = await conversation(gw, "conv-connector-none", 3, headers=key)
@@ -361,9 +362,9 @@ async def test_connector_mode_gateway_prefills_on_the_holder_d_and_answers_equal
     assert all(v.startswith("hit;") for v, _ in local[1:]), local
     verified = [int(v.split("tokens=")[1]) for v, _ in local[1:]]
     assert hits >= sum(verified), (hits, verified)  # D computed none of the verified history again
-    entry = get_entry(control_plane, "conv-connector-local")
-    # D's connector registered turn 3's state (its sequence is longer than what turn 3 reused).
-    assert entry.engine_id == kvbridge_pd.decode.engine_id and entry.token_count > verified[-1], entry
+    # D's connector registered turn 3's state: its sequence holds turn 3's whole prompt (200 tokens, then 24
+    # answer and 20 new tokens per turn), which turn 2's does not.
+    assert entry.engine_id == kvbridge_pd.decode.engine_id and entry.token_count >= 200 + 2 * (24 + 20), entry
 
 
 def test_killed_decode_ends_its_leases_and_prefill_recomputes(

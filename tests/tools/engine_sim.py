@@ -370,9 +370,10 @@ class Engine:
         return connector
 
     def sync_connector(self) -> None:
-        """Applies the connector's lease events (bound, ended) to the held blocks, as vLLM's scheduler step does."""
+        """The connector's scheduler step: lease events into its retention table, then its holds and releases."""
         if self.connector is not None:
-            self.connector.apply_events(self.kv.held, self.kv.release)
+            self.kv.reap()
+            self.connector.step(self.kv.held, self.kv.release, len(self.kv.free_ids), self.kv.total)
 
     def detok(self, token_id: int) -> str:
         return self.hf.detokenize(token_id) if self.hf is not None else detokenize(token_id)
@@ -504,7 +505,7 @@ class Engine:
             if conversation is not None:
                 held = self.kv.held[request_id]
                 held.multi_use, retained = True, True
-                held.deadline = deadline = self.connector.retain(
+                held.deadline = self.connector.retain(
                     request_id, conversation, block_ids, head["token_ids"][:computed], head["cache_salt"]
                 )
         params: dict[str, Any] = {
@@ -522,8 +523,9 @@ class Engine:
             "remote_blocks_expiry_time": None if is_p else deadline,
             "transfer_mode": "pull",
         }
-        if retained:
-            params["kvbridge_retained"] = True  # as the connector marks it (kvbridge_connector.params.RETAINED)
+        if retained:  # as the connector marks it: the lease, not a fixed time, bounds reuse
+            params["kvbridge_retained"] = True  # kvbridge_connector.params.RETAINED
+            params["remote_blocks_expiry_time"] = None
         return params
 
     async def run(self, body: dict[str, Any], chat: bool) -> tuple[dict[str, Any], AsyncIterator[dict[str, Any]]]:
@@ -1045,6 +1047,8 @@ def main(argv: list[str] | None = None) -> None:
         report_timing=a.report_timing,
         kvbridge_config=a.kvbridge_config,
     )
+    if a.kvbridge_config.get("kvbridge_registry") and not a.port:
+        parser.error("--kvbridge-config registers this engine's address: give it a --port")
     app, _ = build_app(cfg)
     uvicorn.run(app, host=a.host, port=a.port, log_level="warning")
 

@@ -2,20 +2,24 @@
 
 The real connector (connector/kvbridge_connector) splits into a part that needs vLLM (scheduler hooks, block
 pool, NIXL worker) and a part that does not: the control-plane thread (``control_plane.ControlPlane``), the
+retention table (``retention.RetentionTable``: which retained requests keep their blocks, until when), the
 signed-field checks (``params``) and the settings. This module drives that second part, unchanged, from the
-simulator's request path, so a gateway in connector mode, the registry and the lease manager can be tested and
-benchmarked with simulated engines:
+simulator's request path, where the scheduler would, so a gateway in connector mode, the registry and the lease
+manager can be tested and benchmarked with simulated engines:
 
 - the engine registers itself (a node lease kept alive), with the connector's capabilities and offer window;
-- P pulls only a pull offer that ``params.pull_offer_problem`` and ``params.prompt_prefix_problem`` accept
-  (signed by a gateway with the deployment secret, the prompt-prefix digest equal to P's own prompt's), as the
-  connector's scheduler decides (``require_*`` settings honoured); a declined offer is computed instead;
+- P pulls only a pull offer that the connector's checks accept (``params.pull_offer_problem``,
+  ``params.prompt_prefix_problem``, a read deadline; the ``kvbridge_require_*`` settings honoured), and computes
+  the prompt otherwise;
 - D, after a request whose ``kvbridge_*`` fields carry a gateway's valid signature (``parse_conversation``),
-  holds the request's blocks by reference and registers the entry (grant + RegisterEntry with the token ids);
-  a READ does not free them (connector mode is multi-use); they are freed when the entry's lease ends or its
-  registration fails, and after ``kvbridge_fallback_ttl_s`` if no lease was bound by then.
+  retains the request's blocks by reference (a READ does not free them) and registers the entry; from then on
+  the retention table decides: the hold deadline it extends while the control plane confirms the lease, the
+  blocks it releases ``free_grace_s`` after the lease's end is confirmed, the leases it revokes (memory
+  pressure, entry cap, a registration that may have landed after its blocks were freed).
 
-Events are applied the way vLLM's scheduler applies them: drained at the start of each engine operation.
+Not modelled: what vLLM's scheduler adds around it (its block pool's reference counts, the NIXL worker's read
+notifications, ``offer_expired`` declines of a READ that would start too late: the simulator reads at once).
+Events are applied the way the scheduler applies them: at the start of each engine operation.
 Configuration is the connector's own ``kv_connector_extra_config`` dict (``SimConfig.kvbridge_config``,
 ``--kvbridge-config`` JSON); ``kvbridge_registry`` turns it on.
 """
@@ -32,6 +36,7 @@ from kvbridge import offers
 from kvbridge.types.v1 import types_pb2
 from kvbridge_connector import control_plane as cp
 from kvbridge_connector.params import ConversationRef, parse_conversation, prompt_prefix_problem, pull_offer_problem
+from kvbridge_connector.retention import RetentionTable
 from kvbridge_connector.settings import ConnectorSettings
 
 _ROLES = {
@@ -39,15 +44,10 @@ _ROLES = {
     "decode": types_pb2.ENGINE_ROLE_DECODE,
     "both": types_pb2.ENGINE_ROLE_BOTH,
 }
-# A held request's deadline once its entry lease is bound: the lease, not a timer, frees it.
-_UNTIL_LEASE_ENDS = float("inf")
-_MAX_ENDED_UNBOUND = 10_000
 
 
 class SimConnector:
-    """One engine's connector: ``offer_problem`` on P, ``retain`` on D, ``apply_events`` before each operation.
-    ``hold``/``free``: the simulator's block store's hold (request id, block ids, deadline) and free (request
-    id) operations."""
+    """One engine's connector: ``offer_problem`` on P, ``retain`` on D, ``step`` before each operation."""
 
     def __init__(
         self,
@@ -84,11 +84,18 @@ class SimConnector:
             offer_window=window,
         )
         self.plane = cp.ControlPlane(self.settings, self.engine)
-        self._by_lease: dict[int, str] = {}  # entry lease id -> the request id whose blocks it holds
-        self._ended_unbound: set[int] = set()  # leases that ended before their LeaseBound was applied
-        self.registered = 0  # entries bound to a lease
+        settings = self.settings
+        self.retention = RetentionTable(
+            time.time,  # the simulator's hold deadlines are wall-clock
+            settings.fallback_ttl_s,
+            settings.max_retained_entries,
+            settings.free_kv_watermark,
+            settings.free_grace_s,
+        )
+        self._retained: set[str] = set()  # request ids the table holds
+        self._bound: set[str] = set()  # of those, the ones registered under a lease
+        self.registered = 0  # entries D registered (bound to a lease)
         self.declined: dict[str, int] = {}  # P: declined offers by reason
-        self.registration_failures = 0
 
     def start(self) -> None:
         self.plane.start()
@@ -123,7 +130,9 @@ class SimConnector:
         token_ids: Sequence[int],
         cache_salt: str,
     ) -> float:
-        """Queues the entry's registration; the deadline to hold its blocks until a lease is bound."""
+        """Retains a finished request's blocks and queues the entry's registration; the first hold deadline."""
+        deadline = self.retention.retain(request_id, len(block_ids), len(token_ids), conversation)
+        self._retained.add(request_id)
         self.plane.submit(
             cp.RegisterEntry(
                 request_id=request_id,
@@ -133,30 +142,33 @@ class SimConnector:
                 cache_salt=cache_salt,
             )
         )
-        return time.time() + self.settings.fallback_ttl_s
+        return deadline
 
-    def apply_events(self, held: Mapping[str, Any], release: Callable[[str], None]) -> None:
-        """Applies what the control-plane thread reported: ``held`` maps request ids to objects with a
-        ``deadline``; ``release(request_id)`` frees a held request's blocks."""
-        for event in self.plane.drain():
-            if isinstance(event, cp.LeaseBound):
-                if event.lease_id in self._ended_unbound:  # revoked before the binding reached us
-                    self._ended_unbound.discard(event.lease_id)
-                    release(event.request_id)
-                elif event.request_id in held:
-                    held[event.request_id].deadline = _UNTIL_LEASE_ENDS
-                    self._by_lease[event.lease_id] = event.request_id
-                    self.registered += 1
-            elif isinstance(event, cp.LeaseEnded):
-                request_id = self._by_lease.pop(event.lease_id, None)
-                if request_id is not None:
-                    release(request_id)
-                elif len(self._ended_unbound) < _MAX_ENDED_UNBOUND:
-                    self._ended_unbound.add(event.lease_id)
-            elif isinstance(event, cp.LeaseSnapshot):  # after a reconnect: what is not live has ended
-                for lease_id in [i for i in self._by_lease if i not in event.live_lease_ids]:
-                    release(self._by_lease.pop(lease_id))
-            elif isinstance(event, cp.RegistrationFailed):
-                self.registration_failures += 1
-                if event.withdrawn:
-                    release(event.request_id)
+    def step(
+        self, held: Mapping[str, Any], release: Callable[[str], None], free_blocks: int, total_blocks: int
+    ) -> None:
+        """One scheduler step: the control plane's events into the retention table, then its decisions.
+        ``held``: the block store's held requests (objects with a ``deadline``), after its own fallback reaping;
+        ``release(request_id)``: frees a held request's blocks."""
+        cp.apply_events(self.retention, self.plane.drain())
+        for request_id in [r for r in self._retained if r not in held]:  # reaped at its hold deadline
+            self._forget(request_id)
+        decisions = self.retention.step(free_blocks, total_blocks)
+        for request_id, deadline in decisions.deadlines.items():
+            if request_id in held:
+                held[request_id].deadline = deadline
+        for request_id in decisions.release:
+            release(request_id)
+            self._forget(request_id)
+        for lease_id, reason in decisions.revoke:
+            self.plane.submit(cp.RevokeLease(lease_id, reason))
+        for request_id in self._retained - self._bound:
+            entry = self.retention.get(request_id)
+            if entry is not None and entry.lease_id:
+                self._bound.add(request_id)
+                self.registered += 1
+
+    def _forget(self, request_id: str) -> None:
+        self._retained.discard(request_id)
+        self._bound.discard(request_id)
+        self.retention.freed(request_id)

@@ -22,7 +22,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager, suppress
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -343,10 +343,20 @@ def engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
     return env
 
 
+def with_http_url(spec: EngineSpec, port: int) -> EngineSpec:
+    """A kvbridge-connector engine registers where its HTTP server listens (a gateway that routes to the engines
+    the registry lists needs it), unless its configuration says otherwise."""
+    extra = spec.extra_config
+    if spec.kv_connector != KVBRIDGE_CONNECTOR or not extra.get("kvbridge_registry") or "kvbridge_http_url" in extra:
+        return spec
+    return replace(spec, extra_config={**extra, "kvbridge_http_url": f"http://127.0.0.1:{port}"})
+
+
 def start_engine(spec: EngineSpec) -> Engine:
     """Spawn the server (no waiting); logs go to <log_dir>/<name>.log."""
     spec.log_dir.mkdir(parents=True, exist_ok=True)
     port, side_channel_port = spec.port or free_port(), free_port()
+    spec = with_http_url(spec, port)
     engine_id = spec.engine_id or f"{spec.name}-{port}"
     log_path = spec.log_dir / f"{spec.name}.log"
     log_file = log_path.open("wb")

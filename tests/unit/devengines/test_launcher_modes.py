@@ -18,8 +18,10 @@ from kvbridge_services.devengines.launcher import (
     engine_command,
     engine_env,
     engine_mode_from_env,
+    kvbridge_connector_overrides,
     pd_specs,
     place_worker_threads,
+    with_http_url,
 )
 
 
@@ -217,3 +219,23 @@ def test_the_model_must_be_a_local_model_dir_with_a_vocabulary_the_tests_fit(tmp
 def test_cpu_mode_may_serve_the_operator_s_model(model: Path) -> None:
     mode = engine_mode_from_env({"KVBRIDGE_ENGINE_MODEL": str(model)})
     assert mode == EngineMode(model=model) and not mode.gpu and mode.block_size == 32
+
+
+def test_a_kvbridge_connector_engine_registers_its_http_address_unless_configured(model: Path, tmp_path: Path) -> None:
+    connector = kvbridge_connector_overrides({"kvbridge_registry": "127.0.0.1:1"})
+    prefill, decode = pd_specs(model, tmp_path, prefill_overrides=connector, decode_overrides=None)
+    extra = transfer_config(engine_command(with_http_url(prefill, 8123), 8123, "p0"))["kv_connector_extra_config"]
+    assert extra == {
+        "bidirectional_kv_xfer": True,
+        "kvbridge_registry": "127.0.0.1:1",
+        "kvbridge_http_url": "http://127.0.0.1:8123",
+    }
+    assert with_http_url(decode, 8124) == decode  # the stock connector registers nothing
+    configured = pd_specs(
+        model,
+        tmp_path,
+        prefill_overrides=kvbridge_connector_overrides(
+            {"kvbridge_registry": "127.0.0.1:1", "kvbridge_http_url": "http://engine-0:8000"}
+        ),
+    )[0]
+    assert with_http_url(configured, 8123) == configured
