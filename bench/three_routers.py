@@ -1091,7 +1091,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill-kv-gib", type=int, default=1)
     parser.add_argument("--decode-kv-gib", type=int, default=2)
     parser.add_argument("--raw-repeats", type=int, default=5)
-    parser.add_argument("--phases", default="SK", help="S (stock), K (kvbridge) or SK")
+    parser.add_argument(
+        "--phases",
+        default="SK",
+        choices=["S", "K", "SK", "KS"],
+        help="S (stock), K (kvbridge), or both in this order",
+    )
     parser.add_argument("--seed", type=int, default=18)
     parser.add_argument("--model-dir", type=Path, default=Path("/tmp/kvb/three-routers-model"))
     parser.add_argument("--log-dir", type=Path, default=Path("/tmp/kvb/three-routers-logs"))
@@ -1120,10 +1125,8 @@ def main() -> None:
     args.model_dir = model_dir
     phases: list[PhaseResult] = []
     try:
-        if "S" in args.phases:
-            run_stock(model_dir, script, args, phases)
-        if "K" in args.phases:
-            run_kvbridge(model_dir, script, args, phases)
+        for phase in args.phases:  # in the order given: "KS" checks whether the order matters
+            (run_stock if phase == "S" else run_kvbridge)(model_dir, script, args, phases)
     except (KeyboardInterrupt, RuntimeError, TimeoutError, OSError, httpx.HTTPError) as exc:  # report what ran
         args.stopped = f"{type(exc).__name__}: {exc}"[:500] or "interrupted"
         log(f"run stopped ({args.stopped}): writing what was measured")
