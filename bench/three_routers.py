@@ -680,12 +680,22 @@ def run_stock(model_dir: Path, script: Script, args: argparse.Namespace, phases:
     sizing = engine_sizing(args)
     log(f"phase S: stock NixlConnector engines ({sizing}), logs in {args.log_dir / 'stock'}")
     started = time.monotonic()
-    with run_pd_engines(
-        model_dir,
-        args.log_dir / "stock",
-        prefill_overrides=dict(sizing, kv_cache_gib=args.prefill_kv_gib),
-        decode_overrides=dict(sizing, kv_cache_gib=args.decode_kv_gib, extra_config={"decoder_kv_blocks_ttl": HOLD_S}),
-    ) as pd:
+    with contextlib.ExitStack() as neighbours:
+        if args.control_plane_in_stock:  # idle, for the same neighbours on the two cores as phase K's engines
+            from tests.fixtures.control_plane_procs import run_control_plane
+
+            log("phase S: an idle control plane runs beside the engines (--control-plane-in-stock)")
+            neighbours.enter_context(run_control_plane(args.log_dir / "stock" / "control-plane"))
+        pd = neighbours.enter_context(
+            run_pd_engines(
+                model_dir,
+                args.log_dir / "stock",
+                prefill_overrides=dict(sizing, kv_cache_gib=args.prefill_kv_gib),
+                decode_overrides=dict(
+                    sizing, kv_cache_gib=args.decode_kv_gib, extra_config={"decoder_kv_blocks_ttl": HOLD_S}
+                ),
+            )
+        )
         result.engine_start_s = time.monotonic() - started
         asyncio.run(phase_stock(pd, script, args, result))
 
@@ -1091,6 +1101,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--prefill-kv-gib", type=int, default=1)
     parser.add_argument("--decode-kv-gib", type=int, default=2)
     parser.add_argument("--raw-repeats", type=int, default=5)
+    parser.add_argument(
+        "--control-plane-in-stock",
+        action="store_true",
+        help="phase S also runs etcd, the registry and the lease manager, idle (phase K's neighbours on the cores)",
+    )
     parser.add_argument(
         "--phases",
         default="SK",
