@@ -74,7 +74,13 @@ def seed(secret: bytes, tenant: str, model: str, cache_salt: str, block_size: in
     return _h(key, data)
 
 
-def _token_bytes(tokens: Sequence[int]) -> bytes:
+def token_bytes(tokens: Sequence[int]) -> bytes:
+    """Token ids as uint32 little-endian (the chain's layout); ValueError for an id outside 0..2^32-1.
+
+    An ``array("I")`` of 4-byte items (what the gateway's tokenizer produces) is copied as it is on a
+    little-endian host: no Python work per token, which at agent context lengths is most of a turn's hashing."""
+    if isinstance(tokens, array) and tokens.typecode == "I" and tokens.itemsize == 4 and sys.byteorder == "little":
+        return tokens.tobytes()
     try:
         packed = array("I", tokens) if array("I").itemsize == 4 else array("L", tokens)
     except OverflowError:
@@ -87,10 +93,11 @@ def _token_bytes(tokens: Sequence[int]) -> bytes:
 
 
 def _hash_blocks(key: bytes, prev: bytes, block_size: int, token_ids: Sequence[int], first_block: int) -> list[bytes]:
-    raw = _token_bytes(token_ids)
     width = block_size * 4
+    # Only the blocks hashed here are packed.
+    raw = token_bytes(token_ids[first_block * block_size : (len(token_ids) // block_size) * block_size])
     out: list[bytes] = []
-    for start in range(first_block * width, (len(token_ids) // block_size) * width, width):
+    for start in range(0, len(raw) - width + 1, width):
         prev = _h(key, prev + raw[start : start + width])
         out.append(prev)
     return out
@@ -155,6 +162,7 @@ __all__ = [
     "chain",
     "extend",
     "common_prefix_blocks",
+    "token_bytes",
 ]
 
 
@@ -163,4 +171,4 @@ def prefix_digest(token_ids: Sequence[int], num_tokens: int) -> str:
     if not 0 < num_tokens <= len(token_ids):
         raise ValueError(f"num_tokens must be 1..{len(token_ids)}, got {num_tokens}")
     head = _lp(PREFIX_DIGEST_TAG) + _U32.pack(num_tokens)
-    return hashlib.sha256(head + _token_bytes(token_ids[:num_tokens])).hexdigest()
+    return hashlib.sha256(head + token_bytes(token_ids[:num_tokens])).hexdigest()

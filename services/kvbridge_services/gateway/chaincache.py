@@ -13,8 +13,6 @@ same secret (one cache per router). Bounded LRU by bytes; 0 bytes turns it off.
 
 from __future__ import annotations
 
-import sys
-from array import array
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -38,19 +36,6 @@ class _Hashed:
     @property
     def nbytes(self) -> int:
         return len(self.packed) + 49 * len(self.hashes) + 64  # 16-byte bytes objects (33 B header) + tuple slot
-
-
-def pack(token_ids: Sequence[int]) -> bytes:
-    """Token ids as uint32 little-endian (hashchain's layout); ValueError for an id outside 0..2^32-1."""
-    try:
-        packed = array("I", token_ids)
-    except OverflowError:
-        raise ValueError("token ids must be 0..2^32-1") from None
-    if packed.itemsize != 4:  # pragma: no cover - no such platform in practice
-        return b"".join(i.to_bytes(4, "little") for i in token_ids)
-    if sys.byteorder == "big":  # pragma: no cover
-        packed.byteswap()
-    return packed.tobytes()
 
 
 def common_blocks(a: bytes, b: bytes, block_bytes: int) -> int:
@@ -92,7 +77,7 @@ class ChainCache:
         if not conversation or self._max_bytes <= 0:
             return hashchain.chain(self._secret, scope.tenant, scope.model, scope.cache_salt, b, token_ids)
         full = len(token_ids) // b
-        packed = pack(token_ids[: full * b])
+        packed = hashchain.token_bytes(token_ids[: full * b])
         key = (scope, conversation)
         prev = self._by_key.get(key)
         reuse = common_blocks(packed, prev.packed, 4 * b) if prev is not None else 0

@@ -35,7 +35,7 @@ class Encoded:
     tokenizers trim a token's leading space out of its offsets, never its end)."""
 
     text: str
-    ids: array[int]
+    ids: array[int]  # uint32 ("I"): handed on as the prompt's ids, packed for hashing without a copy per token
     ends: array[int]
 
     @property
@@ -53,7 +53,7 @@ class Resume:
 
 
 def encoded(text: str, ids: list[int], ends: list[int]) -> Encoded:
-    return Encoded(text, array("l", ids), array("l", ends))
+    return Encoded(text, array("I", ids), array("l", ends))
 
 
 class PrefixCache:

@@ -3,6 +3,7 @@ local tokenizer (incremental per conversation), else P's /tokenize."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -34,7 +35,7 @@ class PromptIds(EngineStep):
         super().__init__(access)
         self._tokenizers = tokenizers
 
-    async def of(self, turn: Turn, engine: EngineState) -> list[int]:
+    async def of(self, turn: Turn, engine: EngineState) -> Sequence[int]:
         """The prompt's token ids (``engine``: the prefill engine asked when no other source has them).
         Raises UpstreamError when the engine cannot tokenize, ClientError when it rejects the request."""
         if turn.prompt_token_ids is not None:

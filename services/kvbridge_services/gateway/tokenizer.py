@@ -23,6 +23,7 @@ import asyncio
 import copy
 import inspect
 import logging
+from array import array
 from collections.abc import Callable, Hashable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -310,8 +311,9 @@ class LocalTokenizers:
 
     async def ids(
         self, model: str, kind: str, body: Mapping[str, Any], conversation: Hashable | None = None
-    ) -> list[int] | None:
-        """Token ids as vLLM's /tokenize would return them, or None (no tokenizer, unsupported request,
+    ) -> array[int] | None:
+        """Token ids as vLLM's /tokenize would return them, as an ``array("I")`` (hashed and digested without a
+        per-token copy), or None (no tokenizer, unsupported request,
         or the worker thread's queue is full): then the caller asks P. ``conversation``: the turn's
         conversation identity, under which its encoding is kept for the next turn."""
         tok = self._by_model.get(model)
@@ -334,16 +336,18 @@ class LocalTokenizers:
                 full = await self._encode(tok, text, add_special)
                 if full is not None and full[0] != list(spliced.ids):
                     prefixes.disable(f"a spliced encoding differed from the full one ({model!r})")
-                    return full[0]
+                    return array("I", full[0])
             if spliced is not None:
                 prefixes.store(conversation, spliced)
-                return list(spliced.ids)
+                return spliced.ids  # an array("I"): no list of every token built again each turn
         whole = await self._encode(tok, text, add_special)
         if whole is None:
             return None
-        if prefixes is not None:
-            prefixes.store(conversation, encoded(text, *whole))
-        return whole[0]
+        if prefixes is None:
+            return array("I", whole[0])
+        enc = encoded(text, *whole)
+        prefixes.store(conversation, enc)
+        return enc.ids
 
     async def _encode(self, tok: ModelTokenizer, text: str, add_special: bool) -> tuple[list[int], list[int]] | None:
         if len(text) < self._offload_chars:

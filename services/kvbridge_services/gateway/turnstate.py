@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ class TurnResult:
 class TurnPlan:
     """What the turn decided before prefill, and the timings its later steps add."""
 
-    prompt_ids: list[int] | None = None
+    prompt_ids: Sequence[int] | None = None  # a list, or the tokenizer's array("I")
     block_size: int = 16
     verdict: ReuseVerdict = field(default_factory=ReuseVerdict)
     features: reuse.RequestFeatures = field(default_factory=reuse.RequestFeatures)

@@ -79,3 +79,18 @@ def test_prefix_digest_covers_exactly_the_first_k_tokens() -> None:
     for bad in (0, 65):
         with pytest.raises(ValueError):
             hc.prefix_digest(tokens, bad)
+
+
+def test_an_array_of_uint32_hashes_like_the_same_ids_as_a_list() -> None:
+    """The gateway hands its tokenizer's ``array("I")`` on without converting it: same bytes, chain and digest."""
+    from array import array
+
+    rng = random.Random(11)
+    tokens = [rng.randrange(2**32) for _ in range(203)]
+    packed = array("I", tokens)
+    assert hc.token_bytes(packed) == hc.token_bytes(tokens) == b"".join(t.to_bytes(4, "little") for t in tokens)
+    assert hc.chain(*ARGS, packed) == hc.chain(*ARGS, tokens)
+    assert hc.extend(*ARGS, hc.chain(*ARGS, tokens[:57]), packed) == hc.chain(*ARGS, tokens)
+    assert hc.prefix_digest(packed, 150) == hc.prefix_digest(tokens, 150)
+    with pytest.raises(ValueError):
+        hc.token_bytes([2**32])

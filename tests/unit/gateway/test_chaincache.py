@@ -5,7 +5,8 @@ import random
 import pytest
 
 from kvbridge import hashchain
-from kvbridge_services.gateway.chaincache import ChainCache, Scope, common_blocks, pack
+from kvbridge.hashchain import token_bytes as pack
+from kvbridge_services.gateway.chaincache import ChainCache, Scope, common_blocks
 
 SECRET = b"0123456789abcdef"
 SCOPE = Scope("acme", "m", "", 4)
