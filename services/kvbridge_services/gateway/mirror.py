@@ -13,6 +13,10 @@ registry by milliseconds is safe (ADR 0008):
   the registry's watch sends a progress heartbeat only once its store answered, so a frozen store or
   registry stops the messages and the copy stops answering within that bound);
   every other case, and any hit the router then declines, goes to the registry as before;
+- one miss it does answer: a conversation with no entry at all (``absent``), while in sync and complete
+  (no entry left out for lack of room since the snapshot). A new conversation's first turn then skips
+  tokenizing, hashing and the registry round trip (ADR 0008's addendum); an entry written within the
+  copy's lag costs one turn's reuse, as it would a registry that answered a moment earlier;
 - a hit names an entry of the engine's current incarnation only (``entrylookup.unusable``).
 """
 
@@ -69,6 +73,7 @@ class EntryMirror:
         self._last_message: float | None = None
         self.revision = 0  # the store revision the copy is up to (for status and tests)
         self.skipped = 0  # entries not kept: the copy was full, or the entry was unusable
+        self._left_out = False  # an entry was not kept for lack of room since the snapshot: absence proves nothing
         # Lookups waiting for a conversation's entry to reach an epoch (freshness.py), woken by _put.
         self._waiters: dict[EntryId, list[tuple[int, asyncio.Future[None]]]] = {}
         self._waiting = 0
@@ -79,6 +84,7 @@ class EntryMirror:
     def reset(self) -> None:
         """Forget everything: the next stream starts with a snapshot."""
         self._entries.clear()
+        self._left_out = False
         self._loading = True
         self._last_message = None
         self.revision = 0
@@ -119,6 +125,7 @@ class EntryMirror:
             return
         if old is None and len(self._entries) >= self._max_entries:
             self.skipped += 1
+            self._left_out = True
             return
         # A copy of its own: a sub-message would keep the whole received message (a 500-entry page) alive.
         own = registry_pb2.Entry()
@@ -129,6 +136,11 @@ class EntryMirror:
             for min_epoch, future in waiting:
                 if own.epoch >= min_epoch and not future.done():
                     future.set_result(None)
+
+    def absent(self, eid: EntryId) -> bool:
+        """True when the registry has no entry under ``eid`` as far as an in-sync, complete copy can tell (an
+        entry whose shape could never be a hit counts as none); False when it may have one (ask it)."""
+        return self.in_sync() and not self._left_out and eid not in self._entries
 
     def epoch_of(self, tenant: str, model: str, conversation_key: str) -> int | None:
         """The epoch of the conversation's entry in the copy (None: no entry here)."""

@@ -108,6 +108,9 @@ class Prefiller(EngineStep):
             returned = kvparams.check_prefill_returned(data.get("kv_transfer_params"))
         except ValueError as exc:
             raise UpstreamError(f"prefill on {engine.url}: {exc}") from exc
+        usage = data.get("usage")
+        if not plan.verdict.prompt_tokens and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
+            plan.verdict.prompt_tokens = int(usage["prompt_tokens"])  # a turn planned without its ids: P's count
         if self._figures is not None:
             self._observe(engine, params, returned, data, time.perf_counter() - started, others)
         return returned

@@ -35,6 +35,18 @@ class PromptIds(EngineStep):
         super().__init__(access)
         self._tokenizers = tokenizers
 
+    async def local(self, turn: Turn) -> Sequence[int] | None:
+        """The prompt's token ids from the gateway's own tokenizer, kept as the conversation's latest encoding;
+        None where it has none for the request (no call to P)."""
+        if self._tokenizers is None:
+            return None
+        return await self._tokenizers.ids(
+            turn.model,
+            turn.kind,
+            turn.body,
+            (turn.tenant, turn.conversation_key) if turn.conversation_key else None,
+        )
+
     async def of(self, turn: Turn, engine: EngineState) -> Sequence[int]:
         """The prompt's token ids (``engine``: the prefill engine asked when no other source has them).
         Raises UpstreamError when the engine cannot tokenize, ClientError when it rejects the request."""
@@ -42,12 +54,7 @@ class PromptIds(EngineStep):
             self._metrics.tokenize.labels("request").inc()
             return turn.prompt_token_ids
         if self._tokenizers is not None:
-            local = await self._tokenizers.ids(
-                turn.model,
-                turn.kind,
-                turn.body,
-                (turn.tenant, turn.conversation_key) if turn.conversation_key else None,
-            )
+            local = await self.local(turn)
             if local is not None:
                 self._metrics.tokenize.labels("local").inc()
                 trace.get_current_span().set_attribute(ATTR_TOKENIZE_PATH, "local")

@@ -218,6 +218,9 @@ class TurnRouter:
 
     def _after_turn(self, turn: Turn, plan: TurnPlan) -> None:
         self._renewer.flush_soon()  # the renewal touched before the prefill goes out now
+        if plan.warm_up:
+            scope = Scope(turn.tenant, turn.model, turn.cache_salt, plan.block_size)
+            self._post_turn.spawn(self._warm_up(turn, scope), (turn.tenant, turn.model, turn.conversation_key))
         if turn.conversation_key and plan.sent_epoch and plan.features.covered and plan.connector_registers:
             # D's connector registers this turn's state on its own schedule (compatibility mode: the registrar
             # reports its registrations itself).
@@ -229,6 +232,16 @@ class TurnRouter:
             turn.conversation_key,
             plan.verdict.header(),
         )
+
+    async def _warm_up(self, turn: Turn, scope: Scope) -> None:
+        """A new conversation's first prompt, encoded (worker thread) and hashed after its answer: what its next
+        turn resumes. Only with the gateway's own tokenizer (asking P would add a call to every new conversation)."""
+        try:
+            ids = await self._prompt_ids.local(turn)
+            if ids is not None and turn.conversation_key:
+                self._chains.chain(scope, turn.conversation_key, ids)
+        except Exception as exc:  # noqa: BLE001 - background work: the next turn computes its ids itself
+            log.warning("could not encode a new conversation's first prompt after its turn: %s", exc)
 
     def _record_verdict(
         self, span: trace.Span, plan: TurnPlan, prefill: EngineState | None, decode: EngineState
@@ -307,6 +320,13 @@ class TurnRouter:
         register = self._s.compat_registration and bool(turn.conversation_key) and plan.features.covered
         if early is not None and not register:
             return plan
+        await self._settle_previous_turn(turn)
+        if early is None and self._new_conversation(turn):
+            # Nothing to look up: the turn goes to P at once, its ids are computed after the answer.
+            plan.verdict.outcome, plan.warm_up = NoReuse.NOT_FOUND, True
+            self._metrics.lookups.labels("mirror").inc()
+            trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "mirror")
+            return plan
         try:
             plan.prompt_ids = await self._prompt_ids.of(turn, prefill)
         except ClientError:
@@ -326,18 +346,37 @@ class TurnRouter:
         await self._lookup(turn, plan, prefill, decode)
         return plan
 
+    def _new_conversation(self, turn: Turn) -> bool:
+        """Whether the turn's conversation has no entry to reuse, known without its ids: this gateway served no
+        turn of it lately and the copy of the registry holds no entry under its key (``EntryMirror.absent``).
+        Content lookup finds other conversations' entries by their blocks: then only the lookup can tell."""
+        if self._mirror is None or not turn.conversation_key or self._s.content_lookup:
+            return False
+        conversation = (turn.tenant, turn.model, turn.conversation_key)
+        if self._recent.last(conversation) is not None or self._post_turn.pending(conversation):
+            return False
+        return self._mirror.absent(conversation)
+
+    async def _settle_previous_turn(self, turn: Turn) -> None:
+        """Waits (bounded) for the conversation's post-turn work before its ids are computed: this gateway's own
+        compatibility-mode registration, or the previous turn's warm-up (its encoding is what this turn resumes)."""
+        if not turn.conversation_key or self._s.registration_wait_s <= 0:
+            return
+        conversation = (turn.tenant, turn.model, turn.conversation_key)
+        if self._post_turn.pending(conversation):
+            started = time.monotonic()
+            await self._post_turn.settle(conversation, timeout_s=self._s.registration_wait_s)
+            done = not self._post_turn.pending(conversation)
+            self._metrics.registration_waits.labels("yes" if done else "no").observe(time.monotonic() - started)
+
     async def _await_previous_turn(self, turn: Turn) -> None:
         """Waits (bounded) for the entry of the conversation's previous turn when it ended a moment ago
-        (freshness.py): this gateway's own compatibility-mode registration still running, then the entry
-        reaching the copy of the registry."""
+        (freshness.py) to reach the copy of the registry."""
         if not turn.conversation_key:
             return
         conversation = (turn.tenant, turn.model, turn.conversation_key)
         started = time.monotonic()
         waited = False
-        if self._post_turn.pending(conversation) and self._s.registration_wait_s > 0:
-            await self._post_turn.settle(conversation, timeout_s=self._s.registration_wait_s)
-            waited = True
         last = self._recent.last(conversation)
         registered = self._mirror.epoch_of(*conversation) if self._mirror is not None else None
         wait = registration_wait_s(

@@ -56,6 +56,37 @@ async def test_a_later_turn_is_looked_up_in_the_mirror_and_answers_as_without_re
     assert lookups(stack, "registry") == registry_before  # no round trip on these turns
 
 
+def tokenized(stack: Stack) -> float:
+    samples = stack.gateway.core.metrics.registry.get_sample_value
+    return sum(samples("kvbridge_gateway_tokenize_total", {"path": p}) or 0.0 for p in ("local", "engine", "request"))
+
+
+async def test_a_new_conversation_goes_to_p_without_tokenizing_or_asking_the_registry(stack: Stack) -> None:
+    """The copy is in sync and holds no entry under the key: nothing to reuse, so no ids, no hashes, no
+    round trip before P. The next turn still hits (its ids are computed as before)."""
+    mirror = mirror_of(stack)
+    async with asyncio.timeout(10):
+        while not mirror.in_sync():  # noqa: ASYNC110 - polling another component
+            await asyncio.sleep(0.02)
+    registry_before, mirror_before, tokenized_before = (
+        lookups(stack, "registry"),
+        lookups(stack, "mirror"),
+        tokenized(stack),
+    )
+    msgs = [{"role": "user", "content": LONG}]
+    answer, verdict = await turn(stack, msgs, conv="new-1")
+    assert verdict == "miss;tokens=0"
+    assert answer == await reference(stack, msgs)
+    assert lookups(stack, "registry") == registry_before and lookups(stack, "mirror") == mirror_before + 1
+    assert tokenized(stack) == tokenized_before
+    await wait_for_epoch(stack, "new-1")
+    msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": "and then"}]
+    answer, verdict = await turn(stack, msgs, conv="new-1")
+    assert verdict.startswith("hit;tokens="), verdict
+    assert tokenized(stack) == tokenized_before + 1
+    assert answer == await reference(stack, msgs)
+
+
 async def test_a_deleted_entry_leaves_the_mirror_and_the_turn_asks_the_registry(stack: Stack) -> None:
     msgs = [{"role": "user", "content": LONG}]
     answer, _ = await turn(stack, msgs, conv="m2")

@@ -40,20 +40,28 @@ async def test_local_ids_match_the_engines_so_turns_reuse(local_stack: Stack) ->
     answer, verdict = await turn(local_stack, messages)
     assert verdict.startswith("miss")
     assert answer == await reference(local_stack, messages)
+    # A new conversation (no entry in the gateway's copy of the registry): its turn went to P without being
+    # tokenized, and its ids were computed after the answer, for the next turn to resume.
+    tokenizers = local_stack.gateway.core.tokenizers
+    assert tokenizers is not None
+    assert tokenized(local_stack, "local") == 0 and tokenizers.reused_tokens() == 0
     for _ in range(2):
         messages = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": "w7 w8"}]
         answer, verdict = await turn(local_stack, messages)
         assert verdict.startswith("hit;"), verdict
         assert int(verdict.split("tokens=")[1]) >= 112  # the whole previous turn, floored to blocks
         assert answer == await reference(local_stack, messages)
-    assert tokenized(local_stack, "local") == 3
+    assert tokenized(local_stack, "local") == 2
     assert tokenized(local_stack, "engine") == 0
+    assert tokenizers.reused_tokens() >= 2 * 112  # each later turn re-encoded only what followed the last one
 
 
 async def test_requests_it_cannot_reproduce_use_the_engines_tokenize(local_stack: Stack) -> None:
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": LONG}]
-    _, verdict = await turn(local_stack, messages, tools=tools)
-    assert verdict.startswith("miss")
+    answer, _ = await turn(local_stack, messages)  # a new conversation: not tokenized (nothing to look up)
+    assert tokenized(local_stack, "engine") == 0
+    messages = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": "w7 w8"}]
+    await turn(local_stack, messages, tools=tools)
     assert tokenized(local_stack, "engine") == 1
     assert tokenized(local_stack, "local") == 0

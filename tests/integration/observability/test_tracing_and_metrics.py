@@ -155,6 +155,14 @@ async def _turn(o: Observed, messages: list[dict[str, str]], *, stream: bool = F
 
 
 async def _run_turns(o: Observed) -> list[str]:
+    """Five turns of one conversation: the first (new: the gateway's copy of the registry vouches that there is
+    no entry), two hits, a streamed hit (it consumes the single-use entry and registers none), and a plain turn
+    that finds no entry and, its conversation known, asks the registry."""
+    mirror = o.gateway.core.mirror
+    assert mirror is not None
+    async with asyncio.timeout(10):
+        while not mirror.in_sync():  # noqa: ASYNC110 - polling another component
+            await asyncio.sleep(0.02)
     msgs = [{"role": "user", "content": LONG}]
     verdicts: list[str] = []
     for i in range(3):
@@ -162,6 +170,8 @@ async def _run_turns(o: Observed) -> list[str]:
         verdicts.append(verdict)
         msgs += [{"role": "assistant", "content": answer}, {"role": "user", "content": f"and then {i}"}]
     _, verdict = await _turn(o, msgs, stream=True)
+    verdicts.append(verdict)
+    _, verdict = await _turn(o, [*msgs, {"role": "assistant", "content": "w11"}, {"role": "user", "content": "last"}])
     verdicts.append(verdict)
     return verdicts
 
@@ -177,17 +187,18 @@ async def test_one_linked_trace_per_turn_across_services(observed: Observed) -> 
     o = observed
     verdicts = await _run_turns(o)
     assert verdicts[0].startswith("miss") and all(v.startswith("hit") for v in verdicts[1:3]), verdicts
+    assert verdicts[4].startswith("miss"), verdicts
     await o.flush()
-    # The first turn (a miss) asks the registry; later ones may be answered by the gateway's entry mirror.
+    # The last turn asks the registry; the others are answered by the gateway's entry mirror.
     spans = await o.receiver.wait_for(
         lambda ss: (
-            sum(s.name == "kvbridge.gateway.turn" for s in ss) >= 4
+            sum(s.name == "kvbridge.gateway.turn" for s in ss) >= 5
             and any(s.name == LOOKUP and s.kind == SERVER for s in ss)
         )
     )
 
     roots = [s for s in spans if s.name == "POST /v1/chat/completions"]
-    assert len(roots) == 4 and all(r.parent_span_id == b"" and r.kind == SERVER for r in roots)
+    assert len(roots) == 5 and all(r.parent_span_id == b"" and r.kind == SERVER for r in roots)
     traces = _by_trace(spans)
     gateway_hash = Telemetry.from_env("x", {}, settings=TelemetrySettings(hash_key_hex="ab" * 32))
     for n, root in enumerate(roots):
@@ -195,7 +206,9 @@ async def test_one_linked_trace_per_turn_across_services(observed: Observed) -> 
         ids = {s.span_id: s for s in in_trace}
         turn = next(s for s in in_trace if s.name == "kvbridge.gateway.turn")
         assert turn.parent_span_id == root.span_id and turn.service == "kvbridge-gateway"
-        for step in ("kvbridge.gateway.tokenize", "kvbridge.gateway.prefill", "kvbridge.gateway.decode"):
+        # A new conversation's turn is not tokenized (nothing to look up); the others ask P's /tokenize.
+        assert any(s.name == "kvbridge.gateway.tokenize" for s in in_trace) == (n > 0)
+        for step in ("kvbridge.gateway.tokenize", "kvbridge.gateway.prefill", "kvbridge.gateway.decode")[n == 0 :]:
             child = next(s for s in in_trace if s.name == step)
             assert child.parent_span_id == turn.span_id and child.kind == CLIENT, step
         # Gateway → registry: the registry's server span is the child of the gateway's client span. A lookup
@@ -203,19 +216,19 @@ async def test_one_linked_trace_per_turn_across_services(observed: Observed) -> 
         source = turn.attributes[tel.ATTR_LOOKUP_SOURCE]
         reg_server = next((s for s in in_trace if s.name == LOOKUP and s.kind == SERVER), None)
         if source == "mirror":
-            assert reg_server is None and verdicts[n].startswith("hit")
+            assert reg_server is None and verdicts[n].startswith("hit" if n else "miss")
         else:
             assert source == "registry" and reg_server is not None
             gw_client = ids[reg_server.parent_span_id]
             assert reg_server.service == "kvbridge-registry" and gw_client.service == "kvbridge-gateway"
             assert gw_client.name == LOOKUP and gw_client.kind == CLIENT and gw_client.parent_span_id == turn.span_id
             assert reg_server.attributes[tel.ATTR_TENANT] == gateway_hash.hash(TENANT)
-        if n == 0:
-            assert source == "registry"
+        if n in (0, 4):  # the new conversation: the copy vouched; the last turn: no entry, a known conversation
+            assert source == ("mirror" if n == 0 else "registry"), (n, source)
         # Gateway → lease manager (the compatibility-mode registration's lease grant), same trace. Streamed
         # turns register nothing, and per-turn renewals ride one long-lived KeepAlive stream outside any turn.
         lease_servers = [s for s in in_trace if s.service == "kvbridge-lease" and s.kind == SERVER]
-        if n < 3:
+        if n != 3:
             grant = next(s for s in lease_servers if s.name.endswith("/GrantLease"))
             assert ids[grant.parent_span_id].service == "kvbridge-gateway"
         assert not any(s.name.endswith("/KeepAlive") for s in lease_servers)
@@ -265,21 +278,11 @@ def _total(metrics: dict[str, float], prefix: str) -> float:
 
 async def test_metrics_endpoints_expose_nonzero_values_after_a_run(observed: Observed) -> None:
     o = observed
-    await _run_turns(o)
-    # The streamed last turn consumed the conversation's single-use entry (compatibility mode) and, streamed,
-    # registered none: one more plain turn leaves an entry to count.
-    await _turn(
-        o,
-        [
-            {"role": "user", "content": LONG},
-            {"role": "assistant", "content": "w11"},
-            {"role": "user", "content": "last"},
-        ],
-    )
+    await _run_turns(o)  # the last turn, plain after a streamed one, leaves an entry to count
     reg = await _metrics(o.registry.metrics_endpoint.url)
     assert reg["kvbridge_registry_entries{}"] >= 1
     assert reg["kvbridge_registry_entry_bytes{}"] > 0
-    assert _total(reg, "kvbridge_registry_lookups_total{") >= 1  # the first turn's; hits may be the mirror's
+    assert _total(reg, "kvbridge_registry_lookups_total{") >= 1  # the last turn's; hits may be the mirror's
     assert _total(reg, "kvbridge_registry_registrations_total{outcome=") >= 3
     assert "kvbridge_registry_lookup_verified_tokens_total{}" in reg  # > 0 only if a hit was the registry's
     assert reg["kvbridge_store_request_seconds_count{op=txn}"] > 0
@@ -287,7 +290,7 @@ async def test_metrics_endpoints_expose_nonzero_values_after_a_run(observed: Obs
 
     gw = await _metrics(o.gateway.http_url + "/metrics")
     assert gw["kvbridge_gateway_reuse_total{reason=,verdict=hit}"] >= 2
-    assert _total(gw, "kvbridge_gateway_lookups_total{") >= 4  # every turn looked up, mirror or registry
+    assert _total(gw, "kvbridge_gateway_lookups_total{") >= 5  # every turn looked up, mirror or registry
     assert gw["kvbridge_gateway_reuse_total{reason=,verdict=miss}"] >= 1
     assert gw["kvbridge_gateway_verified_tokens_total{}"] > 0
     assert gw["kvbridge_gateway_pulled_tokens_total{}"] > 0

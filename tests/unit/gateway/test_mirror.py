@@ -186,3 +186,25 @@ def test_lag_is_the_time_since_the_last_message() -> None:
     assert mirror.lag_s() == 1.25 and mirror.in_sync()
     clock.now += 2.0
     assert mirror.lag_s() == 3.25 and not mirror.in_sync()
+
+
+def test_absence_is_vouched_for_only_while_in_sync_and_complete() -> None:
+    """``absent`` lets a new conversation's first turn skip tokenizing and the registry: only when the copy
+    would have held the entry had the registry had one."""
+    clock = Clock()
+    mirror = EntryMirror(max_entries=2, stale_after_s=3.0, clock=clock, wall_clock=lambda: 1_000.0)
+    mirror.apply(message((PUT, entry(TOKENS, conv="c1"), 10), revision=20))  # the snapshot's first page
+    assert not mirror.absent(("acme", "m", "new"))  # not loaded yet
+    mirror.apply(message(complete=True, revision=20))
+    assert mirror.absent(("acme", "m", "new")) and not mirror.absent(("acme", "m", "c1"))
+    clock.now += 3.5  # quiet for longer than stale_after_s
+    assert not mirror.absent(("acme", "m", "new"))
+    mirror.apply(message((PUT, entry(TOKENS, conv="c2"), 21), revision=21))
+    assert mirror.absent(("acme", "m", "new"))
+    mirror.apply(message((PUT, entry(TOKENS, conv="c3"), 22), revision=22))  # full: c3 is left out
+    assert not mirror.absent(("acme", "m", "c3")) and not mirror.absent(("acme", "m", "new"))
+    mirror.apply(message((DELETE, entry(TOKENS, conv="c2"), 23), revision=23))  # room again, c3 still unknown
+    assert not mirror.absent(("acme", "m", "c3"))
+    mirror.reset()  # the next stream's snapshot starts over
+    mirror.apply(message((PUT, entry(TOKENS, conv="c3"), 22), complete=True, revision=23))
+    assert mirror.absent(("acme", "m", "new")) and not mirror.absent(("acme", "m", "c3"))
