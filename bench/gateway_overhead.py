@@ -19,7 +19,8 @@ the simulators' --max-model-len raised to fit; bench/results/gateway_by_size.md)
 the simulators with the kvbridge connector's control plane (connector mode, the mode kvbridge ships:
 D registers its own entries and holds them by reference, so the gateway neither registers nor consumes;
 bench/results/gateway_connector_by_size.md); the default ``stock`` measures compatibility mode. Writes <out>.md,
-<out>_overhead.png and (with ``--profile-seconds``) <out>_profile.txt (cProfile of the control-plane process).
+<out>_overhead.png, <out>_pairs.json (every turn pair) and (with ``--profile-seconds``) <out>_profile.txt
+(cProfile of the gateway process).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import argparse
 import asyncio
 import contextlib
 import cProfile
+import dataclasses
 import io
 import json
 import os
@@ -359,6 +361,7 @@ class Pair:
     verdict: str
     same_answer: bool
     prompt_tokens: int = 0  # the gateway turn's usage.prompt_tokens
+    turn: int = 0  # the turn's index in its conversation (0: a new conversation)
 
 
 @dataclass
@@ -488,7 +491,7 @@ async def worker(
                     level.errors[str(exc) if isinstance(exc, TurnFailed) else type(exc).__name__] += 1
                     break
                 if time.monotonic() >= record_from:
-                    level.pairs.append(Pair(t_gw, t_direct, verdict, gw_answer == answer, prompt_tokens))
+                    level.pairs.append(Pair(t_gw, t_direct, verdict, gw_answer == answer, prompt_tokens, turn))
                 msgs = [
                     *msgs,
                     {"role": "assistant", "content": answer},
@@ -709,6 +712,13 @@ def write_report(
         "added p50, reuse hits only (ms)",
         lambda lv: _ms(pct([p.gateway_s - p.direct_s for p in lv.pairs if p.verdict == "hit"], 0.5)),
     )
+    for label, first in (("first turns (a new conversation)", True), ("later turns", False)):
+        row(
+            f"added p50 / p99, {label} (ms)",
+            lambda lv, first=first: " / ".join(
+                _ms(pct([p.gateway_s - p.direct_s for p in lv.pairs if (p.turn == 0) == first], q)) for q in (0.5, 0.99)
+            ),
+        )
     row("gateway's own router-overhead metric, mean (ms)", lambda lv: _ms(lv.router_overhead_mean_s))
     row(
         "turns by tokenize path (gateway metric)",
@@ -1063,7 +1073,22 @@ def main() -> None:
             Path(f"{args.out}_profile.txt").write_text(profile_text)
     plot(levels, args.out.parent / f"{args.out.name}_overhead.png")
     write_report(levels, args, args.out, command, profile_text)
-    print(f"wrote {args.out}.md, {args.out}_overhead.png" + (f", {args.out}_profile.txt" if profile_text else ""))
+    Path(f"{args.out}_pairs.json").write_text(
+        json.dumps(
+            [
+                {
+                    "level": _level_name(lv),
+                    "errors": dict(lv.errors),
+                    "pairs": [dataclasses.asdict(p) for p in lv.pairs],
+                }
+                for lv in levels
+            ]
+        )
+    )
+    print(
+        f"wrote {args.out}.md, {args.out}_overhead.png, {args.out}_pairs.json"
+        + (f", {args.out}_profile.txt" if profile_text else "")
+    )
 
 
 if __name__ == "__main__":
