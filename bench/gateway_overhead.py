@@ -458,7 +458,8 @@ async def worker(
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0), timeout=timeout) as http:
         conv_n = 0
         while time.monotonic() < stop_at:
-            conv = f"c{level.concurrency}-{idx}-{conv_n}-{os.getpid()}"
+            # Unique per level too: a conversation id reused by the next level would find the last level's entry.
+            conv = f"c{level.concurrency}-{level.target_tokens}-{idx}-{conv_n}-{os.getpid()}"
             first = " ".join(
                 f"w{(idx * 13 + conv_n * 7 + i) % 500 + 10}" for i in range(level.prompt_words or args.prompt_words)
             )
