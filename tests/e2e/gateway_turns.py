@@ -3,11 +3,51 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+import time
+from collections.abc import AsyncIterator
 
 import httpx
 
+from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.gateway.app import GatewayApp
+from kvbridge_services.gateway.config import GatewaySettings
+from tests.e2e.conftest import HASH_SECRET
+from tests.fixtures.control_plane_procs import ControlPlaneProcs
+from tests.fixtures.vllm_engines import BLOCK_SIZE
+
+
+@contextlib.asynccontextmanager
+async def registry_routed_gateway(
+    procs: ControlPlaneProcs, *, reuse: bool, placement: bool = False, auth: Authenticator | None = None
+) -> AsyncIterator[GatewayApp]:
+    """A gateway with no engines configured (connector mode): it routes to the engines the registry lists, and
+    is yielded once it lists a prefill and a decode engine (within 120 s, or the test fails)."""
+    settings = GatewaySettings(
+        http_port=0,
+        grpc_port=0,
+        registry_address=procs.registry_target,
+        lease_address=procs.lease_target,
+        hash_secret_hex=HASH_SECRET,
+        default_block_size=BLOCK_SIZE,
+        reuse_enabled=reuse,
+        placement=placement,
+        engines_from_registry=True,
+        registry_refresh_s=1,
+        health_timeout_s=10,
+        control_timeout_s=10,
+    )
+    gw = GatewayApp(settings, auth=auth or Authenticator({}))
+    await gw.start()
+    try:
+        deadline = time.monotonic() + 120
+        while not gw.core.ready():  # the engines' own registrations, listed by the registry
+            assert time.monotonic() < deadline, "the gateway never listed a prefill and a decode engine"
+            await asyncio.sleep(0.2)
+        yield gw
+    finally:
+        await gw.stop()
 
 
 async def complete(

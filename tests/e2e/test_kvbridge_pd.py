@@ -2,14 +2,12 @@
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import os
 import random
 import signal
 import threading
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
@@ -20,10 +18,8 @@ from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.auth import Authenticator, Principal
-from kvbridge_services.gateway.app import GatewayApp
-from kvbridge_services.gateway.config import GatewaySettings
 from tests.e2e.conftest import ENTRY_LEASE_TTL_S, HASH_SECRET, OLD_TTL_S
-from tests.e2e.gateway_turns import conversation, prefix_cache_hits
+from tests.e2e.gateway_turns import conversation, prefix_cache_hits, registry_routed_gateway
 from tests.e2e.pd_client import completion, pd_turn, prefill_params_for, random_tokens
 from tests.fixtures.control_plane_procs import ControlPlaneProcs
 from tests.fixtures.vllm_engines import BLOCK_SIZE, Engine, EnginePool, PDEngines
@@ -309,35 +305,9 @@ def test_prefill_pulls_only_offers_a_gateway_signed(kvbridge_pd: PDEngines, cont
     assert "unsigned_offer" in log and "forged_offer" in log
 
 
-@contextlib.asynccontextmanager
-async def connector_mode_gateway(
-    procs: ControlPlaneProcs, *, reuse: bool, placement: bool
-) -> AsyncIterator[GatewayApp]:
-    """A gateway in connector mode: no engines configured, it routes to the engines the registry lists."""
-    settings = GatewaySettings(
-        http_port=0,
-        grpc_port=0,
-        registry_address=procs.registry_target,
-        lease_address=procs.lease_target,
-        hash_secret_hex=HASH_SECRET,
-        default_block_size=BLOCK_SIZE,
-        reuse_enabled=reuse,
-        placement=placement,
-        engines_from_registry=True,
-        registry_refresh_s=1,
-        health_timeout_s=10,
-        control_timeout_s=10,
-    )
-    gw = GatewayApp(settings, auth=Authenticator({"key-acme": Principal("acme-app", TENANT)}))
-    await gw.start()
-    try:
-        deadline = time.monotonic() + 30
-        while not gw.core.ready():  # the engines' own registrations, listed by the registry
-            assert time.monotonic() < deadline, "the gateway never listed both engines from the registry"
-            await asyncio.sleep(0.2)
-        yield gw
-    finally:
-        await gw.stop()
+def acme_auth() -> Authenticator:
+    """The tenant's one API key (``Bearer key-acme``)."""
+    return Authenticator({"key-acme": Principal("acme-app", TENANT)})
 
 
 async def test_connector_mode_gateway_prefills_on_the_holder_d_and_answers_equal(
@@ -349,12 +319,12 @@ async def test_connector_mode_gateway_prefills_on_the_holder_d_and_answers_equal
     key = {"authorization": "Bearer key-acme"}
     placements: list[str] = []
     hits_before = await prefix_cache_hits(kvbridge_pd.decode.url)
-    async with connector_mode_gateway(control_plane, reuse=True, placement=True) as gw:
+    async with registry_routed_gateway(control_plane, reuse=True, placement=True, auth=acme_auth()) as gw:
         # The pause lets D's connector register a turn before the next looks it up (its own schedule).
         local = await conversation(gw, "conv-connector-local", 3, placements, headers=key, settle_s=1.0)
         entry = get_entry(control_plane, "conv-connector-local")  # while this gateway still renews its lease
     hits = await prefix_cache_hits(kvbridge_pd.decode.url) - hits_before
-    async with connector_mode_gateway(control_plane, reuse=False, placement=False) as gw:
+    async with registry_routed_gateway(control_plane, reuse=False, auth=acme_auth()) as gw:
         without = await conversation(gw, "conv-connector-none", 3, headers=key)
     assert [ids for _, ids in local] == [ids for _, ids in without]
     assert local[0][0].startswith("miss"), local

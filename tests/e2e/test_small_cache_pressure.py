@@ -18,21 +18,17 @@ from __future__ import annotations
 import asyncio
 import collections
 import random
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 import pytest
 
-from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.gateway.app import GatewayApp
-from kvbridge_services.gateway.config import GatewaySettings
-from tests.e2e.conftest import HASH_SECRET, kvbridge_overrides
+from tests.e2e.conftest import kvbridge_overrides
+from tests.e2e.gateway_turns import registry_routed_gateway
 from tests.fixtures.control_plane_procs import ControlPlaneProcs
 from tests.fixtures.vllm_engines import (
-    BLOCK_SIZE,
     EnginePool,
     PDEngines,
     free_port,
@@ -77,35 +73,6 @@ def small_cache_pd(engine_pool: EnginePool, request: pytest.FixtureRequest) -> P
     decode["extra_args"] = ["--num-gpu-blocks-override", str(DECODE_BLOCKS)]
     decode["extra_config"]["kvbridge_free_kv_watermark"] = FREE_KV_WATERMARK
     return engine_pool.get("kvbridge-small-cache", prefill, decode)
-
-
-@asynccontextmanager
-async def gateway(procs: ControlPlaneProcs, *, reuse: bool) -> AsyncIterator[GatewayApp]:
-    settings = GatewaySettings(
-        http_port=0,
-        grpc_port=0,
-        registry_address=procs.registry_target,
-        lease_address=procs.lease_target,
-        hash_secret_hex=HASH_SECRET,
-        default_block_size=BLOCK_SIZE,
-        reuse_enabled=reuse,
-        engines_from_registry=True,
-        health_timeout_s=10,
-        control_timeout_s=10,
-        registry_refresh_s=1.0,
-    )
-    gw = GatewayApp(settings, auth=Authenticator({}))
-    await gw.start()
-    try:
-        async with httpx.AsyncClient(base_url=gw.http_url, timeout=30) as c:
-            for _ in range(240):  # until both engines registered themselves and the gateway listed them
-                models = await c.get("/v1/models")
-                if models.status_code == 200 and MODEL in models.text:
-                    break
-                await asyncio.sleep(0.5)
-        yield gw
-    finally:
-        await gw.stop()
 
 
 async def run_turn(c: httpx.AsyncClient, turn: Turn) -> Turn:
@@ -155,7 +122,10 @@ async def conversations(gw: GatewayApp, prompts: dict[str, list[int]], turns: in
 async def wrong_answers(procs: ControlPlaneProcs, turns: list[Turn]) -> list[Turn]:
     """Turns whose answer differs from the same prompt sent without reuse (greedy)."""
     wrong = []
-    async with gateway(procs, reuse=False) as plain, httpx.AsyncClient(base_url=plain.http_url, timeout=600) as c:
+    async with (
+        registry_routed_gateway(procs, reuse=False) as plain,
+        httpx.AsyncClient(base_url=plain.http_url, timeout=600) as c,
+    ):
         for turn in turns:
             reference = await run_turn(c, Turn(f"ref-{turn.conversation}", turn.prompt))
             assert reference.status == 200
@@ -185,7 +155,7 @@ async def test_small_decode_cache_under_concurrent_conversations_and_a_restart_n
     prompts = {
         f"pressure-{i}": [rng.randrange(8, 512) for _ in range(rng.randrange(160, 320))] for i in range(CONVERSATIONS)
     }
-    async with gateway(control_plane, reuse=True) as gw:
+    async with registry_routed_gateway(control_plane, reuse=True) as gw:
         turns = await conversations(gw, prompts, TURNS, seed=1)
         before = summary(turns)
         print("small cache, before the restart:", before)
