@@ -375,6 +375,7 @@ class Level:
     load_after: tuple[float, float, float] = (0.0, 0.0, 0.0)
     cpu_s: dict[str, float] = field(default_factory=dict)
     router_overhead_mean_s: float = float("nan")  # the gateway's own histogram (excludes engine time)
+    router_overhead_buckets: dict[float, float] = field(default_factory=dict)  # bucket bound (s) -> turns, cumulative
     tokenize_paths: dict[str, float] = field(default_factory=dict)  # kvbridge_gateway_tokenize_total deltas
     lookup_sources: dict[str, float] = field(default_factory=dict)  # kvbridge_gateway_lookups_total deltas
     seconds: float = 0.0
@@ -501,17 +502,33 @@ async def worker(
                 await asyncio.sleep(args.think_ms / 1000)
 
 
-async def _router_overhead(gw: str) -> tuple[float, float]:
-    """(sum, count) of the gateway's kvbridge_gateway_router_overhead_seconds histogram."""
+async def _router_overhead(gw: str) -> tuple[float, float, dict[float, float]]:
+    """(sum, count, cumulative count by bucket bound) of the gateway's kvbridge_gateway_router_overhead_seconds."""
     async with aiohttp.ClientSession() as http, http.get(gw + "/metrics") as resp:
         text = await resp.text()
     vals: dict[str, float] = {}
+    buckets: dict[float, float] = {}
+    name = "kvbridge_gateway_router_overhead_seconds"
     for line in text.splitlines():
         for suffix in ("_sum", "_count"):
-            name = "kvbridge_gateway_router_overhead_seconds" + suffix
-            if line.startswith(name + " ") or line.startswith(name + "{"):
+            if line.startswith(name + suffix + " ") or line.startswith(name + suffix + "{"):
                 vals[suffix] = vals.get(suffix, 0.0) + float(line.rsplit(" ", 1)[1])
-    return vals.get("_sum", 0.0), vals.get("_count", 0.0)
+        if line.startswith(name + '_bucket{le="') and "+Inf" not in line:
+            bound = float(line.split('le="', 1)[1].split('"', 1)[0])
+            buckets[bound] = buckets.get(bound, 0.0) + float(line.rsplit(" ", 1)[1])
+    return vals.get("_sum", 0.0), vals.get("_count", 0.0), buckets
+
+
+def bucket_quantile(buckets: dict[float, float], q: float) -> float:
+    """The bound of the first bucket holding the ``q`` quantile (an upper bound on it); nan without turns, inf
+    past the last bound."""
+    total = max(buckets.values(), default=0.0)
+    if total <= 0:
+        return float("nan")
+    for bound in sorted(buckets):
+        if buckets[bound] >= q * total:
+            return bound
+    return float("inf")
 
 
 async def _counters(gw: str) -> dict[str, dict[str, float]]:
@@ -546,7 +563,7 @@ async def run_level(
     start = time.monotonic()
     record_from, stop_at = start + args.warmup_s, start + args.warmup_s + seconds
     tasks = [asyncio.create_task(worker(i, level, procs, args, record_from, stop_at)) for i in range(concurrency)]
-    metrics_at_start: tuple[float, float] | None = None
+    metrics_at_start: tuple[float, float, dict[float, float]] | None = None
     cpu0: dict[str, float] = {}
     counters0: dict[str, dict[str, float]] = {}
     while not all(t.done() for t in tasks):
@@ -573,7 +590,8 @@ async def run_level(
     if metrics_at_start is not None:
         cpu1 = procs.cpu()
         level.cpu_s = {k: cpu1[k] - cpu0[k] for k in cpu1}
-        s1, c1 = await _router_overhead(procs.gateway_url)
+        s1, c1, buckets1 = await _router_overhead(procs.gateway_url)
+        level.router_overhead_buckets = {b: n - metrics_at_start[2].get(b, 0.0) for b, n in buckets1.items()}
         counters1 = await _counters(procs.gateway_url)
         tok, lookups = "kvbridge_gateway_tokenize_total{", "kvbridge_gateway_lookups_total{"
         level.tokenize_paths = _deltas(counters0.get(tok, {}), counters1[tok])
@@ -721,6 +739,10 @@ def write_report(
             ),
         )
     row("gateway's own router-overhead metric, mean (ms)", lambda lv: _ms(lv.router_overhead_mean_s))
+    row(
+        "gateway's own router-overhead metric, p50 / p99 (ms, at most: histogram bucket bounds)",
+        lambda lv: " / ".join(_ms(bucket_quantile(lv.router_overhead_buckets, q)) for q in (0.5, 0.99)),
+    )
     row(
         "turns by tokenize path (gateway metric)",
         lambda lv: ", ".join(f"{k}: {v:.0f}" for k, v in sorted(lv.tokenize_paths.items())) or "-",
