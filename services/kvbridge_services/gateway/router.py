@@ -218,9 +218,6 @@ class TurnRouter:
 
     def _after_turn(self, turn: Turn, plan: TurnPlan) -> None:
         self._renewer.flush_soon()  # the renewal touched before the prefill goes out now
-        if plan.warm_up:
-            scope = Scope(turn.tenant, turn.model, turn.cache_salt, plan.block_size)
-            self._post_turn.spawn(self._warm_up(turn, scope), (turn.tenant, turn.model, turn.conversation_key))
         if turn.conversation_key and plan.sent_epoch and plan.features.covered and plan.connector_registers:
             # D's connector registers this turn's state on its own schedule (compatibility mode: the registrar
             # reports its registrations itself).
@@ -234,7 +231,7 @@ class TurnRouter:
         )
 
     async def _warm_up(self, turn: Turn, scope: Scope) -> None:
-        """A new conversation's first prompt, encoded (worker thread) and hashed after its answer: what its next
+        """A new conversation's first prompt, encoded (worker thread) and hashed while P prefills it: what its next
         turn resumes. Only with the gateway's own tokenizer (asking P would add a call to every new conversation)."""
         try:
             ids = await self._prompt_ids.local(turn)
@@ -322,10 +319,12 @@ class TurnRouter:
             return plan
         await self._settle_previous_turn(turn)
         if early is None and self._new_conversation(turn):
-            # Nothing to look up: the turn goes to P at once, its ids are computed after the answer.
-            plan.verdict.outcome, plan.warm_up = NoReuse.NOT_FOUND, True
+            # Nothing to look up: the turn goes to P at once; its ids are computed meanwhile, off its path.
+            plan.verdict.outcome = NoReuse.NOT_FOUND
             self._metrics.lookups.labels("mirror").inc()
             trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "mirror")
+            scope = Scope(turn.tenant, turn.model, turn.cache_salt, plan.block_size)
+            self._post_turn.spawn(self._warm_up(turn, scope), (turn.tenant, turn.model, turn.conversation_key))
             return plan
         try:
             plan.prompt_ids = await self._prompt_ids.of(turn, prefill)
