@@ -165,6 +165,9 @@ class TurnRouter:
                 result = await self._in_place(turn, plan, span, prefill, decode)
             else:
                 p_params = await self._prefiller.run(turn, plan, prefill)
+                if plan.warm_up:  # while D decodes: P's prefill (the turn's TTFT) does not share the CPU with it
+                    scope = Scope(turn.tenant, turn.model, turn.cache_salt, plan.block_size)
+                    self._post_turn.spawn(self._warm_up(turn, scope), (turn.tenant, turn.model, turn.conversation_key))
                 self._record_verdict(span, plan, prefill, decode)
                 result = await self._decoder.run(turn, plan, decode, p_params)
             result.after.insert(0, lambda: self._after_turn(turn, plan))
@@ -231,7 +234,7 @@ class TurnRouter:
         )
 
     async def _warm_up(self, turn: Turn, scope: Scope) -> None:
-        """A new conversation's first prompt, encoded (worker thread) and hashed while P prefills it: what its next
+        """A new conversation's first prompt, encoded (worker thread) and hashed while D decodes it: what its next
         turn resumes. Only with the gateway's own tokenizer (asking P would add a call to every new conversation)."""
         try:
             ids = await self._prompt_ids.local(turn)
@@ -319,12 +322,10 @@ class TurnRouter:
             return plan
         await self._settle_previous_turn(turn)
         if early is None and self._new_conversation(turn):
-            # Nothing to look up: the turn goes to P at once; its ids are computed meanwhile, off its path.
-            plan.verdict.outcome = NoReuse.NOT_FOUND
+            # Nothing to look up: the turn goes to P at once; its ids are computed once P answered, off its path.
+            plan.verdict.outcome, plan.warm_up = NoReuse.NOT_FOUND, True
             self._metrics.lookups.labels("mirror").inc()
             trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "mirror")
-            scope = Scope(turn.tenant, turn.model, turn.cache_salt, plan.block_size)
-            self._post_turn.spawn(self._warm_up(turn, scope), (turn.tenant, turn.model, turn.conversation_key))
             return plan
         try:
             plan.prompt_ids = await self._prompt_ids.of(turn, prefill)

@@ -50,6 +50,9 @@ class TurnPlan:
     decode_answered_s: float = 0.0
     sent_epoch: int = 0  # the epoch sent to D with the decode request (0: not sent yet)
     connector_registers: bool = False  # D runs the kvbridge connector: it registers the turn's state itself
+    # A new conversation's first turn, planned without its ids (nothing to look up): they are computed while D
+    # decodes, so that the next turn encodes and hashes only what it appends.
+    warm_up: bool = False
 
     @property
     def epoch(self) -> int:

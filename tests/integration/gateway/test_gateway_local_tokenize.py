@@ -41,7 +41,7 @@ async def test_local_ids_match_the_engines_so_turns_reuse(local_stack: Stack) ->
     assert verdict.startswith("miss")
     assert answer == await reference(local_stack, messages)
     # A new conversation (no entry in the gateway's copy of the registry): its turn went to P without being
-    # tokenized, and its ids were computed meanwhile, for the next turn to resume.
+    # tokenized, and its ids were computed while D decoded, for the next turn to resume.
     tokenizers = local_stack.gateway.core.tokenizers
     assert tokenizers is not None
     assert tokenized(local_stack, "local") == 0 and tokenizers.reused_tokens() == 0
