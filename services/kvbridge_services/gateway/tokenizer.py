@@ -151,10 +151,15 @@ class ModelTokenizer:
     def encode(self, text: str, add_special: bool, *, on_worker: bool = False) -> tuple[list[int], list[int]]:
         """Token ids and each token's end offset in ``text``."""
         # vLLM calls tok(text, add_special_tokens=..., truncation=False), i.e. the Rust backend's encode_batch
-        # on [text] with no truncation or padding: the same ids as its encode() (set up by _prepare_backend),
-        # without encode_batch's thread-pool hand-off (~0.3 ms per call measured on a busy 2-core host).
-        tok = self._worker_tok if on_worker else self._tok
-        enc = tok.backend_tokenizer.encode(text, add_special_tokens=add_special)
+        # on [text] with no truncation or padding: the same ids as its encode() (set up by _prepare_backend).
+        # Inline (short texts): encode(), without encode_batch's thread-pool hand-off (~0.3 ms per call measured
+        # on a busy 2-core host). On the worker thread: encode_batch, the one that releases the GIL while it
+        # runs; encode() holds it, so the event loop (every other turn) stood still for the whole encoding
+        # (~130 ms at 120K tokens) although it ran on another thread.
+        if on_worker:
+            enc = self._worker_tok.backend_tokenizer.encode_batch([text], add_special_tokens=add_special)[0]
+        else:
+            enc = self._tok.backend_tokenizer.encode(text, add_special_tokens=add_special)
         return list(enc.ids), [end for _, end in enc.offsets]
 
     # -- chat ---------------------------------------------------------------------------------
