@@ -58,7 +58,7 @@ async def test_local_ids_equal_vllm_tokenize(pd_engines: PDEngines, tiny_model_d
                     assert r.status_code == 200, (body, r.text)
                     ids = await local.ids(MODEL, kind, body)
                     assert ids is not None, body
-                    assert ids == r.json()["tokens"], body
+                    assert list(ids) == r.json()["tokens"], body
             # Both flags on (continue_final_message with the generation prompt left at its default): vLLM
             # rejects it, and the local tokenizer leaves it to the engine (which then reports the error).
             rejected = {"messages": HISTORY, "continue_final_message": True}
