@@ -92,10 +92,9 @@ def token_bytes(tokens: Sequence[int]) -> bytes:
     return packed.tobytes()
 
 
-def _hash_blocks(key: bytes, prev: bytes, block_size: int, token_ids: Sequence[int], first_block: int) -> list[bytes]:
+def _hash_blocks(key: bytes, prev: bytes, block_size: int, token_ids: Sequence[int]) -> list[bytes]:
     width = block_size * 4
-    # Only the blocks hashed here are packed.
-    raw = token_bytes(token_ids[first_block * block_size : (len(token_ids) // block_size) * block_size])
+    raw = token_bytes(token_ids[: (len(token_ids) // block_size) * block_size])  # whole blocks only
     out: list[bytes] = []
     for start in range(0, len(raw) - width + 1, width):
         prev = _h(key, prev + raw[start : start + width])
@@ -108,7 +107,7 @@ def chain(
 ) -> list[bytes]:
     """One 16-byte hash per full block of ``token_ids``."""
     start = seed(secret, tenant, model, cache_salt, block_size)
-    return _hash_blocks(bytes(secret), start, block_size, token_ids, 0)
+    return _hash_blocks(bytes(secret), start, block_size, token_ids)
 
 
 def extend(
@@ -136,7 +135,7 @@ def extend(
         raise ValueError(f"block hashes are {HASH_BYTES} bytes")
     # Only the new blocks' tokens need packing.
     tail = token_ids[len(hashes) * block_size :]
-    return [*hashes, *_hash_blocks(bytes(secret), prev, block_size, tail, 0)]
+    return [*hashes, *_hash_blocks(bytes(secret), prev, block_size, tail)]
 
 
 def common_prefix_blocks(a: Sequence[bytes], b: Sequence[bytes]) -> int:
