@@ -97,7 +97,7 @@ class Decoder(EngineStep):
             if seq is not None:
                 # Started after the response, in this turn's context: the registration stays in the turn's trace.
                 turn_context = contextvars.copy_context()
-                conversation = (turn.tenant, turn.model, turn.conversation_key)
+                conversation = turn.conversation
                 d_block_size = self._block_size(engine)
                 result.after.append(
                     lambda: turn_context.run(

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from cachetools import LRUCache
 
-ConversationId = tuple[str, str, str]  # tenant, model, conversation key
+from .requests import ConversationId
 
 
 @dataclass(frozen=True, slots=True)

@@ -9,9 +9,10 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
+from .requests import ConversationId
+
 log = logging.getLogger(__name__)
 
-ConversationId = tuple[str, str, str]  # tenant, model, conversation key
 
 MAX_PENDING = 10_000  # cap of pending post-turn tasks (work beyond it is skipped)
 

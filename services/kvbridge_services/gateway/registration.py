@@ -229,7 +229,7 @@ class CompatRegistrar:
                 await self._control.register_entry(entry)
                 self._metrics.registrations.labels("ok").inc()
                 if self._on_registered is not None:
-                    self._on_registered((turn.tenant, turn.model, turn.conversation_key), int(entry.epoch))
+                    self._on_registered(turn.conversation, int(entry.epoch))
                 return
             except ControlPlaneError as exc:
                 if exc.reason != Reason.STALE_EPOCH.value:

@@ -38,6 +38,9 @@ class Limits:
     max_prompt_tokens: int
 
 
+ConversationId = tuple[str, str, str]  # tenant, model, conversation key
+
+
 @dataclass(slots=True)
 class Turn:
     kind: TurnKind
@@ -52,6 +55,11 @@ class Turn:
     prompt_token_ids: list[int] | None = None
     client_wants_token_ids: bool = False
     timeout_s: float | None = None
+
+    @property
+    def conversation(self) -> ConversationId:
+        """(tenant, model, conversation key): what the registry's entries, leases and post-turn work are keyed by."""
+        return self.tenant, self.model, self.conversation_key
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:

@@ -160,14 +160,14 @@ class TurnRouter:
             if turn.conversation_key and self._control.enabled:
                 # Renewed before P may pull the conversation's blocks (an entry near its deadline must outlive
                 # the pull); the renewer writes it once the turn ends, or within 0.5 s of a long turn.
-                self._renewer.touch(turn.tenant, turn.model, turn.conversation_key)
+                self._renewer.touch(*turn.conversation)
             if plan.placement is not None and plan.placement.choice is Choice.PREFILL_ON_HOLDER:
                 result = await self._in_place(turn, plan, span, prefill, decode)
             else:
                 p_params = await self._prefiller.run(turn, plan, prefill)
                 if plan.warm_up:  # while D decodes: P's prefill (the turn's TTFT) does not share the CPU with it
                     scope = Scope(turn.tenant, turn.model, turn.cache_salt, plan.block_size)
-                    self._post_turn.spawn(self._warm_up(turn, scope), (turn.tenant, turn.model, turn.conversation_key))
+                    self._post_turn.spawn(self._warm_up(turn, scope), turn.conversation)
                 self._record_verdict(span, plan, prefill, decode)
                 result = await self._decoder.run(turn, plan, decode, p_params)
             result.after.insert(0, lambda: self._after_turn(turn, plan))
@@ -224,7 +224,7 @@ class TurnRouter:
         if turn.conversation_key and plan.sent_epoch and plan.features.covered and plan.connector_registers:
             # D's connector registers this turn's state on its own schedule (compatibility mode: the registrar
             # reports its registrations itself).
-            self._recent.finished((turn.tenant, turn.model, turn.conversation_key), plan.sent_epoch)
+            self._recent.finished(turn.conversation, plan.sent_epoch)
         log.info(
             "turn tenant=%s model=%s key=%r reuse=%s",
             turn.tenant,
@@ -352,7 +352,7 @@ class TurnRouter:
         Content lookup finds other conversations' entries by their blocks: then only the lookup can tell."""
         if self._mirror is None or not turn.conversation_key or self._s.content_lookup:
             return False
-        conversation = (turn.tenant, turn.model, turn.conversation_key)
+        conversation = turn.conversation
         if self._recent.last(conversation) is not None or self._post_turn.pending(conversation):
             return False
         return self._mirror.absent(conversation)
@@ -362,7 +362,7 @@ class TurnRouter:
         compatibility-mode registration, or the previous turn's warm-up (its encoding is what this turn resumes)."""
         if not turn.conversation_key or self._s.registration_wait_s <= 0:
             return
-        conversation = (turn.tenant, turn.model, turn.conversation_key)
+        conversation = turn.conversation
         if self._post_turn.pending(conversation):
             started = time.monotonic()
             await self._post_turn.settle(conversation, timeout_s=self._s.registration_wait_s)
@@ -374,7 +374,7 @@ class TurnRouter:
         (freshness.py) to reach the copy of the registry."""
         if not turn.conversation_key:
             return
-        conversation = (turn.tenant, turn.model, turn.conversation_key)
+        conversation = turn.conversation
         started = time.monotonic()
         waited = False
         last = self._recent.last(conversation)
