@@ -241,7 +241,7 @@ class TurnRouter:
             if ids is not None and turn.conversation_key:
                 self._chains.chain(scope, turn.conversation_key, ids)
         except Exception as exc:  # noqa: BLE001 - background work: the next turn computes its ids itself
-            log.warning("could not encode a new conversation's first prompt after its turn: %s", exc)
+            log.warning("could not encode a new conversation's first prompt for its next turn: %s", exc)
 
     def _record_verdict(
         self, span: trace.Span, plan: TurnPlan, prefill: EngineState | None, decode: EngineState
@@ -375,18 +375,18 @@ class TurnRouter:
         if not turn.conversation_key:
             return
         conversation = turn.conversation
-        started = time.monotonic()
-        waited = False
         last = self._recent.last(conversation)
-        registered = self._mirror.epoch_of(*conversation) if self._mirror is not None else None
+        if last is None or self._mirror is None:
+            return
         wait = registration_wait_s(
-            last, registered_epoch=registered, now=self._recent.now(), max_wait_s=self._s.registration_wait_s
+            last,
+            registered_epoch=self._mirror.epoch_of(*conversation),
+            now=self._recent.now(),
+            max_wait_s=self._s.registration_wait_s,
         )
-        seen = registered is not None and last is not None and registered >= last.epoch
-        if last is not None and wait > 0 and self._mirror is not None:
+        if wait > 0:
+            started = time.monotonic()
             seen = await self._mirror.wait_for_epoch(conversation, last.epoch, wait)
-            waited = True
-        if waited:
             self._metrics.registration_waits.labels("yes" if seen else "no").observe(time.monotonic() - started)
 
     async def _lookup(self, turn: Turn, plan: TurnPlan, prefill: EngineState, decode: EngineState) -> None:
