@@ -109,10 +109,12 @@ class Prefiller(EngineStep):
         except ValueError as exc:
             raise UpstreamError(f"prefill on {engine.url}: {exc}") from exc
         usage = data.get("usage")
-        if not plan.verdict.prompt_tokens and isinstance(usage, dict) and isinstance(usage.get("prompt_tokens"), int):
-            plan.verdict.prompt_tokens = int(usage["prompt_tokens"])  # a turn planned without its ids: P's count
-        if self._figures is not None:
-            self._observe(engine, params, returned, data, time.perf_counter() - started, others)
+        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
+        prompt = prompt if isinstance(prompt, int) and prompt > 0 else None
+        if prompt is not None and not plan.verdict.prompt_tokens:
+            plan.verdict.prompt_tokens = prompt  # a turn planned without its ids: P's count
+        if self._figures is not None and prompt is not None:
+            self._observe(engine, params, returned, prompt, time.perf_counter() - started, others)
         return returned
 
     def _observe(
@@ -120,19 +122,15 @@ class Prefiller(EngineStep):
         engine: EngineState,
         params: dict[str, Any],
         returned: dict[str, Any],
-        data: dict[str, Any],
+        prompt: int,
         seconds: float,
         others: int,
     ) -> None:
         """One prefill's timing for the placement's figures: P's speed (plain prefill) or the pull's bandwidth.
-        Prompt tokens from P's usage; cached ones from ``remote_prefill_cached_tokens`` (vLLM 0.32: P's
+        ``prompt``: P's usage.prompt_tokens; cached ones from ``remote_prefill_cached_tokens`` (vLLM 0.32: P's
         cache hits, local and pulled)."""
         assert self._figures is not None
-        usage = data.get("usage")
-        prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         cached = returned.get("remote_prefill_cached_tokens")
-        if not isinstance(prompt, int) or prompt <= 0:
-            return
         cached = cached if isinstance(cached, int) and 0 <= cached <= prompt else 0
         reader = engine.engine_id or engine.url
         offered = params.get("remote_num_tokens")
