@@ -170,21 +170,15 @@ def _stderr_progress(msg: str) -> None:
     print(f"[vllm_engines] {msg}", file=sys.stderr, flush=True)
 
 
-def free_port() -> int:
-    """A loopback port that is free now (the kernel picks it)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 _EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
-def free_listen_port() -> int:
-    """A loopback port that is free now, below the kernel's ephemeral range, for a server that binds it only
-    later (an engine, tens of seconds into its start). A port ``free_port`` picked is an ephemeral one that any
-    outgoing connection may take meanwhile: a decode engine's own loopback connections once took its NIXL
-    side-channel port, and the engine hung without it. The kernel never picks these."""
+def free_port() -> int:
+    """A loopback port that is free now, below the kernel's ephemeral range, for a server that binds it later
+    (an engine tens of seconds into its start, an etcd or service process). A port bind(0) returned is an
+    ephemeral one that any outgoing connection may take meanwhile: a decode engine's own loopback connections
+    once took its NIXL side-channel port and it hung, and a test's etcd once found its port taken. The kernel
+    never picks these for connections."""
     try:
         low = int(_EPHEMERAL_RANGE.read_text().split()[0])
     except (OSError, ValueError, IndexError):
@@ -197,7 +191,9 @@ def free_listen_port() -> int:
             except OSError:
                 continue
             return port
-    return free_port()
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # the range is full: let the kernel pick
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 @dataclass
@@ -379,7 +375,7 @@ def with_http_url(spec: EngineSpec, port: int) -> EngineSpec:
 def start_engine(spec: EngineSpec) -> Engine:
     """Spawn the server (no waiting); logs go to <log_dir>/<name>.log."""
     spec.log_dir.mkdir(parents=True, exist_ok=True)
-    port, side_channel_port = spec.port or free_listen_port(), free_listen_port()
+    port, side_channel_port = spec.port or free_port(), free_port()
     spec = with_http_url(spec, port)
     engine_id = spec.engine_id or f"{spec.name}-{port}"
     log_path = spec.log_dir / f"{spec.name}.log"

@@ -24,7 +24,7 @@ from kvbridge_services.devengines.launcher import (
     Engine,
     HealthWatch,
     Progress,
-    free_listen_port,
+    free_port,
     kvbridge_connector_overrides,
     pd_specs,
     start_engine,
@@ -90,7 +90,7 @@ class LocalEngines:
             "kvbridge_hash_secret": self.config.hash_secret,
             "kvbridge_model": SERVED_MODEL_NAME,
         }
-        ports = free_listen_port(), free_listen_port()
+        ports = free_port(), free_port()
         sizing = {"max_model_len": self.config.max_model_len} if self.config.max_model_len else {}
         prefill, decode = pd_specs(
             self.model_dir,

@@ -18,7 +18,7 @@ from kvbridge_services.devengines.launcher import (
     engine_command,
     engine_env,
     engine_mode_from_env,
-    free_listen_port,
+    free_port,
     kvbridge_connector_overrides,
     pd_specs,
     place_worker_threads,
@@ -246,6 +246,6 @@ def test_engine_ports_come_from_below_the_kernels_ephemeral_range() -> None:
     """An engine binds its ports tens of seconds after they are picked: an ephemeral port could be taken by any
     outgoing connection meanwhile (an engine's own loopback connections once took D's NIXL side channel)."""
     low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
-    ports = {free_listen_port() for _ in range(50)}
+    ports = {free_port() for _ in range(50)}
     assert all(1024 <= port < low for port in ports), sorted(ports)
     assert len(ports) > 40  # spread over the range, not one port again and again
