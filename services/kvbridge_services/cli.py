@@ -358,6 +358,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "tokenize_bench.py",
         "gateway tokenization per turn vs prompt length: incremental encoding vs the whole prompt",
     ),
+    "prompt-steps": (
+        "prompt_steps.py",
+        "the gateway's per-turn steps that grow with the prompt (parse, ids, chain, digest), in-process",
+    ),
     "load": ("load_run.py", "concurrent multi-turn conversations through gateway + registry + lease on etcd"),
     "ttft-reuse": ("ttft_reuse.py", "multi-turn TTFT with/without pulling decode KV back (starts 2 vLLM engines)"),
     "etcd-failover": (
