@@ -19,7 +19,7 @@ from .enginecalls import EngineAccess, EngineStep, completion_path, upstream_fai
 from .engines import EngineState
 from .posturn import PostTurnWork
 from .registration import CompatRegistrar, connector_registers
-from .requests import Turn
+from .turn import Turn
 from .turnstate import TurnPlan, TurnResult
 from .upstream import TRANSPORT_ERRORS, UpstreamError, UpstreamStream
 

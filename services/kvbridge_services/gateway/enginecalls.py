@@ -14,7 +14,7 @@ from kvbridge.errors import DeadlineExceeded, KvbridgeError, Reason, Unavailable
 from .config import GatewaySettings
 from .engines import EnginePool, EngineState
 from .metrics import GatewayMetrics
-from .requests import Turn
+from .turn import Turn
 from .upstream import EngineHttp, UpstreamError
 
 

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from cachetools import LRUCache
 
-from .requests import ConversationId
+from .turn import ConversationId
 
 
 @dataclass(frozen=True, slots=True)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any, TypeVar
 
@@ -14,9 +15,10 @@ from kvbridge_services.common.authz import caller
 from kvbridge_services.common.boundary import rpc_boundary, stream_boundary
 
 from .control import ControlPlaneError
-from .requests import Turn, TurnKind, conversation_key_of, parse_turn
+from .requests import conversation_key_of, parse_turn
 from .reuse import ReuseVerdict
 from .service import TENANT_HEADER, GatewayCore
+from .turn import Turn, TurnKind
 from .upstream import ClientError, sse_events
 
 Ctx = grpc.aio.ServicerContext[Any, Any]
@@ -59,7 +61,7 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         tenant = self._tenant(context)
         turn: Turn = parse_turn(kind, body, tenant=tenant, session_header=None, limits=self._core.limits)
         if request.HasField("timeout"):
-            turn.timeout_s = request.timeout.ToNanoseconds() / 1e9
+            turn = dataclasses.replace(turn, timeout_s=request.timeout.ToNanoseconds() / 1e9)
         try:
             result = await self._core.router.run(turn)
         except ClientError as exc:

@@ -18,8 +18,9 @@ from kvbridge import telemetry as tel
 from kvbridge.errors import InvalidArgument, KvbridgeError, Reason, ResourceExhausted
 from kvbridge_services.common import authz
 
-from .requests import SESSION_HEADER, TurnKind, parse_json_body, parse_turn
+from .requests import SESSION_HEADER, parse_json_body, parse_turn
 from .service import TENANT_HEADER, GatewayCore
+from .turn import TurnKind
 from .turnstate import TurnResult
 from .upstream import ClientError
 

@@ -14,8 +14,8 @@ from .engines import DECODE, PREFILL, EnginePool, EngineState
 from .figures import Figures, PrefillFit
 from .metrics import GatewayMetrics
 from .placement import Choice, EngineFigures, Placement, PlacementInput
-from .requests import Turn
 from .reuse import ReusePlan
+from .turn import Turn
 from .turnstate import TurnPlan
 
 

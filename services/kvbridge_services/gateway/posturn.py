@@ -9,7 +9,7 @@ import logging
 from collections.abc import Coroutine
 from typing import Any
 
-from .requests import ConversationId
+from .turn import ConversationId
 
 log = logging.getLogger(__name__)
 

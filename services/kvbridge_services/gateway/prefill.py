@@ -18,8 +18,8 @@ from . import kvparams
 from .enginecalls import EngineAccess, EngineStep, completion_path, upstream_failure
 from .engines import PREFILL, EngineState
 from .figures import Figures
-from .requests import Turn
 from .reuse import NoReuse
+from .turn import Turn
 from .turnstate import TurnPlan
 from .upstream import ClientError, UpstreamError
 

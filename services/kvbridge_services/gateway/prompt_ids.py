@@ -12,8 +12,9 @@ from kvbridge import telemetry as tel
 
 from .enginecalls import EngineAccess, EngineStep
 from .engines import EngineState
-from .requests import CHAT_TEMPLATE_FIELDS, Turn
+from .requests import CHAT_TEMPLATE_FIELDS
 from .tokenizer import ATTR_TOKENIZE_PATH, LocalTokenizers
+from .turn import Turn
 from .upstream import UpstreamError
 
 

@@ -26,7 +26,7 @@ from .chaincache import ChainCache, Scope
 from .control import ControlPlane, ControlPlaneError
 from .engines import EngineState
 from .metrics import GatewayMetrics
-from .requests import Turn
+from .turn import Turn
 from .turnstate import TurnPlan
 
 log = logging.getLogger(__name__)

@@ -1,18 +1,17 @@
-"""OpenAI request bodies → a validated :class:`Turn` (HTTP and gRPC front doors share it)."""
+"""OpenAI request bodies → a validated :class:`Turn` (HTTP and gRPC front doors share the parsing)."""
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from kvbridge import ids
 from kvbridge.errors import InvalidArgument, Reason, invalid_field
 
 from .jsoncodec import loads_strict
 from .kvparams import strip_client_params
-
-TurnKind = Literal["chat", "completion"]
+from .turn import Turn, TurnKind
 
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
 SESSION_HEADER = "x-session-id"
@@ -36,30 +35,6 @@ CHAT_TEMPLATE_FIELDS = (
 class Limits:
     max_messages: int
     max_prompt_tokens: int
-
-
-ConversationId = tuple[str, str, str]  # tenant, model, conversation key
-
-
-@dataclass(slots=True)
-class Turn:
-    kind: TurnKind
-    tenant: str
-    model: str
-    # Upstream body: the client's own fields (sampling, stream, ...) minus anything internal.
-    body: dict[str, Any]
-    conversation_key: str = ""
-    cache_salt: str = ""
-    stream: bool = False
-    # Exact prompt token ids when the client sent them (completions); else found by tokenizing.
-    prompt_token_ids: list[int] | None = None
-    client_wants_token_ids: bool = False
-    timeout_s: float | None = None
-
-    @property
-    def conversation(self) -> ConversationId:
-        """(tenant, model, conversation key): what the registry's entries, leases and post-turn work are keyed by."""
-        return self.tenant, self.model, self.conversation_key
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:

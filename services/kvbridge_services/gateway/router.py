@@ -42,10 +42,10 @@ from .prefill import Prefiller
 from .prompt_ids import PromptIds
 from .registration import EXPIRY_MARGIN_S, ClockOffsets, CompatRegistrar
 from .renewer import ConversationRenewer
-from .requests import Turn
 from .reuse import NoReuse, ReuseVerdict
 from .tokenizer import LocalTokenizers
 from .trust import SecretCanary
+from .turn import Turn
 from .turnstate import TurnPlan, TurnResult
 from .upstream import ClientError, EngineHttp, UpstreamError
 

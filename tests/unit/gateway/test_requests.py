@@ -5,7 +5,8 @@ from typing import Any
 import pytest
 
 from kvbridge.errors import InvalidArgument
-from kvbridge_services.gateway.requests import Limits, Turn, TurnKind, conversation_key_of, parse_json_body, parse_turn
+from kvbridge_services.gateway.requests import Limits, conversation_key_of, parse_json_body, parse_turn
+from kvbridge_services.gateway.turn import Turn, TurnKind
 
 LIMITS = Limits(max_messages=3, max_prompt_tokens=100)
 

@@ -12,8 +12,9 @@ from kvbridge_services.gateway.decode import drop_token_ids, sequence_of
 from kvbridge_services.gateway.enginecalls import completion_path, upstream_failure
 from kvbridge_services.gateway.prefill import prefill_body
 from kvbridge_services.gateway.prompt_ids import tokenize_request
-from kvbridge_services.gateway.requests import Limits, Turn, parse_turn
+from kvbridge_services.gateway.requests import Limits, parse_turn
 from kvbridge_services.gateway.reuse import NoReuse
+from kvbridge_services.gateway.turn import Turn
 from kvbridge_services.gateway.turnstate import TurnPlan, TurnResult
 from kvbridge_services.gateway.upstream import UpstreamError
 
