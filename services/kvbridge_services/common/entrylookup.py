@@ -71,6 +71,7 @@ def answer_hit(
     if entry.HasField("expire_time"):
         loc.expire_time.CopyFrom(entry.expire_time)
     loc.conversation_key = entry.key.conversation_key
+    loc.entry_token_count = entry.token_count
     hit = tokens >= min_tokens
     response.verdict = registry_pb2.LOOKUP_VERDICT_HIT if hit else registry_pb2.LOOKUP_VERDICT_BELOW_THRESHOLD
     return hit

@@ -487,12 +487,18 @@ class Location(_message.Message):
     EPOCH_FIELD_NUMBER: _builtins.int
     EXPIRE_TIME_FIELD_NUMBER: _builtins.int
     CONVERSATION_KEY_FIELD_NUMBER: _builtins.int
+    ENTRY_TOKEN_COUNT_FIELD_NUMBER: _builtins.int
     engine_request_id: _builtins.str
     lease_id: _builtins.int
     epoch: _builtins.int
     conversation_key: _builtins.str
     """The conversation the blocks belong to (same tenant; differs from the
     request's key for content-addressed hits).
+    """
+    entry_token_count: _builtins.int
+    """The entry's whole token count (<= its token_count), of which the lookup
+    verified verified_tokens: a gateway tells a turn that continues the entry
+    (it verifies all of it but its tail) from one that forks it.
     """
     @_builtins.property
     def engine(self) -> _types_pb2.Engine: ...
@@ -512,10 +518,11 @@ class Location(_message.Message):
         epoch: _builtins.int = ...,
         expire_time: _timestamp_pb2.Timestamp | None = ...,
         conversation_key: _builtins.str = ...,
+        entry_token_count: _builtins.int = ...,
     ) -> None: ...
     _HasFieldArgType: _TypeAlias = _typing.Literal["engine", b"engine", "expire_time", b"expire_time"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "conversation_key", b"conversation_key", "engine", b"engine", "engine_request_id", b"engine_request_id", "epoch", b"epoch", "expire_time", b"expire_time", "lease_id", b"lease_id"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["block_ids", b"block_ids", "conversation_key", b"conversation_key", "engine", b"engine", "engine_request_id", b"engine_request_id", "entry_token_count", b"entry_token_count", "epoch", b"epoch", "expire_time", b"expire_time", "lease_id", b"lease_id"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
