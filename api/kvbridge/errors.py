@@ -50,6 +50,7 @@ class Reason(enum.StrEnum):
     OVERLOADED = "OVERLOADED"
     INVALID_PAGE_TOKEN = "INVALID_PAGE_TOKEN"
     ENGINE_RESTARTED = "ENGINE_RESTARTED"
+    STREAM_IDLE = "STREAM_IDLE"
 
 
 # The exception class of each status code, filled by the subclasses below as they are defined.

@@ -72,6 +72,11 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     """The engine restarted (registered again as a new incarnation) since the
     request's blocks were retained: they belong to a process that is gone.
     """
+    ERROR_REASON_STREAM_IDLE: _ErrorReason.ValueType  # 21
+    """A stream sent nothing for longer than the server's idle limit and was
+    closed (a KeepAlive stream with no renewal); open a new one when there is
+    something to send.
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Shared vocabulary of the kvbridge APIs.
@@ -126,6 +131,11 @@ ERROR_REASON_INVALID_PAGE_TOKEN: ErrorReason.ValueType  # 19
 ERROR_REASON_ENGINE_RESTARTED: ErrorReason.ValueType  # 20
 """The engine restarted (registered again as a new incarnation) since the
 request's blocks were retained: they belong to a process that is gone.
+"""
+ERROR_REASON_STREAM_IDLE: ErrorReason.ValueType  # 21
+"""A stream sent nothing for longer than the server's idle limit and was
+closed (a KeepAlive stream with no renewal); open a new one when there is
+something to send.
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
