@@ -8,8 +8,10 @@ scans stay exact.
     <prefix>/registry/engines/<engine_id>                  types.v1.Engine
     <prefix>/registry/entries/<tenant>/<model>/<conv_key>  registry.v1.Entry
     <prefix>/registry/requests/<request_id>                idempotency record
+    <prefix>/registry/closed/<tenant>/<model>/<conv_key>   close tombstone (epoch; expires)
     <prefix>/lease/leases/<lease_id:016x>                  lease.v1.Lease
     <prefix>/<service>/leader                              leader election
+    <prefix>/meta/generation                               the store's generation (ADR 0024)
 """
 
 from __future__ import annotations
@@ -52,6 +54,10 @@ class KeyLayout:
         tenant, model, conv = rest.split("/")
         return unquote(tenant), unquote(model), unquote(conv)
 
+    def closed(self, tenant: str, model: str, conversation_key: str) -> bytes:
+        """A closed conversation's tombstone: registrations of an epoch up to the close are refused."""
+        return self._k("registry", "closed", _q(tenant), _q(model), _q(conversation_key))
+
     def registry_request(self, request_id: str) -> bytes:
         return self._k("registry", "requests", _q(request_id))
 
@@ -64,3 +70,23 @@ class KeyLayout:
 
     def leader(self, service: str) -> bytes:
         return self._k(_q(service), "leader")
+
+    def generation(self) -> bytes:
+        return self._k("meta", "generation")
+
+    def soft_state_prefixes(self) -> tuple[bytes, ...]:
+        return (
+            self.entries_prefix(),
+            self._k("registry", "requests", ""),
+            self._k("registry", "closed", ""),
+            self.leases_prefix(),
+        )
+
+
+# Soft state (ADR 0024): per-turn entries, their idempotency records and close tombstones, and every lease.
+# A store that starts a new generation (repaired, restored, rolled back) retires these keys, whatever the prefix.
+SOFT_STATE_SEGMENTS = (b"/registry/entries/", b"/registry/requests/", b"/registry/closed/", b"/lease/leases/")
+
+
+def is_soft_state(key: bytes) -> bool:
+    return any(segment in key for segment in SOFT_STATE_SEGMENTS)

@@ -30,6 +30,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
+from kvbridge_services.common.keys import is_soft_state
+
 from .base import (
     DEFAULT_TIMEOUT_S,
     Compacted,
@@ -119,6 +121,7 @@ class MemoryStore(Store):
         self._closed = False
         self._wal: WriteAheadLog | None = None
         self._failed: str | None = None  # why writes are refused (fail-stop after a failed log write)
+        self.retired = 0  # soft-state keys retired at open (a new generation)
         if data_dir is not None:
             self._wal = WriteAheadLog(data_dir, max_log_bytes=max_log_bytes)
             try:
@@ -468,6 +471,37 @@ class MemoryStore(Store):
         if self._wal.legacy_snapshot:  # migrate: rewrite it with its checksum header
             self._wal.write_snapshot(self._snapshot_state())
             log.info("embedded store: rewrote the snapshot in %s with a checksum", self._wal.directory)
+        if self._wal.rollback:
+            self._begin_generation(self._wal.rollback)
+
+    def _begin_generation(self, reason: str) -> None:
+        """A rolled-back store (repaired, restored, copied): retire the older generation's soft state durably,
+        then record the new generation (ADR 0024). A crash in between retires again on the next open."""
+        assert self._wal is not None
+        doomed = [key for key in self._sorted_keys if is_soft_state(key)]
+        if doomed:
+            mutations: list[Mutation] = [("del", key) for key in doomed]
+            self._wal.append({"rev": self._rev + 1, "m": [_encode_mutation(m) for m in mutations]})
+            self._apply(self._rev + 1, mutations, time.monotonic())
+            self._history.clear()
+            self._compacted_rev = self._rev + 1
+        old = self._wal.generation
+        new = self._wal.begin_generation(reason)
+        self.retired = len(doomed)
+        log.warning(
+            "embedded store %s starts a new generation %s (was %s): %s; retired %d entries, leases and "
+            "idempotency records of the older generation (engines register again under new incarnations)",
+            self._wal.directory,
+            new,
+            old or "none",
+            reason,
+            len(doomed),
+        )
+
+    @property
+    def generation(self) -> str:
+        """The embedded store's generation id ("" without a data directory)."""
+        return self._wal.generation if self._wal is not None else ""
 
     def _replay(self, snapshot: dict[str, Any] | None, records: list[dict[str, Any]]) -> None:
         now = time.monotonic()

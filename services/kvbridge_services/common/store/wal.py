@@ -23,6 +23,12 @@ refused (the on-disk state after a failed write or fsync is unknown).
 
 Payloads are JSON with bytes carried as latin-1 strings (lossless, stdlib only).
 The scan and repair functions are pure over the file's bytes (``scan_log``).
+
+Generations (ADR 0024): the file ``generation`` names the store's generation and the log file it was written
+for (device and inode). Opening a directory whose log is not that file (a copy or a restored backup), whose
+record says it was repaired (``kvbridge store repair`` cut acknowledged records, or ``kvbridge store
+new-generation``), or that has no record although it holds data, starts a new generation: the store retires
+the older generation's soft state (``MemoryStore``) and the record is rewritten for the new one.
 """
 
 from __future__ import annotations
@@ -33,7 +39,9 @@ import json
 import logging
 import os
 import re
+import secrets
 import struct
+import time
 import zlib
 from dataclasses import dataclass, field
 from io import BufferedWriter
@@ -46,6 +54,7 @@ _HEADER = struct.Struct("<II")
 DEFAULT_MAX_LOG_BYTES = 64 * 1024 * 1024
 LOG_NAME = "log"
 SNAPSHOT_NAME = "snapshot"
+GENERATION_NAME = "generation"
 _SNAPSHOT_HEADER = re.compile(rb"kvbridge-snapshot v2 length=(\d+) crc32=([0-9a-f]{8})\n")
 REPAIR_HINT = "kvbridge store repair --data-dir {directory}"
 
@@ -243,10 +252,13 @@ class WriteAheadLog:
         self.max_log_bytes = max_log_bytes
         self._log_path = directory / LOG_NAME
         self._snapshot_path = directory / SNAPSHOT_NAME
-        self._log = _open_locked(directory, self._log_path)
+        self._log, self._created = _open_locked(directory, self._log_path)
         self.next_seq = 1
         self.failed: BaseException | None = None
         self.legacy_snapshot = False
+        # The generation this directory holds, and why opening it starts a new one ("": it does not).
+        self.generation = ""
+        self.rollback = ""
 
     def load(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         """The last snapshot (or None) and the log records after it, in order."""
@@ -273,7 +285,47 @@ class WriteAheadLog:
                 f"seq {after}: records are missing. Restore the directory from a backup"
             )
         self.next_seq = int(records[-1]["seq"]) + 1 if records else after + 1
+        self.rollback = self._check_generation(empty=snapshot is None and not records)
         return snapshot, records
+
+    def _identity(self) -> list[int]:
+        st = os.fstat(self._log.fileno())
+        return [st.st_dev, st.st_ino]
+
+    def _check_generation(self, *, empty: bool) -> str:
+        """Why this open starts a new generation ("" when it continues the recorded one)."""
+        record = read_generation(self.directory)
+        if record is None:
+            if self._created or empty:
+                self.begin_generation("")  # a new store: its first generation
+                return ""
+            return "no generation record: a store written before generations, or files copied without it"
+        self.generation = str(record.get("id", ""))
+        if record.get("retire"):
+            return str(record["retire"])
+        if record.get("log") != self._identity():
+            return (
+                "its log is not the file this store wrote (the directory was copied or restored from a backup; "
+                f"recorded file {record.get('log')}, found {self._identity()})"
+            )
+        return ""
+
+    def begin_generation(self, reason: str) -> str:
+        """Record a new generation for this log file (after the older one's soft state was retired)."""
+        previous = self.generation
+        self.generation = secrets.token_hex(8)
+        _write_generation(
+            self.directory,
+            {
+                "id": self.generation,
+                "log": self._identity(),
+                "previous": previous,
+                "reason": reason,
+                "at": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+            },
+        )
+        self.rollback = ""
+        return self.generation
 
     def _truncate(self, offset: int) -> None:
         self._log.truncate(offset)
@@ -322,8 +374,40 @@ class WriteAheadLog:
         self._log.close()
 
 
-def _open_locked(directory: Path, log_path: Path) -> BufferedWriter:
-    """The log opened for appending, exclusively locked; a new directory or log file is made durable."""
+def read_generation(directory: Path) -> dict[str, Any] | None:
+    """The directory's generation record (None: none; an unreadable one reads as a retired generation)."""
+    path = directory / GENERATION_NAME
+    if not path.exists():
+        return None
+    try:
+        record = json.loads(path.read_bytes())
+        if isinstance(record, dict):
+            return record
+    except ValueError:
+        pass
+    return {"retire": f"unreadable generation record {path}"}
+
+
+def _write_generation(directory: Path, record: dict[str, Any]) -> None:
+    tmp = directory / (GENERATION_NAME + ".tmp")
+    with tmp.open("wb") as f:
+        f.write(json.dumps(record, separators=(",", ":")).encode())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, directory / GENERATION_NAME)
+    _fsync_dir(directory)
+
+
+def retire_generation(directory: Path, reason: str) -> None:
+    """Mark the directory's generation as ended: the next open starts a new one (ADR 0024)."""
+    record = read_generation(directory) or {}
+    record["retire"] = reason
+    _write_generation(directory, record)
+
+
+def _open_locked(directory: Path, log_path: Path) -> tuple[BufferedWriter, bool]:
+    """The log opened for appending, exclusively locked, and whether it was created now; a new directory or log
+    file is made durable."""
     if not directory.exists():
         directory.mkdir(parents=True, exist_ok=True)
         _fsync_dir(directory.parent)
@@ -339,7 +423,7 @@ def _open_locked(directory: Path, log_path: Path) -> BufferedWriter:
     if created:
         os.fsync(f.fileno())
         _fsync_dir(directory)
-    return f
+    return f, created
 
 
 # --------------------------------------------------------------------------- operator tools
@@ -390,10 +474,15 @@ def repair(directory: Path) -> RepairReport:
     log_path = directory / LOG_NAME
     if not log_path.exists():
         raise StoreOpenError(f"no embedded store log at {log_path}")
-    f = _open_locked(directory, log_path)
+    f, _ = _open_locked(directory, log_path)
     try:
         scan = scan_log(log_path.read_bytes())
         if scan.damage is not None:
+            if not scan.damage.torn_tail:
+                # Acknowledged records are dropped: the store is rolled back, its next open a new generation.
+                retire_generation(
+                    directory, f"repaired: the log was cut at offset {scan.damage.offset} ({scan.damage.reason})"
+                )
             f.truncate(scan.damage.offset)
             f.flush()
             os.fsync(f.fileno())
