@@ -19,11 +19,22 @@ frees an entry's blocks only once no prefill can still be reading them.
   watch stream). When the control plane is unreachable nothing extends it, so the blocks are freed
   ``fallback_ttl`` (>= node lease TTL + grace) after the last confirmation: by then D's node lease,
   which it could not renew either, has ended, and with it every offer of D's blocks.
+
+Retained KV is a cache: it never delays admission (ADR 0026). D keeps a free-block *headroom*: the blocks the
+requests arriving within one *horizon* (``free_grace_s`` + one RPC deadline: from a withdrawal decision to its
+blocks being free) will ask for, from the measured arrival rate, floored at the watermark and capped. Each step
+it withdraws, in one batch and ahead of need, every oldest-idle entry it takes for free + withdrawing blocks to
+cover that headroom plus what requests waiting for blocks now need (``withdrawal_need``). And a finished request
+is retained only from slack (``retention_verdict``): when a request waits for blocks, or the headroom is not
+covered, its blocks are freed at once instead: never registered, never offered, so no grace. A live request
+therefore waits at most for the withdrawals of one horizon, never behind one grace after another.
 """
 
 from __future__ import annotations
 
+import enum
 import math
+from collections import deque
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
@@ -33,6 +44,83 @@ Clock = Callable[[], float]
 
 # A withdrawal D asked for (revoke) that is not confirmed yet is asked for again this often.
 REVOKE_RETRY_S = 5.0
+# Arrivals remembered for the rate (bounded: the oldest go first).
+_MAX_ARRIVALS = 4096
+
+
+class RetainVerdict(enum.StrEnum):
+    """Whether a finished request's blocks are retained (an entry) or freed at once, and why."""
+
+    RETAIN = "retain"  # free blocks cover the waiting requests and the headroom without these
+    ADMISSION_WAITING = "admission_waiting"  # a request waits for blocks now: these free at once instead
+    BELOW_HEADROOM = "below_headroom"  # free + withdrawing blocks are short of the headroom: these free at once
+
+
+class WithdrawReason(enum.StrEnum):
+    """Why D withdraws a live entry itself (the lease is revoked as REVOKE_REASON_EVICTED_MEMORY_PRESSURE)."""
+
+    ENTRY_CAP = "entry_cap"  # more live entries than kvbridge_max_retained_entries
+    ADMISSION_WAITING = "admission_waiting"  # requests wait for blocks that free + withdrawing blocks lack
+    HEADROOM = "headroom"  # free + withdrawing blocks are short of the arrivals of one horizon
+
+
+def headroom_blocks(
+    arrival_blocks_per_s: float, horizon_s: float, total_blocks: int, watermark: float, max_fraction: float
+) -> int:
+    """The free blocks D keeps ahead of need: what arrivals ask for within one horizon (the time a withdrawal
+    decided now takes to free its blocks), at least ``watermark`` and at most ``max_fraction`` of the cache."""
+    floor = watermark * total_blocks
+    ceiling = max(floor, max_fraction * total_blocks)
+    return max(0, math.ceil(min(ceiling, max(floor, arrival_blocks_per_s * horizon_s)) - 1e-9))  # 0.2 * 100 -> 20
+
+
+def withdrawal_need(free_blocks: int, withdrawing_blocks: int, waiting_blocks: int, headroom: int) -> int:
+    """Blocks of live entries to withdraw now (0: none): free blocks plus those already on their way out must
+    cover what waiting requests need plus the headroom."""
+    return max(0, waiting_blocks + headroom - free_blocks - withdrawing_blocks)
+
+
+def retention_verdict(free_blocks: int, withdrawing_blocks: int, waiting_blocks: int, headroom: int) -> RetainVerdict:
+    """Whether a finished request may keep its blocks. ``free_blocks`` does not count them (they are still the
+    request's). Retained KV only uses slack: a request waiting for blocks gets these at once, and so does the
+    headroom when free + withdrawing blocks fall short of it (a withdrawal would free only after its grace)."""
+    if waiting_blocks > free_blocks:
+        return RetainVerdict.ADMISSION_WAITING
+    if withdrawal_need(free_blocks, withdrawing_blocks, waiting_blocks, headroom) > 0:
+        return RetainVerdict.BELOW_HEADROOM
+    return RetainVerdict.RETAIN
+
+
+class ArrivalRate:
+    """KV blocks asked for by arriving requests per second, over the last ``window_s`` (each request once)."""
+
+    def __init__(self, clock: Clock, window_s: float) -> None:
+        self._clock = clock
+        self._window_s = window_s
+        self._arrivals: deque[tuple[float, int]] = deque()
+        self._seen: dict[str, None] = {}
+        self._sum = 0
+
+    def note(self, request_id: str, blocks: int) -> None:
+        if request_id in self._seen:
+            return
+        self._seen[request_id] = None
+        while len(self._seen) > _MAX_ARRIVALS:
+            del self._seen[next(iter(self._seen))]
+        now = self._clock()
+        self._arrivals.append((now, blocks))
+        self._sum += blocks
+        self._trim(now)
+
+    def blocks_per_s(self) -> float:
+        """Over the whole window, also before one has passed (a burst at start is not taken for a rate: what
+        waiting requests need covers it)."""
+        self._trim(self._clock())
+        return self._sum / self._window_s
+
+    def _trim(self, now: float) -> None:
+        while self._arrivals and (self._arrivals[0][0] <= now - self._window_s or len(self._arrivals) > _MAX_ARRIVALS):
+            self._sum -= self._arrivals.popleft()[1]
 
 
 @dataclass(slots=True)
@@ -67,17 +155,32 @@ class Decisions:
     release: set[str] = field(default_factory=set)
     # Leases to revoke: (lease id, reason name).
     revoke: list[tuple[int, str]] = field(default_factory=list)
+    # Live entries D withdrew itself this step, and why (their leases are among ``revoke`` once bound).
+    withdrawn: list[tuple[str, WithdrawReason]] = field(default_factory=list)
 
 
 class RetentionTable:
     def __init__(
-        self, clock: Clock, fallback_ttl_s: float, max_entries: int, free_kv_watermark: float, free_grace_s: float = 0.0
+        self,
+        clock: Clock,
+        fallback_ttl_s: float,
+        max_entries: int,
+        free_kv_watermark: float,
+        free_grace_s: float = 0.0,
+        *,
+        headroom_max_fraction: float = 0.5,
+        arrival_window_s: float = 30.0,
+        horizon_s: float | None = None,
     ) -> None:
         self._clock = clock
         self._free_grace_s = free_grace_s
         self._fallback_ttl_s = fallback_ttl_s
         self._max_entries = max_entries
         self._watermark = free_kv_watermark
+        self._headroom_max_fraction = headroom_max_fraction
+        # From a withdrawal decision to its blocks being free: the revoke's round trip, then the grace.
+        self._horizon_s = free_grace_s + 2.0 if horizon_s is None else horizon_s
+        self._arrivals = ArrivalRate(clock, arrival_window_s)
         self._entries: dict[str, RetainedEntry] = {}
         self._by_lease: dict[int, str] = {}
         # Leases that ended before their grant reached us (bounded: trimmed FIFO).
@@ -101,6 +204,23 @@ class RetentionTable:
     def withdrawn_blocks(self) -> int:
         """Blocks of withdrawn entries not freed yet (they are on their way out)."""
         return sum(e.num_blocks for e in self._entries.values() if e.released)
+
+    def headroom(self, total_blocks: int) -> int:
+        """The free blocks to keep ahead of need now (``headroom_blocks`` from the measured arrival rate)."""
+        return headroom_blocks(
+            self._arrivals.blocks_per_s(), self._horizon_s, total_blocks, self._watermark, self._headroom_max_fraction
+        )
+
+    def verdict(self, free_blocks: int | None, total_blocks: int | None, waiting_blocks: int = 0) -> RetainVerdict:
+        """Whether a finished request may keep its blocks (``retention_verdict``); without a block pool, yes."""
+        if free_blocks is None or not total_blocks:
+            return RetainVerdict.RETAIN
+        return retention_verdict(free_blocks, self.withdrawn_blocks(), waiting_blocks, self.headroom(total_blocks))
+
+    # ---- demand --------------------------------------------------------
+    def note_arrival(self, request_id: str, blocks: int) -> None:
+        """A request asked for KV blocks (counted once per request): the arrival rate sizes the headroom."""
+        self._arrivals.note(request_id, blocks)
 
     # ---- events --------------------------------------------------------
     def retain(self, request_id: str, num_blocks: int, token_count: int, conversation: ConversationRef | None) -> float:
@@ -198,14 +318,15 @@ class RetentionTable:
                 self._pending.revoke.append((entry.lease_id, "REVOKE_REASON_EXPIRED"))
 
     # ---- per step ------------------------------------------------------
-    def step(self, free_blocks: int | None, total_blocks: int | None) -> Decisions:
-        """Extend confirmed holds, withdraw under pressure, free what is due; returns the decisions."""
+    def step(self, free_blocks: int | None, total_blocks: int | None, waiting_blocks: int = 0) -> Decisions:
+        """Extend confirmed holds, withdraw under pressure, free what is due; returns the decisions.
+        ``waiting_blocks``: what requests the engine could not admit this step asked for."""
         now = self._clock()
         if self._connected:
             for entry in self._entries.values():
                 if entry.lease_id and math.isinf(entry.free_at):
                     self._confirm(entry, now)
-        self._evict(free_blocks, total_blocks)
+        self._evict(free_blocks, total_blocks, waiting_blocks)
         for entry in self._entries.values():
             if entry.released:
                 if entry.free_at <= now:
@@ -255,18 +376,23 @@ class RetentionTable:
         entry.revoke_sent_at = self._clock() if now is None else now
         self._pending.revoke.append((entry.lease_id, reason))
 
-    def _evict(self, free_blocks: int | None, total_blocks: int | None) -> None:
+    def _evict(self, free_blocks: int | None, total_blocks: int | None, waiting_blocks: int) -> None:
+        """Withdraws, in one batch, the oldest-idle live entries the cap and the free-block need take."""
         live = [e for e in self._entries.values() if not e.released]
         live.sort(key=lambda e: e.last_used)
         excess = len(live) - self._max_entries
-        deficit = 0
+        need, reason = 0, WithdrawReason.HEADROOM
         if free_blocks is not None and total_blocks:
             # Withdrawn entries' blocks are on their way out: count them as free already, so pressure
             # withdraws only what it still needs (they cannot be freed sooner: a READ may be under way).
-            deficit = int(self._watermark * total_blocks) - free_blocks - self.withdrawn_blocks()
+            withdrawing = self.withdrawn_blocks()
+            need = withdrawal_need(free_blocks, withdrawing, waiting_blocks, self.headroom(total_blocks))
+            if withdrawal_need(free_blocks, withdrawing, waiting_blocks, 0) > 0:
+                reason = WithdrawReason.ADMISSION_WAITING
         for entry in live:
-            if excess <= 0 and deficit <= 0:
+            if excess <= 0 and need <= 0:
                 break
             self._withdraw(entry, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")
+            self._pending.withdrawn.append((entry.request_id, WithdrawReason.ENTRY_CAP if excess > 0 else reason))
             excess -= 1
-            deficit -= entry.num_blocks
+            need -= entry.num_blocks

@@ -1,9 +1,11 @@
 """Scheduler half: retains decode KV under kvbridge leases; checks what prefill pulls.
 
 Extends vLLM's ``NixlPullConnectorScheduler``; overrides only ``request_finished``,
-``build_connector_meta``, ``update_connector_output`` and
+``build_connector_meta``, ``update_connector_output``, ``update_state_after_alloc`` and
 ``get_num_new_matched_tokens`` and always calls the parent first (except for a
-read-back already attempted once, see ``get_num_new_matched_tokens``). Spans (when
+read-back already attempted once, see ``get_num_new_matched_tokens``). On D the last two
+also tell the retention table what requests ask for (ADR 0026: retained KV never delays
+admission). Spans (when
 tracing is on): D's registrations (``control_plane``), P's pulls and declines.
 """
 
@@ -23,7 +25,7 @@ from kvbridge.types.v1 import types_pb2
 from kvbridge_connector import control_plane as cp
 from kvbridge_connector.params import RETAINED, parse_conversation, prompt_prefix_problem, pull_offer_problem
 from kvbridge_connector.pulls import PullReporter, bytes_per_token
-from kvbridge_connector.retention import RetentionTable
+from kvbridge_connector.retention import RetainVerdict, RetentionTable
 from kvbridge_connector.settings import ConnectorSettings
 from kvbridge_connector.tracing import ConnectorTracer
 
@@ -116,7 +118,14 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             settings.max_retained_entries,
             settings.free_kv_watermark,
             free_grace_s=settings.free_grace_s,
+            headroom_max_fraction=settings.headroom_max_fraction,
+            arrival_window_s=settings.arrival_window_s,
+            horizon_s=settings.free_grace_s + settings.rpc_deadline_s,
         )
+        # Decode: KV blocks each request vLLM asked about this step wants (dropped once it is allocated), and
+        # what those left waiting wanted at the last step (ADR 0026).
+        self._asked: dict[str, int] = {}
+        self._waiting_blocks = 0
         self._block_pool: BlockPool | None = None
         # Refcount-held retained blocks by request id (hold_blocks="refcount").
         self._held_blocks: dict[str, list[KVCacheBlock]] = {}
@@ -156,6 +165,11 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         self._block_pool = block_pool
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
+        if self.is_decode and self.control_plane is not None:
+            # vLLM asks for each waiting request it tries to admit: its demand, until it is allocated.
+            need = self._blocks_needed(request)
+            self._asked[request.request_id] = need
+            self.retention.note_arrival(request.request_id, need)
         params = request.kv_transfer_params
         offered = bool(
             params and params.get("do_remote_decode") and params.get("remote_block_ids") and not self.is_decode
@@ -213,6 +227,15 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             self._trace_decline(request, num_computed_tokens)
         return count, is_async
 
+    def update_state_after_alloc(self, request: Request, blocks: Any, num_external_tokens: int) -> None:
+        super().update_state_after_alloc(request, blocks, num_external_tokens)
+        self._asked.pop(request.request_id, None)  # admitted: no longer waiting for blocks
+
+    def _blocks_needed(self, request: Request) -> int:
+        """KV blocks a request takes on this engine by its end (prompt and the most it may generate)."""
+        tokens = request.num_prompt_tokens + max(0, int(request.max_tokens or 0))
+        return -(-tokens // max(self.block_size, 1)) * self._kv_groups
+
     def _note_incarnation(self, params: dict[str, Any]) -> None:
         """A decode engine restarted under the same engine id has new NIXL memory registrations: what this
         prefill cached of the old process (vLLM keys it by engine id) would fail every READ, so the worker drops it
@@ -245,6 +268,23 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             return delay_free, params  # stock single-use behaviour
         request_id = request.request_id
         blocks = tuple(tuple(int(b) for b in group) for group in params["remote_block_ids"])
+        free, total = self._kv_free_blocks()
+        verdict = self.retention.verdict(free, total, self._waiting_blocks)
+        if verdict is not RetainVerdict.RETAIN:
+            # Retained KV is a cache: under pressure these blocks go to live requests at once. Never registered,
+            # so never offered: no grace. No params: nothing may be read back from them.
+            self._reqs_need_send.pop(request_id, None)
+            log.info(
+                "kvbridge: not retaining request %s (%d blocks): %s (free %s, withdrawing %d, waiting %d, headroom %d)",
+                request_id,
+                sum(len(g) for g in blocks),
+                verdict.value,
+                free,
+                self.retention.withdrawn_blocks(),
+                self._waiting_blocks,
+                self.retention.headroom(total or 0),
+            )
+            return False, None
         token_count = int(params["remote_num_tokens"])
         deadline = self.retention.retain(request_id, sum(len(g) for g in blocks), token_count, conversation)
         if self._block_pool is not None and self.settings.hold_blocks == "refcount":
@@ -276,7 +316,10 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         self._apply_control_plane_events()
         free, total = self._kv_free_blocks()
-        decisions = self.retention.step(free, total)
+        # Asked about this step and not allocated: they wait for blocks.
+        self._waiting_blocks = sum(self._asked.values())
+        self._asked.clear()
+        decisions = self.retention.step(free, total, self._waiting_blocks)
         for request_id, deadline in decisions.deadlines.items():
             if request_id not in self._held_blocks:
                 self._reqs_need_send[request_id] = deadline
@@ -286,12 +329,16 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
                 self.control_plane.submit(cp.RevokeLease(lease_id, reason))
         if decisions.revoke:
             log.info(
-                "kvbridge: withdrawing %d retained entr%s (%s); their blocks stay until the end is confirmed "
-                "and %.0f s more",
+                "kvbridge: withdrawing %d retained entr%s (%s%s); their blocks stay until the end is confirmed "
+                "and %.0f s more (free %s, waiting %d, headroom %d)",
                 len(decisions.revoke),
                 "y" if len(decisions.revoke) == 1 else "ies",
                 ", ".join(sorted({reason for _, reason in decisions.revoke})),
+                "".join(f"; {r.value}" for r in sorted({r for _, r in decisions.withdrawn})),
                 self.settings.free_grace_s,
+                free,
+                self._waiting_blocks,
+                self.retention.headroom(total or 0),
             )
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, META_HOLD, self._hold_ids)

@@ -234,6 +234,7 @@ SURFACE: tuple[Item, ...] = (
             "all_token_ids",
             "cache_salt",
             "num_prompt_tokens",
+            "max_tokens",
         ),
         contains=("self.all_token_ids = ConstantList(",),
     ),

@@ -31,6 +31,7 @@ class FakeRequest:
     trace_headers: dict[str, str] | None = None
     output_token_ids: list[int] = field(default_factory=list)
     status: Any = None
+    max_tokens: int = 16
     # Unix time P's API server received it (vLLM sets it on arrival).
     arrival_time: float = field(default_factory=time.time)
 

@@ -152,28 +152,75 @@ def test_memory_pressure_withdraws_first_and_frees_only_after_the_confirmed_end_
 ) -> None:
     """A READ is one-sided: under pressure D revokes the lease (no new offers), then frees once the end is
     confirmed and the offer window (+ index lag) has passed; never at once."""
-    with scheduler(vllm_configs, "kv_consumer", dict(EXTRA, kvbridge_free_kv_watermark=0.95)) as sched:
+    with scheduler(vllm_configs, "kv_consumer", EXTRA) as sched:
         _quiet(sched)
         pool = _pool()
         sched.bind_block_pool(pool)
         free_before = pool.get_num_free_blocks()
-        _finish_retained(sched, pool, "d-5")
+        _finish_retained(sched, pool, "d-5")  # retained from slack: 60 of 64 blocks stay free
         _step(sched)
         sched.retention.bind_lease("d-5", 79)
-        decisions_meta = _step(sched)  # free KV is below the watermark: withdraw
+        live = pool.get_new_blocks(50)  # running requests take the cache: 10 free, below the 20 % headroom
+        decisions_meta = _step(sched)  # withdraw
         entry = sched.retention.get("d-5")
         assert entry is not None and entry.released and "d-5" not in decisions_meta.kvbridge_release
         revokes = [c for c in sched.control_plane.commands if type(c).__name__ == "RevokeLease"]
         assert [(c.lease_id, c.reason) for c in revokes] == [(79, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")]
         time.sleep(GRACE_S)
         _step(sched)
-        assert pool.get_num_free_blocks() == free_before - 4, "freed before the revoke was confirmed"
+        assert pool.get_num_free_blocks() == free_before - 54, "freed before the revoke was confirmed"
         sched.retention.lease_ended(79)  # the lease manager acknowledged the revoke
         _step(sched)
-        assert pool.get_num_free_blocks() == free_before - 4, "freed within the grace"
+        assert pool.get_num_free_blocks() == free_before - 54, "freed within the grace"
         time.sleep(GRACE_S)
         _step(sched)
-        assert pool.get_num_free_blocks() == free_before
+        assert pool.get_num_free_blocks() == free_before - 50
+        pool.free_blocks(live)
+
+
+def _finish(sched: Any, pool: Any, request_id: str) -> tuple[bool, dict[str, Any] | None, list[Any]]:
+    from kvbridge_services.gateway import kvparams
+
+    blocks = pool.get_new_blocks(4)
+    params = kvparams.decode_params(
+        {"do_remote_prefill": False, "do_remote_decode": False},
+        tenant="t",
+        conversation_key=f"conv-{request_id}",
+        epoch=1,
+        secret=bytes.fromhex(SECRET_HEX),
+    )
+    request = FakeRequest(
+        request_id, params, list(range(10, 110)), num_computed_tokens=128, output_token_ids=list(range(300, 340))
+    )
+    delay_free, returned = sched.request_finished(request, ([b.block_id for b in blocks],))
+    if not delay_free and (returned is None or not returned.get("kvbridge_retained")):
+        pool.free_blocks(blocks)  # vLLM frees a request the connector does not keep
+    return delay_free, returned, blocks
+
+
+def test_a_finished_request_is_not_retained_while_a_request_waits_for_blocks(vllm_configs: dict[str, Any]) -> None:
+    """Retained KV is a cache (ADR 0026): when vLLM could not admit a request for want of blocks, a finished
+    request's blocks go to it at once: never registered, never offered, so no grace."""
+    with scheduler(vllm_configs, "kv_consumer", EXTRA) as sched:
+        _quiet(sched)
+        pool = _pool()
+        sched.bind_block_pool(pool)
+        live = pool.get_new_blocks(40)  # 24 free
+        # vLLM asks about a waiting 28-block request (800 prompt + 96 new tokens) and cannot allocate it.
+        waiting = FakeRequest("w-1", {}, list(range(800)), max_tokens=96)
+        sched.get_num_new_matched_tokens(waiting, 0)
+        _step(sched)
+        delay_free, returned, blocks = _finish(sched, pool, "d-6")
+        assert (delay_free, returned) == (False, None)
+        assert "d-6" not in sched.retention and all(b.ref_cnt == 0 for b in blocks)
+        assert not [c for c in sched.control_plane.commands if type(c).__name__ == "RegisterEntry"]
+        # Admitted (vLLM allocated it): nothing waits any more, and the next finished request is retained.
+        sched.get_num_new_matched_tokens(waiting, 0)
+        sched.update_state_after_alloc(waiting, None, 0)
+        _step(sched)
+        delay_free, returned, _ = _finish(sched, pool, "d-7")
+        assert returned is not None and returned["kvbridge_retained"] is True and "d-7" in sched.retention
+        pool.free_blocks(live)
 
 
 def test_delayed_free_remains_available(vllm_configs: dict[str, Any]) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from kvbridge_connector.params import ConversationRef
-from kvbridge_connector.retention import REVOKE_RETRY_S, Decisions, RetentionTable
+from kvbridge_connector.retention import REVOKE_RETRY_S, Decisions, RetentionTable, WithdrawReason
 
 CONV = ConversationRef(tenant="acme", model="tiny", conversation_key="c1", epoch=1)
 TTL = 100.0
@@ -162,7 +162,8 @@ def test_a_withdrawal_during_the_registration_revokes_the_lease_when_it_arrives(
     table.retain("a", 1, 32, CONV)
     clock.now += 1
     table.retain("b", 1, 32, CONV)
-    assert table.step(None, None) == Decisions()  # "a" withdrawn, but its grant is still in flight
+    # "a" withdrawn, but its grant is still in flight: nothing to revoke yet.
+    assert table.step(None, None) == Decisions(withdrawn=[("a", WithdrawReason.ENTRY_CAP)])
     table.bind_lease("a", 5)
     assert table.step(None, None).revoke == [(5, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")]
     table.lease_ended(5)
