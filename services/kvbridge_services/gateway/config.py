@@ -327,6 +327,36 @@ class GatewaySettings(BaseSettings):
     max_concurrency: int = Field(
         default=512, ge=1, le=1_000_000, description="Turns in flight at once; one more is refused with 429 OVERLOADED."
     )
+    max_tenant_concurrency: int = Field(
+        default=256,
+        ge=1,
+        le=1_000_000,
+        description=(
+            "HTTP turns in flight at once per tenant (429 OVERLOADED past it), beside max_concurrency, so one tenant"
+            " cannot take every slot; a single-tenant deployment sets it to max_concurrency."
+        ),
+    )
+    body_read_timeout_s: float = Field(
+        default=30.0,
+        gt=0,
+        le=3600,
+        description="Deadline for reading an HTTP request's body once its headers arrived (408 past it).",
+    )
+    stored_responses_per_tenant: int = Field(
+        default=10_000,
+        ge=0,
+        le=10_000_000,
+        description="Responses API: stored responses kept per tenant (least recently used go first; 0: none stored).",
+    )
+    stored_responses_mb_per_tenant: int = Field(
+        default=64,
+        ge=0,
+        le=65_536,
+        description="Responses API: MiB of stored responses per tenant, each counted with its whole thread.",
+    )
+    stored_responses_total_mb: int = Field(
+        default=1024, ge=0, le=1_048_576, description="Responses API: MiB of stored responses over all tenants."
+    )
     tokenize_timeout_s: float = Field(
         default=30.0,
         gt=0,

@@ -1,4 +1,5 @@
-"""OpenAI-compatible HTTP front door (starlette)."""
+"""The HTTP front door (starlette): OpenAI chat completions and completions, the OpenAI Responses API and the
+Anthropic Messages API (frontdoors.py), every one a turn served by :func:`serve_turn` the same way."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
-import grpc
 from opentelemetry import trace
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -15,58 +15,40 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from kvbridge import telemetry as tel
-from kvbridge.errors import InvalidArgument, KvbridgeError, Reason, ResourceExhausted
+from kvbridge.errors import InvalidArgument, KvbridgeError, NotFound, Reason, ResourceExhausted
 from kvbridge_services.common import authz
 
+from .frontdoors import (
+    CHAT_ROW,
+    COMPLETION_ROW,
+    Failure,
+    FrontDoor,
+    api_key_or_bearer,
+    bearer,
+    messages_door,
+    messages_error,
+    openai_error,
+    passthrough,
+    responses_door,
+    responses_error,
+)
 from .requests import SESSION_HEADER, parse_json_body, parse_turn
+from .responses_store import ResponseStore
 from .service import TENANT_HEADER, GatewayCore
-from .turn import TurnKind
 from .turnstate import TurnResult
 from .upstream import ClientError
 
 REUSE_HEADER = "x-kvbridge-reuse"
 PLACEMENT_HEADER = "x-kvbridge-placement"  # <choice>;reason=<why>, with placement on (docs/gateway.md "Placement")
-# The HTTP routes answer under the authorization rows of their gRPC twins (kvbridge_services.common.authz).
-_HTTP_METHODS: dict[TurnKind, str] = {
-    "chat": "kvbridge.gateway.v1.GatewayService/CreateChatCompletion",
-    "completion": "kvbridge.gateway.v1.GatewayService/CreateCompletion",
-}
-
-_HTTP_STATUS = {
-    grpc.StatusCode.INVALID_ARGUMENT: 400,
-    grpc.StatusCode.UNAUTHENTICATED: 401,
-    grpc.StatusCode.PERMISSION_DENIED: 403,
-    grpc.StatusCode.NOT_FOUND: 404,
-    grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-    grpc.StatusCode.UNAVAILABLE: 503,
-    grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-}
 
 
 def error_response(err: KvbridgeError) -> JSONResponse:
-    status = _HTTP_STATUS.get(err.code, 500)
-    if err.reason == Reason.TOO_LARGE.value:
-        status = 413
-    elif err.reason == Reason.UPSTREAM_FAILED.value and err.code is not grpc.StatusCode.DEADLINE_EXCEEDED:
-        status = 502  # an engine failed; one that timed out keeps 504
-    body = {
-        "error": {
-            "message": err.message,
-            "type": err.code.name.lower(),
-            "code": err.reason or None,
-            "param": err.metadata.get("field"),
-        }
-    }
-    return JSONResponse(body, status_code=status)
+    """The chat and completions routes' error answer (OpenAI's shape, the machine reason as ``code``)."""
+    return openai_error(Failure.of(err))
 
 
-def _bearer(request: Request) -> str | None:
-    value = request.headers.get("authorization")
-    if value is None:
-        return None
-    if not value.lower().startswith("bearer "):
-        return ""
-    return value[7:].strip()
+class BodyTimeout(Exception):
+    """The request's body did not arrive within ``body_read_timeout_s``."""
 
 
 async def _read_body(request: Request, limit: int) -> bytes:
@@ -81,6 +63,55 @@ async def _read_body(request: Request, limit: int) -> bytes:
             raise InvalidArgument(Reason.TOO_LARGE, f"request body exceeds {limit} bytes", metadata={"field": "body"})
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body, within ``timeout_s`` of the headers (a client that sends part of it and then nothing
+    holds no slot and no task past it)."""
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(request, limit)
+    except TimeoutError:
+        raise BodyTimeout from None
+
+
+class TenantSlots:
+    """Turns in flight per tenant on the HTTP door, beside the gateway's global count (``core.inflight``)."""
+
+    def __init__(self, core: GatewayCore) -> None:
+        self._core = core
+        self._by_tenant: dict[str, int] = {}
+
+    def in_flight(self, tenant: str) -> int:
+        return self._by_tenant.get(tenant, 0)
+
+    def take(self, tenant: str) -> None:
+        s = self._core.settings
+        if self._core.inflight >= s.max_concurrency:
+            raise ResourceExhausted(
+                Reason.OVERLOADED,
+                f"too many requests in flight ({s.max_concurrency}, max_concurrency); retry later",
+                metadata={"limit": "max_concurrency"},
+            )
+        held = self._by_tenant.get(tenant, 0)
+        if held >= s.max_tenant_concurrency:
+            raise ResourceExhausted(
+                Reason.OVERLOADED,
+                f"this tenant has {held} requests in flight (max_tenant_concurrency); retry later",
+                metadata={"limit": "max_tenant_concurrency"},
+            )
+        self._by_tenant[tenant] = held + 1
+        self._core.inflight += 1
+        self._core.metrics.inflight.inc()
+
+    def release(self, tenant: str) -> None:
+        held = self._by_tenant.get(tenant, 0) - 1
+        if held > 0:
+            self._by_tenant[tenant] = held
+        else:
+            self._by_tenant.pop(tenant, None)
+        self._core.inflight -= 1
+        self._core.metrics.inflight.dec()
 
 
 async def _until_disconnect(request: Request) -> None:
@@ -122,11 +153,19 @@ async def _race_disconnect(request: Request, work: Awaitable[TurnResult]) -> Tur
 def build_http_app(core: GatewayCore) -> Starlette:
     s = core.settings
     m = core.metrics
+    slots = TenantSlots(core)
+    store = ResponseStore(
+        max_per_tenant=s.stored_responses_per_tenant,
+        max_bytes_per_tenant=s.stored_responses_mb_per_tenant * 1024 * 1024,
+        max_total_bytes=s.stored_responses_total_mb * 1024 * 1024,
+    )
 
     Handler = Callable[[Request], Awaitable[Response]]
     tracer = core.telemetry.tracer
 
-    def guarded(route: str, handler: Handler, *, traced: bool = False) -> Handler:
+    def guarded(
+        route: str, handler: Handler, *, traced: bool = False, errors: Callable[[Failure], Response] = openai_error
+    ) -> Handler:
         async def wrapper(request: Request) -> Response:
             if not traced:
                 return await measured(request)
@@ -155,7 +194,10 @@ def build_http_app(core: GatewayCore) -> Starlette:
             try:
                 resp = await handler(request)
             except KvbridgeError as err:
-                resp = error_response(err)
+                resp = errors(Failure.of(err))
+            except BodyTimeout:
+                message = f"the request body did not arrive within {s.body_read_timeout_s:g} s"
+                resp = errors(Failure(408, message, "deadline_exceeded", "REQUEST_TIMEOUT", "body", close=True))
             except ClientDisconnect:
                 resp = Response(status_code=499)
             m.requests.labels(route, f"{resp.status_code // 100}xx").inc()
@@ -164,20 +206,25 @@ def build_http_app(core: GatewayCore) -> Starlette:
 
         return wrapper
 
-    async def completion(request: Request, kind: TurnKind) -> Response:
-        principal = core.auth.authenticate_key(_bearer(request))
-        authz.require(principal, _HTTP_METHODS[kind])  # the same row as the gRPC method
-        if core.inflight >= s.max_concurrency:
-            raise ResourceExhausted(Reason.OVERLOADED, "too many requests in flight; retry later")
-        core.inflight += 1
-        m.inflight.inc()
+    async def serve_turn(request: Request, door: FrontDoor) -> Response:
+        """One turn through any front door: authenticate, authorize (the door's row), read the body (bounded in
+        size and time), translate it, take a slot (global and per tenant), run the router, answer in the door's
+        API with the verdict header; the slot is held until the answer (or its stream) ends."""
+        principal = core.auth.authenticate_key(door.credentials(request))
+        authz.require(principal, door.row)  # the same row as the gRPC method
+        tenant = core.tenant_of(principal, request.headers.get(TENANT_HEADER))
+        body = parse_json_body(await read_body(request, s.max_body_bytes, s.body_read_timeout_s))
+        exchange = door.prepare(body, request, tenant)
+        turn = parse_turn(
+            door.kind,
+            exchange.turn_body,
+            tenant=tenant,
+            session_header=request.headers.get(SESSION_HEADER),
+            limits=core.limits,
+        )
+        slots.take(tenant)
         release = True
         try:
-            body = parse_json_body(await _read_body(request, s.max_body_bytes))
-            tenant = core.tenant_of(principal, request.headers.get(TENANT_HEADER))
-            turn = parse_turn(
-                kind, body, tenant=tenant, session_header=request.headers.get(SESSION_HEADER), limits=core.limits
-            )
             result = await _race_disconnect(request, core.router.run(turn))
             if result is None:
                 return Response(status_code=499)
@@ -187,26 +234,55 @@ def build_http_app(core: GatewayCore) -> Starlette:
             if result.stream is not None:
                 release = False
                 return StreamingResponse(
-                    _release_after(result, core),
+                    _release_after(result, exchange.stream(result.stream), lambda: slots.release(tenant)),
                     media_type="text/event-stream",
                     headers={**headers, "cache-control": "no-cache"},
                 )
-            return JSONResponse(result.body, headers=headers, background=BackgroundTask(_finish, result))
+            assert result.body is not None
+            return JSONResponse(
+                exchange.answer(result.body), headers=headers, background=BackgroundTask(_finish, result)
+            )
         except ClientError as exc:
-            return JSONResponse(exc.body, status_code=exc.status)
+            return door.error(Failure.engine(exc.status, exc.body))
         finally:
             if release:
-                core.inflight -= 1
-                m.inflight.dec()
+                slots.release(tenant)
 
-    async def chat(request: Request) -> Response:
-        return await completion(request, "chat")
+    def door_route(path: str, door: FrontDoor) -> Route:
+        async def handler(request: Request) -> Response:
+            return await serve_turn(request, door)
 
-    async def completions(request: Request) -> Response:
-        return await completion(request, "completion")
+        return Route(path, guarded(door.route, handler, traced=True, errors=door.error), methods=["POST"])
+
+    doors = {
+        "/v1/chat/completions": FrontDoor("chat", "chat", CHAT_ROW, bearer, passthrough, openai_error),
+        "/v1/completions": FrontDoor("completions", "completion", COMPLETION_ROW, bearer, passthrough, openai_error),
+        # The Responses and Messages APIs are chat turns: they answer under the chat completion's row.
+        "/v1/responses": FrontDoor("responses", "chat", CHAT_ROW, bearer, responses_door(store), responses_error),
+        "/v1/messages": FrontDoor("messages", "chat", CHAT_ROW, api_key_or_bearer, messages_door, messages_error),
+    }
+
+    async def get_response(request: Request) -> Response:
+        principal = core.auth.authenticate_key(bearer(request))
+        authz.require(principal, CHAT_ROW)
+        tenant = core.tenant_of(principal, request.headers.get(TENANT_HEADER))
+        response_id = request.path_params["response_id"]
+        stored = store.get(tenant, response_id)
+        if stored is None:
+            raise NotFound("not_found", f"Response with id '{response_id}' not found.", metadata={"field": "id"})
+        return JSONResponse(stored.response)
+
+    async def delete_response(request: Request) -> Response:
+        principal = core.auth.authenticate_key(bearer(request))
+        authz.require(principal, CHAT_ROW)
+        tenant = core.tenant_of(principal, request.headers.get(TENANT_HEADER))
+        response_id = request.path_params["response_id"]
+        if not store.delete(tenant, response_id):
+            raise NotFound("not_found", f"Response with id '{response_id}' not found.", metadata={"field": "id"})
+        return JSONResponse({"id": response_id, "object": "response.deleted", "deleted": True})
 
     async def models(request: Request) -> Response:
-        authz.require(core.auth.authenticate_key(_bearer(request)), "kvbridge.gateway.v1.GatewayService/ListModels")
+        authz.require(core.auth.authenticate_key(bearer(request)), "kvbridge.gateway.v1.GatewayService/ListModels")
         data = [{"id": name, "object": "model", "created": 0, "owned_by": "kvbridge"} for name in sorted(core.models())]
         return JSONResponse({"object": "list", "data": data})
 
@@ -222,14 +298,26 @@ def build_http_app(core: GatewayCore) -> Starlette:
         return Response(m.render(), media_type="text/plain; version=0.0.4")
 
     routes = [
-        Route("/v1/chat/completions", guarded("chat", chat, traced=True), methods=["POST"]),
-        Route("/v1/completions", guarded("completions", completions, traced=True), methods=["POST"]),
+        *(door_route(path, door) for path, door in doors.items()),
+        Route(
+            "/v1/responses/{response_id}",
+            guarded("responses_get", get_response, errors=responses_error),
+            methods=["GET"],
+        ),
+        Route(
+            "/v1/responses/{response_id}",
+            guarded("responses_delete", delete_response, errors=responses_error),
+            methods=["DELETE"],
+        ),
         Route("/v1/models", guarded("models", models), methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    return Starlette(routes=routes)
+    app = Starlette(routes=routes)
+    app.state.responses = store  # the stored responses (tests read them)
+    app.state.slots = slots
+    return app
 
 
 async def _finish(result: TurnResult) -> None:
@@ -237,18 +325,22 @@ async def _finish(result: TurnResult) -> None:
     result.finish()
 
 
-async def _release_after(result: TurnResult, core: GatewayCore) -> AsyncIterator[bytes]:
-    stream = result.stream
-    assert stream is not None
+async def _release_after(
+    result: TurnResult, translated: AsyncIterator[bytes], release: Callable[[], None]
+) -> AsyncIterator[bytes]:
+    """The answer's stream (D's, or translated from it); at its end, or the client's going, the upstream request
+    is closed, the slot released and the post-turn work started."""
+    upstream = result.stream
+    assert upstream is not None
     try:
-        async for chunk in stream:
+        async for chunk in translated:
             yield chunk
     finally:
-        close = getattr(stream, "aclose", None)
-        if close is not None:
-            await close()
-        core.inflight -= 1
-        core.metrics.inflight.dec()
+        for stream in (translated, upstream):
+            close = getattr(stream, "aclose", None)
+            if close is not None:
+                await close()
+        release()
         result.finish()
 
 
