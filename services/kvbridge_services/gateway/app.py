@@ -19,6 +19,7 @@ from .config import GatewaySettings
 from .control import ControlPlane
 from .grpc_api import GatewayServicer
 from .http_api import build_http_app
+from .httpserver import protocol_class
 from .service import GatewayCore
 
 log = logging.getLogger(__name__)
@@ -85,6 +86,9 @@ class GatewayApp:
             telemetry=self.telemetry,
             auth=auth,
         )
+        # Slow clients: uvicorn closes idle keep-alive connections; the header deadline and size cap are
+        # httpserver.py's; the body's deadline and the slots are the routes' (http_api.py).
+        protocol = protocol_class(lambda: settings.header_timeout_s)
         config = uvicorn.Config(
             self.http_app,
             host=settings.host,
@@ -93,6 +97,8 @@ class GatewayApp:
             lifespan="off",
             access_log=False,
             timeout_graceful_shutdown=5,
+            timeout_keep_alive=settings.keep_alive_timeout_s,
+            http=protocol if protocol is not None else "auto",
         )
         self._http = uvicorn.Server(config)
         self._http_task: asyncio.Task[None] | None = None

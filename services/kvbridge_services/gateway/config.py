@@ -357,6 +357,18 @@ class GatewaySettings(BaseSettings):
     stored_responses_total_mb: int = Field(
         default=1024, ge=0, le=1_048_576, description="Responses API: MiB of stored responses over all tenants."
     )
+    header_timeout_s: float = Field(
+        default=10.0,
+        gt=0,
+        le=3600,
+        description=(
+            "Deadline for an HTTP request's headers, from the connection's start or the request's first byte;"
+            " past it the connection is closed (408)."
+        ),
+    )
+    keep_alive_timeout_s: int = Field(
+        default=5, ge=1, le=3600, description="An idle HTTP keep-alive connection is closed after this many seconds."
+    )
     tokenize_timeout_s: float = Field(
         default=30.0,
         gt=0,

@@ -1,0 +1,123 @@
+"""Slow clients on the HTTP door (issue 30, item 4), with real sockets on loopback against a real gateway and the
+engine simulators: a client that sends headers and part of a body, then nothing, holds no concurrency slot and
+is answered 408 at the body deadline; a connection that never finishes its headers is closed at the header
+deadline; a tenant's turns in flight are capped so that another tenant's still run."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+
+import httpx
+import pytest
+
+from tests.fixtures.gateway_stack import LONG, chat
+
+from .conftest import Stack
+
+SLOW_CLIENTS = 500
+
+
+@contextlib.asynccontextmanager
+async def _slow_clients(
+    stack: Stack, count: int, payload: bytes
+) -> AsyncIterator[list[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]:
+    host, port = stack.gateway.http_url.removeprefix("http://").split(":")
+    conns: list[tuple[asyncio.StreamReader, asyncio.StreamWriter]] = []
+    try:
+        for _ in range(count):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            if payload:
+                writer.write(payload)
+            conns.append((reader, writer))
+        await asyncio.gather(*(w.drain() for _, w in conns))
+        yield conns
+    finally:
+        for _, writer in conns:
+            writer.close()
+        for _, writer in conns:
+            with contextlib.suppress(OSError):
+                await writer.wait_closed()
+
+
+def _partial_body(key: str) -> bytes:
+    body = json.dumps(chat([{"role": "user", "content": LONG}], conv=None)).encode()
+    head = (
+        f"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer {key}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\n\r\n"
+    ).encode()
+    return head + body[: len(body) // 2]
+
+
+async def _answer(reader: asyncio.StreamReader) -> bytes:
+    """Everything the server sends until it closes the connection."""
+    async with asyncio.timeout(30):
+        return await reader.read()
+
+
+async def test_slow_bodies_hold_no_slot_and_get_408(stack: Stack) -> None:
+    settings = stack.gateway.settings
+    settings.body_read_timeout_s = 3.0
+    async with (
+        _slow_clients(stack, SLOW_CLIENTS, _partial_body("key-acme")) as conns,
+        httpx.AsyncClient(
+            base_url=stack.gateway.http_url, headers={"authorization": "Bearer key-globex"}, timeout=30
+        ) as globex,
+    ):
+        # Every slow client is inside the gateway, waiting for the rest of its body, and holds no slot.
+        assert stack.gateway.core.inflight == 0
+        r = await globex.post("/v1/chat/completions", json=chat([{"role": "user", "content": LONG}], conv="g-1"))
+        assert r.status_code == 200, r.text
+        acme = await stack.client.post("/v1/chat/completions", json=chat([{"role": "user", "content": "hi"}]))
+        assert acme.status_code == 200, acme.text  # the slow clients' own tenant too: they hold nothing
+        answers = await asyncio.gather(*(_answer(reader) for reader, _ in conns))
+    assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), {a[:40] for a in answers}
+    head, _, body = answers[0].partition(b"\r\n\r\n")
+    assert b"connection: close" in head.lower()
+    error = json.loads(body)["error"]
+    assert error["code"] == "REQUEST_TIMEOUT" and "3 s" in error["message"]
+    assert stack.gateway.core.inflight == 0
+
+
+@pytest.mark.parametrize("payload", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n"])
+async def test_incomplete_headers_are_closed_at_the_header_deadline(stack: Stack, payload: bytes) -> None:
+    stack.gateway.settings.header_timeout_s = 1.0
+    async with _slow_clients(stack, 50, payload) as conns:
+        answers = await asyncio.gather(*(_answer(reader) for reader, _ in conns))
+    assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), {a[:40] for a in answers}
+    r = await stack.client.get("/v1/models")  # a complete request is not affected
+    assert r.status_code == 200
+
+
+async def test_oversized_headers_get_431(stack: Stack) -> None:
+    async with _slow_clients(stack, 1, b"GET /v1/models HTTP/1.1\r\nx-junk: " + b"a" * 70_000) as conns:
+        answer = await _answer(conns[0][0])
+    assert answer.startswith(b"HTTP/1.1 431 ")
+
+
+async def test_a_tenant_at_its_limit_gets_429_and_others_go_on(stack: Stack) -> None:
+    stack.gateway.settings.max_tenant_concurrency = 1
+    stack.decode.cfg.stall_s = 30.0  # acme's first turn stays in flight
+    stack.decode.cfg.stall_after_tokens = 1
+    d = stack.decode.engine.stats
+    first = asyncio.create_task(
+        stack.client.post("/v1/chat/completions", json=chat([{"role": "user", "content": LONG}]))
+    )
+    try:
+        async with asyncio.timeout(10):
+            while d.stalled < 1:  # noqa: ASYNC110 - polling the simulator's state
+                await asyncio.sleep(0.02)
+        r = await stack.client.post("/v1/chat/completions", json=chat([{"role": "user", "content": "more"}]))
+        assert r.status_code == 429
+        assert r.json()["error"]["code"] == "OVERLOADED" and "max_tenant_concurrency" in r.json()["error"]["message"]
+        stack.decode.cfg.stall_s = 0.0
+        async with httpx.AsyncClient(
+            base_url=stack.gateway.http_url, headers={"authorization": "Bearer key-globex"}, timeout=30
+        ) as globex:
+            g = await globex.post("/v1/chat/completions", json=chat([{"role": "user", "content": "hi"}], conv="g"))
+        assert g.status_code == 200, g.text
+    finally:
+        stack.decode.engine.unstall.set()
+        assert (await first).status_code == 200
