@@ -20,7 +20,10 @@ class SseFrames:
         self._buf = b""
 
     def feed(self, data: bytes) -> list[str]:
-        self._buf += data.replace(b"\r\n", b"\n")
+        self._buf += data
+        if b"\r" in self._buf:  # CRLF line ends, possibly cut between the two bytes: the \r waits for its \n
+            cut = self._buf.endswith(b"\r")
+            self._buf = (self._buf[:-1] if cut else self._buf).replace(b"\r\n", b"\n") + (b"\r" if cut else b"")
         out: list[str] = []
         while True:
             end = self._buf.find(b"\n\n")
