@@ -70,9 +70,19 @@ class ChainCache:
     def nbytes(self) -> int:
         return self._by_key.nbytes
 
-    def chain(self, scope: Scope, conversation: str, token_ids: Sequence[int]) -> list[bytes]:
+    def shared_blocks(self, scope: Scope, conversation: str, token_ids: Sequence[int]) -> int:
+        """Whole blocks at the start of ``token_ids`` equal to the conversation's last hashed ids (0: none kept)."""
+        prev = self._by_key.get((scope, conversation))
+        if prev is None:
+            return 0
+        b = scope.block_size
+        full = min(len(token_ids), len(prev.packed) // 4) // b
+        return common_blocks(hashchain.token_bytes(token_ids[: full * b]), prev.packed, 4 * b)
+
+    def chain(self, scope: Scope, conversation: str, token_ids: Sequence[int], *, base: str = "") -> list[bytes]:
         """The chain of ``token_ids`` (``hashchain.chain``), reusing the conversation's last chain where the
-        tokens agree, and kept as its last chain. Without a conversation (or with the cache off): computed."""
+        tokens agree, and kept as its last chain. Without a conversation (or with the cache off): computed.
+        ``base``: a conversation whose last chain to reuse when this one has none kept (a keyless thread's fork)."""
         b = scope.block_size
         if not conversation or self._max_bytes <= 0:
             return hashchain.chain(self._secret, scope.tenant, scope.model, scope.cache_salt, b, token_ids)
@@ -80,6 +90,8 @@ class ChainCache:
         packed = hashchain.token_bytes(token_ids[: full * b])
         key = (scope, conversation)
         prev = self._by_key.get(key)
+        if prev is None and base:
+            prev = self._by_key.get((scope, base))
         reuse = common_blocks(packed, prev.packed, 4 * b) if prev is not None else 0
         if reuse:
             assert prev is not None

@@ -276,8 +276,9 @@ class GatewaySettings(BaseSettings):
         description="Weight of each new sample in the measured figures (exponential decay of older ones).",
     )
 
-    # Content-addressed lookups for requests without a conversation key.
-    content_lookup: bool = False
+    # Reuse for turns without a conversation key (ADR 0022): each is registered under a keyless thread's key and
+    # its next turn finds it by content (the same verification and tenant scope as a keyed turn).
+    content_lookup: bool = True
     # Keyed lookups answered from the gateway's own WatchEntries-fed copy of the registry's entries (ADR 0008):
     # no round trip before the prefill. Only hits are answered from it, only while it is in sync (a message
     # within entry_mirror_stale_after_s); the rest go to the registry. Beyond max_entries, entries stay

@@ -41,6 +41,12 @@ class GatewayMetrics:
             "Turns by reuse verdict (hit, miss, declined) and the reason of a decline",
             ["verdict", "reason"],
         )
+        self.keyless_threads = m.counter(
+            "kvbridge_gateway_keyless_threads_total",
+            "Turns without a conversation key, by how their thread was found: continues (this gateway's recent "
+            "thread), forks (part of one), new",
+            ["why"],
+        )
         self.verified_tokens = m.counter(
             "kvbridge_gateway_verified_tokens_total", "Prompt tokens the registry verified as a prefix of stored KV"
         )

@@ -24,7 +24,7 @@ from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.telemetry import Telemetry
 
-from . import kvparams, placement, reuse
+from . import kvparams, placement, reuse, threads
 from .chaincache import ChainCache, Scope
 from .config import GatewaySettings
 from .control import ControlPlane, ControlPlaneError, KeyedLookup
@@ -43,6 +43,7 @@ from .prompt_ids import PromptIds
 from .registration import EXPIRY_MARGIN_S, ClockOffsets, CompatRegistrar
 from .renewer import ConversationRenewer
 from .reuse import NoReuse, ReuseVerdict
+from .threads import RecentThreads, Thread, ThreadWhy
 from .tokenizer import LocalTokenizers
 from .trust import SecretCanary
 from .turn import Turn
@@ -79,6 +80,7 @@ class TurnRouter:
         self._metrics = metrics
         self._secret = hashchain.check_secret(secret)
         self._chains = ChainCache(self._secret, max_bytes=settings.chain_cache_mb * 1024 * 1024)
+        self._threads = RecentThreads(self._chains)
         self.canary = SecretCanary(self._secret, metrics.secret_mismatch)
         self._policy = reuse.Policy(
             threshold_tokens=settings.reuse_threshold_tokens,
@@ -152,7 +154,7 @@ class TurnRouter:
             plan = TurnPlan()
             prefill = await self._pool.choose_live(turn.model, PREFILL)
             decode = await self._pool.choose_live(turn.model, DECODE)  # the least-loaded D
-            plan = await self._plan(turn, prefill, decode, plan)
+            turn, plan = await self._plan(turn, prefill, decode, plan)
             if self._placer is not None and plan.placement is None:
                 set_placement(plan, self._placer.place(turn, plan, None, prefill, decode))  # nothing to reuse
             if plan.decode_engine is not None:
@@ -221,6 +223,12 @@ class TurnRouter:
 
     def _after_turn(self, turn: Turn, plan: TurnPlan) -> None:
         self._renewer.flush_soon()  # the renewal touched before the prefill goes out now
+        if plan.thread is not None and plan.prompt_ids is not None:
+            scope = self._scope(turn, plan)
+            if plan.thread.base and plan.thread.base != turn.conversation_key:
+                # Hashed under the key it was looked up with: kept under the thread's (every block reused).
+                self._chains.chain(scope, turn.conversation_key, plan.prompt_ids, base=plan.thread.base)
+            self._threads.served(scope, plan.prompt_ids, turn.conversation_key)
         if turn.conversation_key and plan.sent_epoch and plan.features.covered and plan.connector_registers:
             # D's connector registers this turn's state on its own schedule (compatibility mode: the registrar
             # reports its registrations itself).
@@ -303,7 +311,10 @@ class TurnRouter:
             policy = self._policies[block_size] = dataclasses.replace(self._policy, threshold_tokens=block_size)
         return policy
 
-    async def _plan(self, turn: Turn, prefill: EngineState, decode: EngineState, plan: TurnPlan) -> TurnPlan:
+    async def _plan(
+        self, turn: Turn, prefill: EngineState, decode: EngineState, plan: TurnPlan
+    ) -> tuple[Turn, TurnPlan]:
+        """The turn's plan, and the turn itself: a keyless turn comes back with its thread's key (threads.py)."""
         plan.block_size = self._block_size(prefill)
         policy = self._policy_for(plan.block_size)
         plan.features = reuse.request_features(
@@ -317,16 +328,40 @@ class TurnRouter:
         early = reuse.screen(plan.features, wants_reuse=wants_reuse, prompt_tokens=None, policy=policy)
         if early is not None:
             plan.verdict.outcome = early
+        if not turn.conversation_key and wants_reuse and plan.features.covered:
+            # A keyless turn: its thread (the key it registers and looks up under) is found from its ids.
+            if not await self._tokenize(turn, plan, prefill, early):
+                return turn, plan
+            assert plan.prompt_ids is not None
+            plan.thread = self._threads.find(self._scope(turn, plan), plan.prompt_ids)
+            turn = dataclasses.replace(turn, conversation_key=plan.thread.key)
+            self._metrics.keyless_threads.labels(plan.thread.why.value).inc()
         register = self._s.compat_registration and bool(turn.conversation_key) and plan.features.covered
         if early is not None and not register:
-            return plan
+            return turn, plan
         await self._settle_previous_turn(turn)
-        if early is None and self._new_conversation(turn):
+        if early is None and plan.thread is None and self._new_conversation(turn):
             # Nothing to look up: the turn goes to P at once; its ids are computed once P answered, off its path.
             plan.verdict.outcome, plan.warm_up = NoReuse.NOT_FOUND, True
             self._metrics.lookups.labels("mirror").inc()
             trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "mirror")
-            return plan
+            return turn, plan
+        if plan.prompt_ids is None and not await self._tokenize(turn, plan, prefill, early):
+            return turn, plan
+        assert plan.prompt_ids is not None
+        if early is not None:
+            return turn, plan
+        short = reuse.screen(plan.features, wants_reuse=True, prompt_tokens=len(plan.prompt_ids), policy=policy)
+        if short is not None:
+            plan.verdict.outcome = short
+            return turn, plan
+        await self._lookup(turn, plan, prefill, decode)
+        if plan.thread is not None and plan.thread.key != turn.conversation_key:
+            turn = dataclasses.replace(turn, conversation_key=plan.thread.key)  # continues another replica's thread
+        return turn, plan
+
+    async def _tokenize(self, turn: Turn, plan: TurnPlan, prefill: EngineState, early: NoReuse | None) -> bool:
+        """Sets the plan's prompt ids; False when they could not be had (no reuse this turn)."""
         try:
             plan.prompt_ids = await self._prompt_ids.of(turn, prefill)
         except ClientError:
@@ -335,22 +370,19 @@ class TurnRouter:
             if early is None:
                 plan.verdict.outcome = NoReuse.TOKENIZE_FAILED
             log.warning("tokenize failed, no reuse this turn: %s", exc)
-            return plan
+            return False
         plan.verdict.prompt_tokens = len(plan.prompt_ids)
-        if early is not None:
-            return plan
-        short = reuse.screen(plan.features, wants_reuse=True, prompt_tokens=len(plan.prompt_ids), policy=policy)
-        if short is not None:
-            plan.verdict.outcome = short
-            return plan
-        await self._lookup(turn, plan, prefill, decode)
-        return plan
+        return True
+
+    @staticmethod
+    def _scope(turn: Turn, plan: TurnPlan) -> Scope:
+        return Scope(turn.tenant, turn.model, turn.cache_salt, plan.block_size)
 
     def _new_conversation(self, turn: Turn) -> bool:
         """Whether the turn's conversation has no entry to reuse, known without its ids: this gateway served no
         turn of it lately and the copy of the registry holds no entry under its key (``EntryMirror.absent``).
-        Content lookup finds other conversations' entries by their blocks: then only the lookup can tell."""
-        if self._mirror is None or not turn.conversation_key or self._s.content_lookup:
+        A keyed turn's lookup is keyed (content lookups are for keyless threads): the key alone tells."""
+        if self._mirror is None or not turn.conversation_key:
             return False
         conversation = turn.conversation
         if self._recent.last(conversation) is not None or self._post_turn.pending(conversation):
@@ -392,13 +424,15 @@ class TurnRouter:
     async def _lookup(self, turn: Turn, plan: TurnPlan, prefill: EngineState, decode: EngineState) -> None:
         assert plan.prompt_ids is not None
         b, threshold = plan.block_size, self._policy_for(plan.block_size).threshold_tokens
+        thread = plan.thread
         hashes = self._chains.chain(
-            Scope(turn.tenant, turn.model, turn.cache_salt, b), turn.conversation_key, plan.prompt_ids
+            self._scope(turn, plan), turn.conversation_key, plan.prompt_ids, base=thread.base if thread else ""
         )
         query = KeyedLookup(
             tenant=turn.tenant,
             model=turn.model,
-            conversation_key=turn.conversation_key,
+            # A thread this turn does not continue is found by content: the tenant's longest verified prefix.
+            conversation_key=turn.conversation_key if thread is None or thread.continues else "",
             block_hashes=hashes,
             block_size=b,
             min_tokens=threshold,
@@ -426,6 +460,11 @@ class TurnRouter:
             return
         self._metrics.lookups.labels("registry").inc()
         trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "registry")
+        if thread is not None and thread.why is ThreadWhy.NEW:
+            continued = threads.continued_by_lookup(found, b)
+            if continued is not None:  # another replica's thread (or one this gateway forgot): take it over
+                plan.thread = Thread(continued, ThreadWhy.CONTINUES, base=turn.conversation_key)
+                plan.next_epoch = int(found.location.epoch) + 1
         await self._apply_lookup(turn, plan, found, asked_at, prefill, decode)
 
     def _engine_record(self, engine_id: str) -> types_pb2.Engine | None:

@@ -11,6 +11,7 @@ from . import reuse
 from .engines import EngineState
 from .placement import Placement
 from .reuse import ReusePlan, ReuseVerdict
+from .threads import Thread
 
 
 @dataclass(slots=True)
@@ -53,6 +54,8 @@ class TurnPlan:
     # A new conversation's first turn, planned without its ids (nothing to look up): they are computed while D
     # decodes, so that the next turn encodes and hashes only what it appends.
     warm_up: bool = False
+    # A keyless turn's thread (threads.py): the key it registers under, and whether it continues or forks one.
+    thread: Thread | None = None
 
     @property
     def epoch(self) -> int:
