@@ -52,12 +52,13 @@ def protocol_class(header_timeout_s: Callable[[], float]) -> type[asyncio.Protoc
             super().connection_lost(exc)
 
         def data_received(self, data: bytes) -> None:
-            if self._kvb_awaiting_headers:
+            super().data_received(data)
+            # Counted only while the headers are still incomplete after this data (a body that came with them
+            # is the route's to bound, by max_body_bytes).
+            if self._kvb_awaiting_headers and not self.transport.is_closing():
                 self._kvb_header_bytes += len(data)
                 if self._kvb_header_bytes > MAX_HEADER_BYTES:
                     self._kvb_refuse(_TOO_LARGE + b"headers are too large")
-                    return
-            super().data_received(data)
 
         def on_message_begin(self) -> None:
             super().on_message_begin()

@@ -97,6 +97,19 @@ async def test_oversized_headers_get_431(stack: Stack) -> None:
     assert answer.startswith(b"HTTP/1.1 431 ")
 
 
+async def test_a_large_body_sent_with_its_headers_is_not_a_large_header(stack: Stack) -> None:
+    # Padded where the prompt does not grow (the simulator's context is short): OpenAI's "user" field.
+    body = json.dumps(chat([{"role": "user", "content": LONG}], conv=None, user="u" * 200_000)).encode()
+    request = (
+        "POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\nauthorization: Bearer key-acme\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    ).encode() + body
+    assert len(body) > 128 * 1024
+    async with _slow_clients(stack, 1, request) as conns:  # one write: headers and body in the same segments
+        answer = await _answer(conns[0][0])
+    assert answer.startswith(b"HTTP/1.1 200 "), answer[:300]
+
+
 async def test_a_tenant_at_its_limit_gets_429_and_others_go_on(stack: Stack) -> None:
     stack.gateway.settings.max_tenant_concurrency = 1
     stack.decode.cfg.stall_s = 30.0  # acme's first turn stays in flight
