@@ -14,6 +14,8 @@ import asyncio
 import logging
 import queue
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,6 +25,7 @@ from google.protobuf import duration_pb2
 
 from kvbridge import hashchain
 from kvbridge.backoff import Backoff
+from kvbridge.errors import Reason, from_rpc_error
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2, registry_pb2_grpc
 from kvbridge.sdk.channel import ClientOptions, tls_channel
@@ -146,6 +149,14 @@ class ControlPlane:
             (("authorization", f"Bearer {settings.api_key}"),) if settings.api_key else ()
         )
         self.dropped_commands = 0
+        # Entry leases granted to this process whose end it has not seen (bounded, oldest forgotten): the leases
+        # its retained blocks are held under. Touched only on the control-plane thread.
+        self._granted: OrderedDict[int, None] = OrderedDict()
+        # Live entry leases of this engine that this process was not granted, and when first seen (monotonic):
+        # a lease brought back by a restored or repaired store, a previous process's, or a grant whose answer was
+        # lost. Nothing of this process holds blocks for them: they are revoked (ADR 0024).
+        self._unheld: dict[int, float] = {}
+        self.revoked_unheld = 0
 
     # ---- scheduler-side API (never blocks) -----------------------------
     @property
@@ -216,6 +227,7 @@ class ControlPlane:
             asyncio.create_task(self._node_loop()),
             asyncio.create_task(self._watch_loop()),
             asyncio.create_task(self._command_loop()),
+            asyncio.create_task(self._unheld_loop()),
         ]
         try:
             await asyncio.to_thread(self._stop.wait)
@@ -246,33 +258,49 @@ class ControlPlane:
     async def _sleep(self, seconds: float) -> None:
         await asyncio.sleep(seconds)
 
-    # Node: register the engine under a node lease and keep it alive.
+    # Node: register the engine under a node lease and keep it alive. The node lease is this process's
+    # incarnation: it is kept across control-plane blips (a lease-manager restart or failover, the registry
+    # unreachable) and replaced only when the lease manager answers that it is gone (ADR 0024).
     async def _node_loop(self) -> None:
         backoff = Backoff(_BACKOFF_INITIAL_S, _BACKOFF_MAX_S)
+        lease_id = 0
+        registered = False
         while not self._stop.is_set():
             try:
-                grant = await self._unary(
-                    self._lease.GrantLease,
-                    lease_pb2.GrantLeaseRequest(
-                        kind=lease_pb2.LEASE_KIND_NODE,
-                        engine_id=self._engine.engine_id,
-                        ttl=_duration(self._settings.node_lease_ttl_s),
-                    ),
-                )
-                engine = types_pb2.Engine()
-                engine.CopyFrom(self._engine)
-                engine.node_lease_id = grant.lease.lease_id
-                await self._unary(self._registry.RegisterEngine, registry_pb2.RegisterEngineRequest(engine=engine))
-                self._node_lease_id = int(grant.lease.lease_id)
-                log.info("kvbridge: engine %s registered (node lease %d)", engine.engine_id, grant.lease.lease_id)
+                if not lease_id:
+                    grant = await self._unary(
+                        self._lease.GrantLease,
+                        lease_pb2.GrantLeaseRequest(
+                            kind=lease_pb2.LEASE_KIND_NODE,
+                            engine_id=self._engine.engine_id,
+                            ttl=_duration(self._settings.node_lease_ttl_s),
+                        ),
+                    )
+                    lease_id, registered = int(grant.lease.lease_id), False
+                if not registered:
+                    engine = types_pb2.Engine()
+                    engine.CopyFrom(self._engine)
+                    engine.node_lease_id = lease_id
+                    await self._unary(self._registry.RegisterEngine, registry_pb2.RegisterEngineRequest(engine=engine))
+                    registered = True
+                    self._node_lease_id = lease_id
+                    log.info("kvbridge: engine %s registered (node lease %d)", engine.engine_id, lease_id)
                 backoff.reset()
-                await self._keep_node_alive(grant.lease.lease_id)
+                await self._keep_node_alive(lease_id)
+                lease_id = 0  # the lease manager answered that it is gone: a new incarnation
             except (grpc.aio.AioRpcError, TimeoutError) as exc:
                 self._lease_failed(exc)
-                log.warning("kvbridge: node registration/keep-alive failed: %s", _describe(exc))
+                if _lease_gone(exc):
+                    lease_id = 0
+                log.warning(
+                    "kvbridge: node registration/keep-alive failed: %s%s",
+                    _describe(exc),
+                    f"; keeping node lease {lease_id}" if lease_id else "",
+                )
             await self._sleep(backoff.next_delay())
 
     async def _keep_node_alive(self, lease_id: int) -> None:
+        """Renews the node lease until the lease manager answers it is gone (returns); a failed call raises."""
         interval = max(self._settings.node_lease_ttl_s / 3, 0.2)
         while not self._stop.is_set():
             renewed = await self._renew([lease_id])
@@ -325,11 +353,44 @@ class ControlPlane:
         if lease.kind != lease_pb2.LEASE_KIND_ENTRY:
             return
         if event.type == lease_pb2.LeaseEvent.TYPE_ENDED:
+            self._granted.pop(lease.lease_id, None)
+            self._unheld.pop(lease.lease_id, None)
             self._emit(LeaseEnded(lease.lease_id, types_pb2.RevokeReason.Name(event.reason)))
         elif event.type in (lease_pb2.LeaseEvent.TYPE_ACTIVE, lease_pb2.LeaseEvent.TYPE_RENEWED):
             if snapshot is not None:
                 snapshot.add(lease.lease_id)
+            if lease.lease_id not in self._granted:
+                self._unheld.setdefault(lease.lease_id, time.monotonic())
             self._emit(LeaseAlive(lease.lease_id))
+
+    def _granted_to_us(self, lease_id: int) -> None:
+        self._granted[lease_id] = None
+        self._unheld.pop(lease_id, None)
+        while len(self._granted) > 4 * self._settings.max_retained_entries:
+            self._granted.popitem(last=False)
+
+    async def _unheld_loop(self) -> None:
+        """Revokes live entry leases of this engine that this process does not hold, once a grant in flight can
+        no longer explain them (its answer arrives within the RPC deadline of the lease's first event)."""
+        wait_s = 2 * self._settings.rpc_deadline_s + 1.0
+        while not self._stop.is_set():
+            await self._sleep(1.0)
+            now = time.monotonic()
+            for lease_id in [i for i, seen in self._unheld.items() if now - seen >= wait_s]:
+                if lease_id in self._granted:
+                    self._unheld.pop(lease_id, None)
+                    continue
+                try:
+                    await self._revoke(RevokeLease(lease_id, "REVOKE_REASON_ENGINE_GONE"))
+                except (grpc.aio.AioRpcError, TimeoutError) as exc:
+                    self._lease_failed(exc)
+                    log.warning(
+                        "kvbridge: revoking lease %d this engine does not hold failed: %s", lease_id, _describe(exc)
+                    )
+                    continue
+                self._unheld.pop(lease_id, None)
+                self.revoked_unheld += 1
+                log.warning("kvbridge: revoked live lease %d of this engine that it does not hold", lease_id)
 
     async def _command_loop(self) -> None:
         loop = asyncio.get_running_loop()
@@ -397,6 +458,7 @@ class ControlPlane:
             # A grant that timed out may have committed, but without RegisterEntry no entry names the blocks.
             raise _RegistrationError(exc, 0, withdrawn=True) from exc
         lease_id = grant.lease.lease_id
+        self._granted_to_us(int(lease_id))
         entry = registry_pb2.Entry(
             key=registry_pb2.EntryKey(tenant=conv.tenant, model=conv.model, conversation_key=conv.conversation_key),
             engine_id=self._engine.engine_id,
@@ -440,6 +502,7 @@ class ControlPlane:
         except grpc.aio.AioRpcError as exc:
             if exc.code() != grpc.StatusCode.NOT_FOUND:
                 raise
+        self._granted.pop(command.lease_id, None)
         self._emit(LeaseEnded(command.lease_id, command.reason))
 
 
@@ -464,6 +527,13 @@ class _RegistrationError(Exception):
 def _idempotency_key(text: str) -> str:
     """[A-Za-z0-9._:-]{1,128}: vLLM request ids are already in this alphabet; replace anything else."""
     return "".join(c if c.isascii() and (c.isalnum() or c in "._:-") else "_" for c in text)[:128]
+
+
+def _lease_gone(exc: BaseException) -> bool:
+    """The registry refused the node lease as gone (expired, revoked, or retired with an older generation)."""
+    if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return False
+    return from_rpc_error(exc).reason in (Reason.LEASE_NOT_FOUND, Reason.LEASE_MISMATCH)
 
 
 def _describe(exc: BaseException) -> str:

@@ -1,0 +1,102 @@
+"""A repaired or restored embedded store is a new generation: nothing from the older one is offered (issue 30,
+ADR 0024).
+
+acme's conversation is registered by D's connector; then closed (entry deleted, lease revoked, D frees the
+blocks after the grace). The store is then rolled back to a state that still holds the entry, its lease and D's
+node lease: by ``kvbridge store repair`` after a bit flipped in the record after the registration, or by a backup
+copy of the data directory taken before the close. The control plane restarts on the rolled-back files while
+the engines keep running. acme's next turn must not reuse the old entry (its blocks are no longer held: the
+simulator counts such a read as unsafe), its answer equals the no-reuse answer, and reuse comes back once D
+registered again under its new incarnation.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import pytest
+
+from kvbridge_services.cli import main as kvbridge
+from kvbridge_services.common.store.wal import _HEADER, LOG_NAME
+
+from .connector_stack import LONG, ConnectorStack, eventually
+
+pytestmark = [pytest.mark.slow]
+
+
+async def _rolled_back(tmp_path: Path, how: str) -> None:
+    data = tmp_path / "data"
+    stack = ConnectorStack(data)
+    await stack.start_services()
+    try:
+        await stack.start_engines()
+        msgs = [{"role": "user", "content": LONG}]
+        answer, verdict = await stack.turn(msgs, "c1")
+        assert verdict.startswith("miss"), verdict
+        await stack.wait_registered(1)
+        node_lease = stack.d_connector().plane._node_lease_id
+        offset = (data / LOG_NAME).stat().st_size  # the next record is the first one after the registration
+        backup = tmp_path / "backup"
+        shutil.copytree(data, backup)  # a backup copy of the live directory
+
+        await stack.delete_entry("acme", "c1")
+        await stack.wait_held(0)  # D freed the blocks (lease end confirmed + grace)
+        # Another tenant's turns take the freed blocks.
+        for n in range(2):
+            await stack.turn([{"role": "user", "content": f"globex document {n} " + LONG}], f"g{n}", "key-globex")
+        await stack.stop_services()
+        # The operator's repair or restore takes a while: the engines' reconnect backoff grows meanwhile (on the
+        # code before generations, D re-registering under a new node lease was all that ended the old entry).
+        await asyncio.sleep(7)
+
+        if how == "repair":
+            log = data / LOG_NAME
+            raw = bytearray(log.read_bytes())
+            assert len(raw) > offset + _HEADER.size + 4, "records follow the registration"
+            raw[offset + _HEADER.size + 3] ^= 0x01
+            log.write_bytes(bytes(raw))
+            assert kvbridge(["store", "repair", "--data-dir", str(data)]) == 0
+        else:
+            shutil.rmtree(data)
+            shutil.copytree(backup, data)
+
+        await stack.start_services()
+        await stack.wait_for_engines()
+        msgs = [*msgs, {"role": "assistant", "content": answer}, {"role": "user", "content": "and then?"}]
+        answer2, verdict = await stack.turn(msgs, "c1")
+        unsafe, reference = await stack.unsafe_reads(), await stack.reference(msgs)
+        print(
+            f"{how}: acme's first turn after the rollback: {verdict}, unsafe reads {unsafe}, "
+            f"answer {'equal to' if answer2 == reference else 'DIFFERENT from'} no reuse"
+        )
+        assert not verdict.startswith("hit"), verdict
+        assert unsafe == 0
+        assert answer2 == reference
+        assert stack.store is not None and stack.store.retired > 0  # the older generation's soft state went
+
+        # D registers again under a new node lease (its old one went with the older generation); entries it
+        # registered under the old one meanwhile are dropped then. From then on reuse comes back, never unsafe.
+        plane = stack.d_connector().plane
+        await eventually(lambda: plane._node_lease_id not in (0, node_lease), "D registered again")
+        verdicts = []
+        for n in range(2):
+            msgs = [*msgs, {"role": "assistant", "content": answer2}, {"role": "user", "content": f"more {n}"}]
+            answer2, verdict = await stack.turn(msgs, "c1")
+            verdicts.append(verdict)
+            assert answer2 == await stack.reference(msgs)
+            await stack.wait_registered(stack.d_connector().registered + 1)
+        assert verdicts[-1].startswith("hit"), verdicts
+        assert await stack.unsafe_reads() == 0
+    finally:
+        await stack.stop_services()
+        await stack.stop_engines()
+
+
+async def test_a_repaired_store_offers_nothing_of_the_older_generation(tmp_path: Path) -> None:
+    await _rolled_back(tmp_path, "repair")
+
+
+async def test_a_restored_backup_copy_offers_nothing_of_the_older_generation(tmp_path: Path) -> None:
+    await _rolled_back(tmp_path, "copy")
