@@ -26,12 +26,14 @@ def _expected_hit(usage: Any) -> str:
     return f"hit;tokens={(usage.input_tokens + usage.output_tokens) // BLOCK * BLOCK}"
 
 
-async def test_tool_history_reuses_non_streaming_and_streaming(stack: Stack) -> None:
+@pytest.mark.parametrize("session", [SESSION, {}], ids=["keyed", "keyless"])
+async def test_tool_history_reuses_non_streaming_and_streaming(stack: Stack, session: dict[str, str]) -> None:
+    """With a session key, and without any key (a keyless thread, ADR 0022): the same exact hits."""
     client = anthropic.AsyncAnthropic(base_url=stack.gateway.http_url, api_key="key-acme", max_retries=0)
     system: Any = [{"type": "text", "text": "be brief", "cache_control": {"type": "ephemeral"}}]
     messages: list[Any] = [{"role": "user", "content": LONG}]
     raw = await client.messages.with_raw_response.create(
-        model=MODEL, max_tokens=6, system=system, messages=messages, tools=[WEATHER], extra_headers=SESSION
+        model=MODEL, max_tokens=6, system=system, messages=messages, tools=[WEATHER], extra_headers=session
     )
     first = await raw.parse()
     assert raw.headers["x-kvbridge-reuse"] == "miss;tokens=0"
@@ -55,7 +57,7 @@ async def test_tool_history_reuses_non_streaming_and_streaming(stack: Stack) -> 
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sunny"}]},
     ]
     raw = await client.messages.with_raw_response.create(
-        model=MODEL, max_tokens=8, system=system, messages=messages, tools=[WEATHER], extra_headers=SESSION
+        model=MODEL, max_tokens=8, system=system, messages=messages, tools=[WEATHER], extra_headers=session
     )
     second = await raw.parse()
     assert raw.headers["x-kvbridge-reuse"] == _expected_hit(first.usage)
@@ -73,7 +75,7 @@ async def test_tool_history_reuses_non_streaming_and_streaming(stack: Stack) -> 
     messages += [{"role": "assistant", "content": text2}, {"role": "user", "content": "and then?"}]
     chat += [{"role": "assistant", "content": text2}, {"role": "user", "content": "and then?"}]
     async with bearer.messages.stream(
-        model=MODEL, max_tokens=8, system=system, messages=messages, tools=[WEATHER], extra_headers=SESSION
+        model=MODEL, max_tokens=8, system=system, messages=messages, tools=[WEATHER], extra_headers=session
     ) as stream:
         assert stream.response.headers["x-kvbridge-reuse"] == _expected_hit(second.usage)
         kinds = [event.type async for event in stream]

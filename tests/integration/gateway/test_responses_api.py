@@ -118,7 +118,9 @@ async def test_unknown_or_other_tenants_previous_response_is_404(stack: Stack) -
     await globex.close()
 
 
-async def test_stateless_function_call_history_reuses(stack: Stack) -> None:
+@pytest.mark.parametrize("session", [{"X-Session-ID": "fc-1"}, {}], ids=["keyed", "keyless"])
+async def test_stateless_function_call_history_reuses(stack: Stack, session: dict[str, str]) -> None:
+    """With a session key, and without any key (a keyless thread, ADR 0022): the same exact hit."""
     client = _client(stack)
     history: list[Any] = [
         {"role": "user", "content": LONG},
@@ -131,7 +133,7 @@ async def test_stateless_function_call_history_reuses(stack: Stack) -> None:
         tools=[WEATHER_TOOL],
         max_output_tokens=6,
         store=False,
-        extra_headers={"X-Session-ID": "fc-1"},
+        extra_headers=session,
     )
     first = raw.parse()
     assert raw.headers["x-kvbridge-reuse"] == "miss;tokens=0"
@@ -161,7 +163,7 @@ async def test_stateless_function_call_history_reuses(stack: Stack) -> None:
         tools=[WEATHER_TOOL],
         max_output_tokens=8,
         store=False,
-        extra_headers={"X-Session-ID": "fc-1"},
+        extra_headers=session,
     )
     second = raw.parse()
     assert raw.headers["x-kvbridge-reuse"] == _expected_hit(first.usage)
