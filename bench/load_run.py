@@ -315,6 +315,7 @@ async def drive(args: argparse.Namespace, registry: str, lease: str, sims: list[
         reuse_threshold_tokens=64,
         entry_lease_ttl_s=args.entry_ttl,
         max_concurrency=10_000,
+        max_tenant_concurrency=10_000,  # one tenant ("default") runs every conversation
         prefill_engines=[spec(s) for s in sims[: args.prefills]],
         decode_engines=[spec(s) for s in sims[args.prefills :]],
         engines_from_registry=False,
