@@ -7,6 +7,9 @@ registry's Engine record, never from a client.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import struct
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -26,6 +29,37 @@ _SIGNED_KVBRIDGE_FIELDS = frozenset(
 )
 
 _INTERNAL_BODY_KEYS = ("kv_transfer_params", "conversation_id")
+
+
+# The engines' prefix caches are isolated per tenant (docs/security.md, "Engines' prefix caches"): every request
+# an engine gets carries a cache_salt derived from the tenant and the client's own cache_salt, keyed by the
+# deployment secret, so no tenant can time another's prompts through a shared prefix-cache hit.
+_CACHE_SALT_LABEL = b"kvbridge/v1 tenant cache_salt\x00"
+ENGINE_CACHE_SALT_PREFIX = "kvb1-"
+_U32 = struct.Struct("<I")
+
+
+def cache_salt_key(secret: bytes) -> bytes:
+    """The key of :func:`engine_cache_salt`: the deployment secret under its own label (no output of the chain's,
+    the canary's or a signature's hash is ever an engine's salt, nor the other way round)."""
+    return hmac.new(secret, _CACHE_SALT_LABEL, hashlib.sha256).digest()
+
+
+def _lp(text: str) -> bytes:
+    data = text.encode("utf-8")
+    return _U32.pack(len(data)) + data
+
+
+def engine_cache_salt(key: bytes, tenant: str, client_salt: str) -> str:
+    """The ``cache_salt`` every engine request of ``tenant`` carries: vLLM starts a request's prefix-cache hash
+    chain from it, so two tenants (or one tenant's two client salts) never share a cached block. A keyed hash of
+    (tenant, client salt), length-prefixed so no two pairs give the same input: other tenants cannot compute it,
+    and the engine never sees the tenant's name in it, nor the client's salt. The same for every turn of the
+    tenant with that client salt (on every gateway replica sharing the secret), so reuse within a tenant is
+    unchanged: the gateway hashes its block-hash chain under this value, as D's connector does (it hashes under
+    the request's cache_salt)."""
+    mac = hmac.new(key, _lp(tenant) + _lp(client_salt), hashlib.sha256).hexdigest()
+    return ENGINE_CACHE_SALT_PREFIX + mac[:32]  # 128 bits
 
 
 def _with_traceparent(params: dict[str, Any]) -> dict[str, Any]:

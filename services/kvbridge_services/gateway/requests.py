@@ -3,14 +3,15 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+import secrets
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvbridge import ids
 from kvbridge.errors import InvalidArgument, Reason, invalid_field
 
 from .jsoncodec import loads_strict
-from .kvparams import strip_client_params
+from .kvparams import engine_cache_salt, strip_client_params
 from .turn import Turn, TurnKind
 
 _ROLES = frozenset({"system", "user", "assistant", "tool", "developer", "function"})
@@ -35,6 +36,9 @@ CHAT_TEMPLATE_FIELDS = (
 class Limits:
     max_messages: int
     max_prompt_tokens: int
+    # The key of every engine request's per-tenant cache_salt (kvparams.cache_salt_key of the deployment secret;
+    # the service passes it, so that every replica salts alike). A fresh random key by default: never unsalted.
+    cache_salt_key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -140,13 +144,17 @@ def parse_turn(
     if not isinstance(salt, str) or len(salt) > 256:
         raise invalid_field("cache_salt", "must be a string of at most 256 characters")
     key = conversation_key_of(body, session_header)
+    # What the engines see and the block-hash chain is scoped by: the tenant's salt combined with the client's.
+    engine_salt = engine_cache_salt(limits.cache_salt_key, tenant, salt)
+    upstream = strip_client_params(body)
+    upstream["cache_salt"] = engine_salt
     return Turn(
         kind=kind,
         tenant=tenant,
         model=model,
-        body=strip_client_params(body),
+        body=upstream,
         conversation_key=key,
-        cache_salt=salt,
+        cache_salt=engine_salt,
         stream=bool(body.get("stream", False)),
         prompt_token_ids=prompt_ids,
         client_wants_token_ids=bool(body.get("return_token_ids")),

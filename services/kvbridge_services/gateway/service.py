@@ -15,6 +15,7 @@ from kvbridge_services.common.telemetry import Telemetry
 from .config import GatewaySettings, StaticEngine
 from .control import ControlPlane, ControlPlaneError
 from .engines import DECODE, PREFILL, EnginePool
+from .kvparams import cache_salt_key
 from .metrics import GatewayMetrics
 from .mirror import EntryMirror, follow_registry
 from .requests import Limits
@@ -83,7 +84,11 @@ class GatewayCore:
             tokenizers=self.tokenizers,
             mirror=self.mirror,
         )
-        self.limits = Limits(max_messages=settings.max_messages, max_prompt_tokens=settings.max_prompt_tokens)
+        self.limits = Limits(
+            max_messages=settings.max_messages,
+            max_prompt_tokens=settings.max_prompt_tokens,
+            cache_salt_key=cache_salt_key(secret),  # every replica salts a tenant's engine requests alike
+        )
         self.inflight = 0
         self._tasks: list[asyncio.Task[None]] = []
         self._node_leases: dict[str, int] = {}

@@ -5,6 +5,7 @@ from typing import Any
 import pytest
 
 from kvbridge.errors import InvalidArgument
+from kvbridge_services.gateway.kvparams import cache_salt_key, engine_cache_salt
 from kvbridge_services.gateway.requests import Limits, conversation_key_of, parse_json_body, parse_turn
 from kvbridge_services.gateway.turn import Turn, TurnKind
 
@@ -94,3 +95,24 @@ def test_a_non_finite_sampling_number_is_an_invalid_field(value: float) -> None:
     with pytest.raises(InvalidArgument) as err:
         turn("chat", {"model": "m", "messages": [{"role": "user", "content": "x"}], "temperature": value})
     assert err.value.metadata == {"field": "temperature"}
+
+
+def test_engine_cache_salt_is_per_tenant_and_client_salt_and_keyed() -> None:
+    key = cache_salt_key(b"k" * 32)
+    limits = Limits(max_messages=3, max_prompt_tokens=100, cache_salt_key=key)
+    msgs = [{"role": "user", "content": "hi"}]
+
+    def salt(tenant: str, client_salt: str | None) -> str:
+        body: dict[str, Any] = {"model": "m", "messages": msgs}
+        if client_salt is not None:
+            body["cache_salt"] = client_salt
+        t = parse_turn("chat", body, tenant=tenant, session_header=None, limits=limits)
+        assert t.body["cache_salt"] == t.cache_salt  # what the engines get is what the chain is scoped by
+        return t.cache_salt
+
+    assert salt("acme", None) == salt("acme", "") == engine_cache_salt(key, "acme", "")  # stable per tenant
+    seen = {salt("acme", None), salt("globex", None), salt("acme", "x"), salt("globex", "x"), salt("acmex", "")}
+    assert len(seen) == 5
+    assert engine_cache_salt(key, "a", "bc") != engine_cache_salt(key, "ab", "c")  # length-prefixed
+    assert engine_cache_salt(cache_salt_key(b"j" * 32), "acme", "") != salt("acme", None)  # keyed by the secret
+    assert all("acme" not in s and "globex" not in s for s in seen)
