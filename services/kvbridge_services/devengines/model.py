@@ -17,9 +17,15 @@ from pathlib import Path
 SPECIAL_TOKENS = ("<unk>", "<s>", "</s>", "<pad>")
 UNK_ID, BOS_ID, EOS_ID, PAD_ID = 0, 1, 2, 3
 
-# A minimal chat template: "<role>: <content>" lines, then "assistant:" when asked.
+# A minimal chat template: "<role> : <content> " lines, then "assistant : " when asked; tool definitions and an
+# assistant's tool calls are rendered too (a "tools : <names>" line; " call <name> <arguments>" after the content),
+# so that tool-calling histories reach the engines as the tokens they are.
 CHAT_TEMPLATE = (
-    "{% for message in messages %}{{ message['role'] }} : {{ message['content'] }} \n{% endfor %}"
+    "{% if tools %}tools :{% for tool in tools %} {{ tool['function']['name'] }}{% endfor %} \n{% endif %}"
+    "{% for message in messages %}{{ message['role'] }} : "
+    "{% if message['content'] is not none %}{{ message['content'] }}{% endif %}"
+    "{% for call in message['tool_calls'] or [] %} call {{ call['function']['name'] }}"
+    " {{ call['function']['arguments'] }}{% endfor %} \n{% endfor %}"
     "{% if add_generation_prompt %}assistant : {% endif %}"
 )
 

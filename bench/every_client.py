@@ -1,0 +1,333 @@
+"""Every client reuses (issue 27): a keyless client against a keyed one and against no reuse, on real vLLM CPU
+engines with the kvbridge connector, through the stock OpenAI Python SDK (streaming, no kvbridge field).
+
+    .venv/bin/python bench/every_client.py --out bench/results/every_client
+    .venv/bin/python bench/every_client.py --quick          # a smoke run (1 repetition, 4 conversations)
+
+Starts etcd + registry + lease manager processes and one prefill and one decode vLLM CPU engine with the kvbridge
+connector (tests/fixtures: the tiny random-weight model, greedy), then three gateways in this process on the
+same engines: **keyless** (reuse on; the client sends its whole history and no conversation key), **keyed**
+(reuse on; ``conversation_id`` in ``extra_body``) and **none** (reuse off). Per repetition, ``--conversations``
+conversations of ``--turns`` turns each (a system prompt, a user message, then each answer and a new user
+message), two conversations at once, every turn sent to the three arms one after another in a rotating order.
+The keyless and none arms send identical messages (the none arm's answer is the reference: a keyless answer that
+differs is a wrong answer); the keyed arm has its own messages of the same sizes (identical content would let the
+keyless arm find the keyed arm's blocks by content).
+
+Reports per arm: later turns (after each conversation's first) and their hits, wrong answers, TTFT (the client's
+time to the first streamed chunk) of later turns as a median with a bootstrap 95 % interval over all repetitions,
+the ratios keyless / keyed and none / keyless with intervals, and each gateway's own time per turn from its
+``kvbridge_gateway_router_overhead_seconds`` histogram (p50 interpolated in its buckets). Writes <out>.md,
+<out>.json and <out>.png (TTFT by turn, each arm's median with its interval).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import openai
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from tests.e2e.conftest import kvbridge_overrides  # noqa: E402
+from tests.e2e.gateway_turns import registry_routed_gateway  # noqa: E402
+from tests.fixtures.control_plane_procs import run_control_plane  # noqa: E402
+from tests.fixtures.tiny_model import build  # noqa: E402
+from tests.fixtures.vllm_engines import EnginePool  # noqa: E402
+
+from kvbridge_services.gateway.app import GatewayApp  # noqa: E402
+
+MODEL = "tiny"
+ARMS = ("keyless", "keyed", "none")
+WORDS = [f"w{i}" for i in range(300)]
+
+
+def progress(message: str) -> None:
+    print(f"[every-client {time.strftime('%H:%M:%S')}] {message}", flush=True)
+
+
+@dataclass
+class TurnRecord:
+    arm: str
+    rep: int
+    conversation: int
+    turn: int
+    verdict: str
+    ttft_s: float
+    wrong: bool = False
+
+
+@dataclass
+class Results:
+    turns: list[TurnRecord] = field(default_factory=list)
+    overhead_p50_ms: dict[str, float] = field(default_factory=dict)
+
+
+def _text(rng: random.Random, n: int) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+async def _stream(
+    client: openai.AsyncOpenAI, messages: list[Any], max_tokens: int, **extra: Any
+) -> tuple[str, str, float]:
+    started = time.perf_counter()
+    raw = await client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, stream=True, temperature=0, max_tokens=max_tokens, seed=7, **extra
+    )
+    verdict = raw.headers.get("x-kvbridge-reuse", "")
+    first: float | None = None
+    parts: list[str] = []
+    async for chunk in raw.parse():
+        if first is None:
+            first = time.perf_counter() - started
+        if chunk.choices:
+            parts.append(chunk.choices[0].delta.content or "")
+    return "".join(parts), verdict, first if first is not None else time.perf_counter() - started
+
+
+def _overhead_p50_ms(gw: GatewayApp) -> float:
+    """p50 of the gateway's own time per turn, interpolated in its histogram's buckets."""
+    text = gw.core.metrics.render().decode()
+    buckets: list[tuple[float, float]] = []
+    for line in text.splitlines():
+        if line.startswith("kvbridge_gateway_router_overhead_seconds_bucket"):
+            bound = line.split('le="')[1].split('"')[0]
+            buckets.append((float("inf") if bound == "+Inf" else float(bound), float(line.rsplit(" ", 1)[1])))
+    total = buckets[-1][1] if buckets else 0.0
+    if not total:
+        return float("nan")
+    prev_le, prev_count = 0.0, 0.0
+    for le, count in buckets:
+        if count >= total / 2:
+            if le == float("inf"):
+                return prev_le * 1000
+            frac = (total / 2 - prev_count) / max(count - prev_count, 1e-9)
+            return (prev_le + frac * (le - prev_le)) * 1000
+        prev_le, prev_count = le, count
+    return float("nan")
+
+
+@dataclass
+class _Repetition:
+    """One repetition's conversations: ``shared`` for the keyless and none arms, ``keyed`` (same sizes, other
+    words) for the keyed arm, and the keyed arm's conversation ids."""
+
+    rep: int
+    shared: list[list[Any]]
+    keyed: list[list[Any]]
+    keys: list[str]
+
+    @classmethod
+    def new(cls, args: argparse.Namespace, rep: int) -> _Repetition:
+        def fresh(r: random.Random) -> list[Any]:
+            return [
+                {"role": "system", "content": _text(r, args.system_words)},
+                {"role": "user", "content": _text(r, args.user_words)},
+            ]
+
+        rng, keyed_rng = random.Random(1000 + rep), random.Random(2000 + rep)
+        return cls(
+            rep,
+            [fresh(rng) for _ in range(args.conversations)],
+            [fresh(keyed_rng) for _ in range(args.conversations)],
+            [f"bench-{rep}-{c}-{time.monotonic_ns()}" for c in range(args.conversations)],
+        )
+
+
+async def _turn(
+    args: argparse.Namespace,
+    clients: dict[str, openai.AsyncOpenAI],
+    state: _Repetition,
+    results: Results,
+    c: int,
+    t: int,
+) -> None:
+    """Turn ``t`` of conversation ``c`` on the three arms, in an order that rotates with the turn."""
+    answers: dict[str, str] = {}
+    for arm in ARMS[t % 3 :] + ARMS[: t % 3]:
+        msgs = state.keyed[c] if arm == "keyed" else state.shared[c]
+        extra: dict[str, Any] = {"extra_body": {"conversation_id": state.keys[c]}} if arm == "keyed" else {}
+        answer, verdict, ttft = await _stream(clients[arm], msgs, args.max_tokens, **extra)
+        answers[arm] = answer
+        results.turns.append(TurnRecord(arm, state.rep, c, t, verdict, ttft))
+    keyless = next(r for r in reversed(results.turns) if r.arm == "keyless" and r.conversation == c)
+    keyless.wrong = answers["keyless"] != answers["none"]
+    user = _text(random.Random(f"{state.rep}-{c}-{t}"), args.turn_words)
+    state.shared[c] += [{"role": "assistant", "content": answers["keyless"]}, {"role": "user", "content": user}]
+    state.keyed[c] += [{"role": "assistant", "content": answers["keyed"]}, {"role": "user", "content": user}]
+
+
+async def _run(args: argparse.Namespace, gateways: dict[str, GatewayApp], results: Results) -> None:
+    clients = {
+        arm: openai.AsyncOpenAI(base_url=gw.http_url + "/v1", api_key="unused", timeout=600, max_retries=0)
+        for arm, gw in gateways.items()
+    }
+    for rep in range(args.reps):
+        state = _Repetition.new(args, rep)
+        for t in range(args.turns):
+            for pair in range(0, args.conversations, 2):
+                pairs = range(pair, min(pair + 2, args.conversations))
+                await asyncio.gather(*(_turn(args, clients, state, results, c, t) for c in pairs))
+            progress(
+                f"repetition {rep + 1}/{args.reps}: turn {t + 1}/{args.turns} of {args.conversations} conversations"
+            )
+    for arm, gw in gateways.items():
+        results.overhead_p50_ms[arm] = _overhead_p50_ms(gw)
+
+
+def _median_ci(values: list[float], rng: random.Random, n: int = 2000) -> tuple[float, float, float]:
+    if not values:
+        return float("nan"), float("nan"), float("nan")
+    boots = sorted(statistics.median(rng.choices(values, k=len(values))) for _ in range(n))
+    return statistics.median(values), boots[int(0.025 * n)], boots[int(0.975 * n) - 1]
+
+
+def _ratio_ci(a: list[float], b: list[float], rng: random.Random, n: int = 2000) -> tuple[float, float, float]:
+    """median(a) / median(b) with a bootstrap 95 % interval."""
+    if not a or not b:
+        return float("nan"), float("nan"), float("nan")
+    boots = sorted(
+        statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b))) for _ in range(n)
+    )
+    return statistics.median(a) / statistics.median(b), boots[int(0.025 * n)], boots[int(0.975 * n) - 1]
+
+
+def _report(args: argparse.Namespace, results: Results, command: str, wall_s: float) -> str:
+    rng = random.Random(0)
+    later = {arm: [r for r in results.turns if r.arm == arm and r.turn > 0] for arm in ARMS}
+    ttft = {arm: [r.ttft_s for r in later[arm]] for arm in ARMS}
+    lines = [
+        "# Every client: keyless vs keyed vs no reuse (issue 27)",
+        "",
+        f"Command: `{command}` ({wall_s:.0f} s including engine start). Real vLLM CPU engines (1P1D, kvbridge "
+        "connector, tiny random-weight model, greedy), the stock OpenAI Python SDK streaming, "
+        f"{args.reps} repetitions x {args.conversations} conversations x {args.turns} turns, two conversations "
+        "at once.",
+        "",
+        "| arm | later turns | hits | hit rate | wrong answers | TTFT p50 of later turns (95 % CI) "
+        "| gateway's own time p50 |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for arm in ARMS:
+        rows = later[arm]
+        hits = sum(r.verdict.startswith("hit;") for r in rows)
+        wrong = sum(r.wrong for r in results.turns if r.arm == arm)
+        med, lo, hi = _median_ci(ttft[arm], rng)
+        wrong_cell = str(wrong) if arm == "keyless" else "n/a"
+        lines.append(
+            f"| {arm} | {len(rows)} | {hits} | {hits / max(len(rows), 1):.0%} | {wrong_cell} | "
+            f"{med * 1000:.1f} ms ({lo * 1000:.1f}-{hi * 1000:.1f}) | "
+            f"{results.overhead_p50_ms.get(arm, float('nan')):.2f} ms |"
+        )
+    r1 = _ratio_ci(ttft["keyless"], ttft["keyed"], rng)
+    r2 = _ratio_ci(ttft["none"], ttft["keyless"], rng)
+    lines += [
+        "",
+        f"- TTFT keyless / keyed (later turns, medians): **{r1[0]:.3f}x** (95 % CI {r1[1]:.3f}-{r1[2]:.3f}); "
+        "goal <= 1.05x.",
+        f"- TTFT none / keyless: **{r2[0]:.2f}x** (95 % CI {r2[1]:.2f}-{r2[2]:.2f}).",
+        f"- Gateway's own time per turn, p50: keyless {results.overhead_p50_ms.get('keyless', float('nan')):.2f} ms, "
+        f"keyed {results.overhead_p50_ms.get('keyed', float('nan')):.2f} ms (goal: keyless <= keyed + 1 ms); from each "
+        "gateway's `kvbridge_gateway_router_overhead_seconds` histogram, interpolated in its buckets.",
+        "- Wrong answers: a keyless answer that differs from the none arm's answer to identical messages.",
+        "",
+        f"![TTFT by turn]({Path(args.out).name}.png)",
+        "",
+        "Every turn's arm, repetition, conversation, turn, verdict and TTFT are in the JSON beside this page.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _plot(args: argparse.Namespace, results: Results) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rng = random.Random(1)
+    fig, ax = plt.subplots(figsize=(7, 4))
+    for i, arm in enumerate(ARMS):
+        xs, meds, los, his = [], [], [], []
+        for t in range(args.turns):
+            values = [r.ttft_s * 1000 for r in results.turns if r.arm == arm and r.turn == t]
+            med, lo, hi = _median_ci(values, rng)
+            xs.append(t + 1 + (i - 1) * 0.08)
+            meds.append(med)
+            los.append(med - lo)
+            his.append(hi - med)
+        ax.errorbar(xs, meds, yerr=[los, his], marker="o", capsize=3, label=arm)
+    ax.set_xlabel("turn")
+    ax.set_ylabel("TTFT, ms (median, 95 % CI)")
+    ax.set_title("Keyless vs keyed vs no reuse, stock OpenAI SDK, real vLLM CPU engines")
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(f"{args.out}.png", dpi=110)
+
+
+async def _gateways(procs: Any, stack: contextlib.AsyncExitStack) -> dict[str, GatewayApp]:
+    return {
+        "keyless": await stack.enter_async_context(registry_routed_gateway(procs, reuse=True)),
+        "keyed": await stack.enter_async_context(registry_routed_gateway(procs, reuse=True)),
+        "none": await stack.enter_async_context(registry_routed_gateway(procs, reuse=False)),
+    }
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(ROOT / "bench/results/every_client"), help="writes <out>.md/.json/.png")
+    p.add_argument("--reps", type=int, default=3, help="repetitions")
+    p.add_argument("--conversations", type=int, default=8)
+    p.add_argument("--turns", type=int, default=4)
+    p.add_argument("--system-words", type=int, default=300)
+    p.add_argument("--user-words", type=int, default=200)
+    p.add_argument("--turn-words", type=int, default=40)
+    p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument("--quick", action="store_true", help="1 repetition of 4 conversations x 3 turns")
+    args = p.parse_args()
+    if args.quick:
+        args.reps, args.conversations, args.turns = 1, 4, 3
+    command = "python bench/every_client.py " + " ".join(sys.argv[1:])
+    started = time.monotonic()
+    results = Results()
+    with tempfile.TemporaryDirectory(prefix="kvb-every-client-") as tmp:
+        work = Path(tmp)
+        progress("starting etcd, registry and lease manager")
+        with run_control_plane(work / "control-plane") as procs:
+            progress("building the tiny model and starting the prefill and decode vLLM engines (1-3 min)")
+            pool = EnginePool(build(work / "model"), work / "vllm-logs")
+            try:
+                prefill, decode = kvbridge_overrides(procs)
+                pool.get("kvbridge", prefill, decode)
+                progress("engines up; starting three gateways")
+
+                async def go() -> None:
+                    async with contextlib.AsyncExitStack() as stack:
+                        await _run(args, await _gateways(procs, stack), results)
+
+                asyncio.run(go())
+            finally:
+                pool.close()
+    wall = time.monotonic() - started
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps([asdict(r) for r in results.turns], indent=1) + "\n")
+    out.with_suffix(".md").write_text(_report(args, results, command, wall))
+    _plot(args, results)
+    progress(f"wrote {out}.md, {out}.json, {out}.png")
+    print(out.with_suffix(".md").read_text())
+
+
+if __name__ == "__main__":
+    main()
