@@ -372,6 +372,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "three_routers.py",
         "no reuse, vLLM's multi-turn proxy protocol and kvbridge on one agent conversation (4 vLLM engines, ~1 h)",
     ),
+    "every-client": (
+        "every_client.py",
+        "keyless vs keyed vs no reuse through the stock OpenAI SDK on real vLLM engines: hits, wrong answers, TTFT",
+    ),
     "placement": (
         "placement.py",
         "decoding on the D that holds the conversation, 4P4D simulators: KV bytes moved and TTFT, off vs on",
