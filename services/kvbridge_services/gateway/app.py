@@ -88,7 +88,8 @@ class GatewayApp:
         )
         # Slow clients: uvicorn closes idle keep-alive connections; the header deadline and size cap are
         # httpserver.py's; the body's deadline and the slots are the routes' (http_api.py).
-        protocol = protocol_class(lambda: settings.header_timeout_s)
+        header_timeouts = self.http_app.state.metrics.timeouts.labels("headers")
+        protocol = protocol_class(lambda: settings.header_timeout_s, header_timeouts.inc)
         config = uvicorn.Config(
             self.http_app,
             host=settings.host,

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 from opentelemetry import trace
+from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import ClientDisconnect, Request
@@ -17,6 +18,7 @@ from starlette.routing import Route
 from kvbridge import telemetry as tel
 from kvbridge.errors import InvalidArgument, KvbridgeError, NotFound, Reason, ResourceExhausted
 from kvbridge_services.common import authz
+from kvbridge_services.common.metric_factory import MetricFactory
 
 from .frontdoors import (
     CHAT_ROW,
@@ -73,6 +75,26 @@ async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
             return await _read_body(request, limit)
     except TimeoutError:
         raise BodyTimeout from None
+
+
+class FrontDoorMetrics:
+    """The HTTP door's own metrics, in the gateway's registry (``/metrics``)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        f = MetricFactory(registry)
+        self.stored = f.gauge("kvbridge_gateway_stored_responses", "Responses API: stored responses held")
+        self.stored_bytes = f.gauge(
+            "kvbridge_gateway_stored_response_bytes", "Responses API: bytes charged to the stored responses held"
+        )
+        self.stored_evicted = f.counter(
+            "kvbridge_gateway_stored_responses_evicted_total",
+            "Responses API: stored responses evicted by a bound (per tenant or in all), least recently used first",
+        )
+        self.timeouts = f.counter(
+            "kvbridge_gateway_http_timeouts_total",
+            "HTTP requests answered 408 because their headers or body did not arrive in time",
+            ["phase"],
+        )
 
 
 class TenantSlots:
@@ -154,11 +176,15 @@ def build_http_app(core: GatewayCore) -> Starlette:
     s = core.settings
     m = core.metrics
     slots = TenantSlots(core)
+    door_metrics = FrontDoorMetrics(m.registry)
     store = ResponseStore(
         max_per_tenant=s.stored_responses_per_tenant,
         max_bytes_per_tenant=s.stored_responses_mb_per_tenant * 1024 * 1024,
         max_total_bytes=s.stored_responses_total_mb * 1024 * 1024,
+        on_evict=door_metrics.stored_evicted.inc,
     )
+    door_metrics.stored.set_function(lambda: float(len(store)))
+    door_metrics.stored_bytes.set_function(lambda: float(store.total_bytes))
 
     Handler = Callable[[Request], Awaitable[Response]]
     tracer = core.telemetry.tracer
@@ -196,6 +222,7 @@ def build_http_app(core: GatewayCore) -> Starlette:
             except KvbridgeError as err:
                 resp = errors(Failure.of(err))
             except BodyTimeout:
+                door_metrics.timeouts.labels("body").inc()
                 message = f"the request body did not arrive within {s.body_read_timeout_s:g} s"
                 resp = errors(Failure(408, message, "deadline_exceeded", "REQUEST_TIMEOUT", "body", close=True))
             except ClientDisconnect:
@@ -317,6 +344,7 @@ def build_http_app(core: GatewayCore) -> Starlette:
     app = Starlette(routes=routes)
     app.state.responses = store  # the stored responses (tests read them)
     app.state.slots = slots
+    app.state.metrics = door_metrics
     return app
 
 

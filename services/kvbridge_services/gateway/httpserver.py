@@ -29,9 +29,12 @@ _TOO_LARGE = (
 )
 
 
-def protocol_class(header_timeout_s: Callable[[], float]) -> type[asyncio.Protocol] | None:
+def protocol_class(
+    header_timeout_s: Callable[[], float], on_timeout: Callable[[], None] | None = None
+) -> type[asyncio.Protocol] | None:
     """uvicorn's httptools protocol with the header deadline, ``header_timeout_s()`` seconds (read per
-    connection; None: httptools is not installed, and uvicorn's default protocol is used without it)."""
+    connection; None: httptools is not installed, and uvicorn's default protocol is used without it).
+    ``on_timeout``: called for each connection closed at the deadline (a metric)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
     except ImportError:  # pragma: no cover - httptools is installed with the services
@@ -85,6 +88,8 @@ def protocol_class(header_timeout_s: Callable[[], float]) -> type[asyncio.Protoc
         def _kvb_expired(self) -> None:
             self._kvb_timer = None
             if self._kvb_awaiting_headers:
+                if on_timeout is not None:
+                    on_timeout()
                 self._kvb_refuse(_TIMEOUT + b"headers came too late")
 
         def _kvb_refuse(self, response: bytes) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +28,16 @@ class ResponseStore:
     (``max_total_bytes``); the least recently used go first. A response is charged its whole thread's bytes (a
     thread's messages are shared with its ancestors in memory, so what is held is at most what is charged)."""
 
-    def __init__(self, *, max_per_tenant: int, max_bytes_per_tenant: int, max_total_bytes: int) -> None:
+    def __init__(
+        self,
+        *,
+        max_per_tenant: int,
+        max_bytes_per_tenant: int,
+        max_total_bytes: int,
+        on_evict: Callable[[], None] | None = None,
+    ) -> None:
+        """``on_evict``: called for each response evicted by a bound (a metric)."""
+        self._on_evict = on_evict
         self.max_per_tenant = max_per_tenant
         self.max_bytes_per_tenant = max_bytes_per_tenant
         self.max_total_bytes = max_total_bytes
@@ -81,6 +91,8 @@ class ResponseStore:
     def _evict(self, tenant: str, response_id: str) -> None:
         if self.delete(tenant, response_id):
             self.evicted += 1
+            if self._on_evict is not None:
+                self._on_evict()
 
     def delete(self, tenant: str, response_id: str) -> bool:
         held = self._tenants.get(tenant)

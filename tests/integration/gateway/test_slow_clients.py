@@ -51,6 +51,12 @@ def _partial_body(key: str) -> bytes:
     return head + body[: len(body) // 2]
 
 
+def _timeouts(stack: Stack, phase: str) -> float | None:
+    return stack.gateway.core.metrics.registry.get_sample_value(
+        "kvbridge_gateway_http_timeouts_total", {"phase": phase}
+    )
+
+
 async def _answer(reader: asyncio.StreamReader) -> bytes:
     """Everything the server sends until it closes the connection."""
     async with asyncio.timeout(30):
@@ -79,6 +85,7 @@ async def test_slow_bodies_hold_no_slot_and_get_408(stack: Stack) -> None:
     error = json.loads(body)["error"]
     assert error["code"] == "REQUEST_TIMEOUT" and "3 s" in error["message"]
     assert stack.gateway.core.inflight == 0
+    assert _timeouts(stack, "body") == SLOW_CLIENTS
 
 
 @pytest.mark.parametrize("payload", [b"", b"POST /v1/chat/completions HTTP/1.1\r\nhost: gw\r\n"])
@@ -87,6 +94,7 @@ async def test_incomplete_headers_are_closed_at_the_header_deadline(stack: Stack
     async with _slow_clients(stack, 50, payload) as conns:
         answers = await asyncio.gather(*(_answer(reader) for reader, _ in conns))
     assert all(a.startswith(b"HTTP/1.1 408 ") for a in answers), {a[:40] for a in answers}
+    assert _timeouts(stack, "headers") == 50
     r = await stack.client.get("/v1/models")  # a complete request is not affected
     assert r.status_code == 200
 

@@ -210,7 +210,10 @@ def _response(rid: str, pad: int = 0) -> dict[str, Any]:
 
 
 def test_store_is_per_tenant_and_bounded_lru() -> None:
-    store = ResponseStore(max_per_tenant=2, max_bytes_per_tenant=10_000, max_total_bytes=100_000)
+    evicted: list[int] = []
+    store = ResponseStore(
+        max_per_tenant=2, max_bytes_per_tenant=10_000, max_total_bytes=100_000, on_evict=lambda: evicted.append(1)
+    )
     a = store.put(
         "acme", _response("r1"), thread_key="r1", parent=None, new_messages=[{"role": "user", "content": "a"}]
     )
@@ -222,7 +225,7 @@ def test_store_is_per_tenant_and_bounded_lru() -> None:
     assert store.get("acme", "r1") is not None  # r1 now the most recently used: r2 goes first
     store.put("acme", _response("r3"), thread_key="r3", parent=None, new_messages=[])
     assert store.get("acme", "r2") is None and store.get("acme", "r1") is not None and len(store) == 2
-    assert store.evicted == 1
+    assert store.evicted == 1 and evicted == [1]
 
 
 def test_store_bytes_bounds_per_tenant_and_total() -> None:
