@@ -80,6 +80,13 @@ class SimConfig:
     # Non-streaming responses carry "sim_timing": when the first token was generated (wall clock) and the
     # prompt tokens hit in the local prefix cache, pulled and computed.
     report_timing: bool = False
+    # /metrics states the engine's KV cache config as vLLM 0.32 does (v1/metrics/loggers.py log_metrics_info: the
+    # gauge vllm:cache_config_info, one label per CacheConfig field, block_size among them). False: it does not.
+    cache_config_info: bool = True
+    # The engine runs vLLM's NixlConnector (--kv-transfer-config): a request with kv_transfer_params gets its
+    # engine's params back (engine id, NIXL side-channel host and port). False: a stock vLLM started without a KV
+    # connector, whose responses carry "kv_transfer_params": null.
+    kv_connector: bool = True
     # The kvbridge connector's kv_connector_extra_config (tests/tools/sim_connector.py): with
     # ``kvbridge_registry`` set the engine runs the connector's control plane (connector mode): it registers
     # itself and D's retained requests, P pulls only signed offers whose prefix digest matches its prompt.
@@ -699,7 +706,7 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
                 "total_tokens": len(head["prompt"]) + len(tokens),
                 "prompt_tokens_details": {"cached_tokens": head["pulled"] + head["hit"]},
             },
-            "kv_transfer_params": head.get("final_params"),
+            "kv_transfer_params": head.get("final_params") if cfg.kv_connector else None,
         }
         if cfg.report_timing:
             resp["sim_timing"] = {
@@ -792,6 +799,14 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
             "# TYPE sim:remote_pulled_tokens_total counter",
             f"sim:remote_pulled_tokens_total{{{labels}}} {engine.stats.remote_pulled_tokens}",
         ]
+        if cfg.cache_config_info:
+            # vLLM: CacheConfig.metrics_info() (every field as a string) plus the engine index.
+            info = f'block_size="{cfg.block_size}",cache_dtype="auto",enable_prefix_caching="{cfg.prefix_caching}"'
+            lines += [
+                "# HELP vllm:cache_config_info Information of the LLMEngine CacheConfig",
+                "# TYPE vllm:cache_config_info gauge",
+                f'vllm:cache_config_info{{{info},engine="0"}} 1.0',
+            ]
         return PlainTextResponse("\n".join(lines) + "\n")
 
     async def nixl_read(request: Request) -> Response:
@@ -1021,6 +1036,16 @@ def main(argv: list[str] | None = None) -> None:
         help="JSON: the kvbridge connector's kv_connector_extra_config; with kvbridge_registry the engine runs the "
         "connector's control plane (connector mode, tests/tools/sim_connector.py)",
     )
+    parser.add_argument(
+        "--no-cache-config-info",
+        action="store_true",
+        help="/metrics without vllm:cache_config_info (an engine that does not state its block size)",
+    )
+    parser.add_argument(
+        "--no-kv-connector",
+        action="store_true",
+        help='a stock vLLM without --kv-transfer-config: responses carry "kv_transfer_params": null',
+    )
     a = parser.parse_args(argv)
     cfg = SimConfig(
         role=a.role,
@@ -1046,6 +1071,8 @@ def main(argv: list[str] | None = None) -> None:
         serialize_compute=a.serialize_compute,
         report_timing=a.report_timing,
         kvbridge_config=a.kvbridge_config,
+        cache_config_info=not a.no_cache_config_info,
+        kv_connector=not a.no_kv_connector,
     )
     if a.kvbridge_config.get("kvbridge_registry") and not a.port:
         parser.error("--kvbridge-config registers this engine's address: give it a --port")

@@ -11,6 +11,7 @@ from kvbridge_services.common.telemetry import Telemetry
 
 from .app import GatewayApp
 from .config import GatewaySettings
+from .staticengines import StaticEngineError
 
 _HELP = """KV-cache-aware gateway for P/D-disaggregated vLLM (OpenAI HTTP + gRPC front doors).
 
@@ -32,7 +33,11 @@ async def _serve(settings: GatewaySettings) -> None:
     telemetry = Telemetry.from_env("kvbridge-gateway")
     try:
         app = GatewayApp(settings, telemetry=telemetry, peer_tls=PeerTlsSettings())
-        await app.start()
+        try:
+            await app.start()
+        except StaticEngineError as exc:  # an engine given by URL states too little to register it: one line
+            await app.core.stop()
+            raise SystemExit(entrypoint.bad_config(exc)) from None
         await entrypoint.wait_for_stop()
         await app.stop()
     finally:

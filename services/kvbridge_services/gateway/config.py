@@ -15,8 +15,12 @@ from kvbridge import secret as kvsecret
 class StaticEngine(BaseModel):
     """An engine given by configuration rather than found in the registry.
 
-    With ``engine_id``/``kv_host``/``kv_port`` set (``register_in_registry=True``), the gateway registers it in the
-    registry under a node lease it keeps alive, so stock vLLM engines can serve reuse (compatibility mode).
+    The gateway registers it in the registry under a node lease it keeps alive, so a stock vLLM engine serves reuse
+    (compatibility mode, ADR 0027): what is not configured here (``model``, ``block_size``, ``engine_id``,
+    ``kv_host``, ``kv_port``) is learned from the engine itself (gateway/discovery.py), and an engine that does not
+    state it fails the gateway's start. ``register_in_registry``: None follows the gateway's
+    ``register_static_engines`` (true by default); false routes it without registering it (plain routing, or
+    another gateway replica registers it).
     """
 
     url: str
@@ -25,7 +29,7 @@ class StaticEngine(BaseModel):
     kv_host: str = ""
     kv_port: int = Field(default=0, ge=0, lt=65536)
     block_size: int = Field(default=0, ge=0, le=1024)
-    register_in_registry: bool = False
+    register_in_registry: bool | None = None
 
     @field_validator("url")
     @classmethod
@@ -113,12 +117,23 @@ class GatewaySettings(BaseSettings):
         default_factory=list,
         description=(
             "Prefill engines given by configuration: a comma-separated URL list, or a JSON list of URLs or of "
-            '{"url", "model", "engine_id", "kv_host", "kv_port", "block_size", "register_in_registry"} '
-            "(register_in_registry: the gateway registers a stock engine, compatibility mode)."
+            '{"url", "model", "engine_id", "kv_host", "kv_port", "block_size", "register_in_registry"}. '
+            "The gateway registers each (compatibility mode: stock vLLM with NixlConnector) and learns what is not"
+            " given from the engine: model (/v1/models), block_size (/metrics vllm:cache_config_info), engine_id,"
+            " kv_host, kv_port (the kv_transfer_params of a one-token probe); an engine that answers without them"
+            " fails the start. register_in_registry false: routed without registering it."
         ),
     )
     decode_engines: Annotated[list[StaticEngine], NoDecode] = Field(
         default_factory=list, description="Decode engines given by configuration, like prefill_engines."
+    )
+    register_static_engines: bool = Field(
+        default=True,
+        description=(
+            "Register the engines of prefill_engines/decode_engines in the registry (compatibility mode, ADR 0027)"
+            " unless an engine says register_in_registry; false: route them without registering them (plain P/D"
+            " routing, or one other gateway replica registers them and this one learns them from the registry)."
+        ),
     )
     engines_from_registry: bool = Field(
         default=True,

@@ -55,6 +55,11 @@ class EngineState:
     # a new node lease (a new incarnation, which retires every older entry).
     gateway_registered: bool = False
     needs_new_incarnation: bool = False
+    # A stock engine this gateway is to register but has not (yet, or ever: its registration failed): routed, but
+    # nothing it retains is registered, since its block size and NIXL identity are not known (ADR 0027).
+    pending_registration: bool = False
+    # Its NIXL identity was stated by the engine (a probe), not configured: a restarted vLLM may state another.
+    identity_probed: bool = False
 
     @property
     def offers_blocks(self) -> bool:

@@ -48,6 +48,9 @@ class Skip(StrEnum):
     ENGINE_MISMATCH = "engine_mismatch"  # D reported another engine id than the one we sent the turn to
     EXPIRED = "expired"  # D's fixed hold is (nearly) over already
     TOO_SHORT = "too_short"  # not one whole block retained
+    # A stock D that is not registered (its registration pending or failed, or routed without registration): its
+    # block size and NIXL identity are not known, and the registry would refuse the entry (ADR 0027).
+    ENGINE_UNREGISTERED = "engine_unregistered"
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,7 +105,9 @@ def plan_registration(
         # Its entry lives under its own lease and D frees the blocks when that lease ends: an entry of ours
         # would outlive them (and supersede the connector's).
         return RegistrationCheck(Skip.CONNECTOR_REGISTERS)
-    if engine.engine_id and retained.engine_id != engine.engine_id:
+    if engine.pending_registration or not engine.engine_id:
+        return RegistrationCheck(Skip.ENGINE_UNREGISTERED)
+    if retained.engine_id != engine.engine_id:
         return RegistrationCheck(Skip.ENGINE_MISMATCH, engine_id=retained.engine_id)
     offset = None
     d_expiry = params.get(_EXPIRY_PARAM) if isinstance(params, dict) else None
@@ -186,7 +191,18 @@ class CompatRegistrar:
             self.clocks.learn(check.engine_id, check.clock_offset_low)
         if isinstance(check.outcome, Skip):
             if check.outcome is Skip.ENGINE_MISMATCH:
-                log.warning("D %s reported engine id %s; not registering", engine.url, check.engine_id)
+                if engine.identity_probed and engine.gateway_registered:
+                    # A restarted stock vLLM states a new random engine id: a new process, whose blocks are not
+                    # the old entries'. No pulls from it until the gateway probed and registered it again.
+                    if not engine.needs_new_incarnation:
+                        engine.needs_new_incarnation = True
+                        log.info(
+                            "D %s now states engine id %s (restarted?): registering it again",
+                            engine.url,
+                            check.engine_id,
+                        )
+                else:
+                    log.warning("D %s reported engine id %s; not registering", engine.url, check.engine_id)
             self._metrics.registrations.labels(check.outcome.value).inc()
             return
         await self._grant_and_register(turn, check.outcome, seq, turn_plan)

@@ -7,19 +7,19 @@ import contextlib
 import logging
 
 from kvbridge import ids
-from kvbridge.lease.v1 import lease_pb2
-from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common.auth import Authenticator, Principal
+from kvbridge_services.common.metric_factory import MetricFactory
 from kvbridge_services.common.telemetry import Telemetry
 
-from .config import GatewaySettings, StaticEngine
+from .config import GatewaySettings
 from .control import ControlPlane, ControlPlaneError
 from .engines import DECODE, PREFILL, EnginePool
 from .kvparams import cache_salt_key
-from .metrics import GatewayMetrics
+from .metrics import GatewayMetrics, engine_label
 from .mirror import EntryMirror, follow_registry
 from .requests import Limits
 from .router import TurnRouter
+from .staticengines import Route, StaticEngines, routes
 from .tokenizer import LocalTokenizers
 from .upstream import EngineHttp
 
@@ -28,7 +28,6 @@ log = logging.getLogger(__name__)
 # Service principals (an ingress acting for end users) name the tenant with this header / metadata key.
 TENANT_HEADER = "x-kvbridge-tenant"
 DEFAULT_TENANT = "default"
-_NODE_LEASE_TTL_S = 30.0
 _MIRROR_STREAM_LIFETIME_S = 600.0  # each entry watch's deadline; the next one starts with a fresh snapshot
 
 
@@ -91,11 +90,15 @@ class GatewayCore:
         )
         self.inflight = 0
         self._tasks: list[asyncio.Task[None]] = []
-        self._node_leases: dict[str, int] = {}
-        for spec in settings.prefill_engines:
-            self.pool.add_static(spec.url, PREFILL, model=spec.model, engine_id=spec.engine_id)
-        for spec in settings.decode_engines:
-            self.pool.add_static(spec.url, DECODE, model=spec.model, engine_id=spec.engine_id)
+        # Engines given by URL: stock engines the gateway registers (compatibility mode, ADR 0027).
+        self.static = StaticEngines(
+            settings,
+            self.pool,
+            control,
+            self.http,
+            MetricFactory(self.metrics.registry),
+            forget_clock=self.router.forget_clock,
+        )
 
     def tenant_of(self, principal: Principal, requested: str | None) -> str:
         if principal.tenant is not None:
@@ -108,20 +111,24 @@ class GatewayCore:
     def ready(self) -> bool:
         return any(self.pool.count(m, PREFILL) and self.pool.count(m, DECODE) for m in self.pool.models())
 
+    def routes(self) -> list[Route]:
+        """Every engine this gateway routes to: URL, role, model, mode and who registered it."""
+        return routes(self.pool, self.static.members)
+
     def update_engine_gauges(self) -> None:
         for e in self.pool.all():
-            self.metrics.engine_healthy.labels(e.role, e.url).set(1 if e.healthy else 0)
+            self.metrics.engine_healthy.labels(e.role, engine_label(e.engine_id, e.url)).set(1 if e.healthy else 0)
 
     # -- lifecycle -------------------------------------------------------------------------
     async def start(self) -> None:
-        await self._register_static_engines()
+        await self.static.start()  # StaticEngineError: an engine given by URL states too little to register it
         await self._refresh_registry()
         await self.pool.check_all()
         self._tasks.append(asyncio.create_task(self._health_loop()))
         if self.control.enabled and self.settings.engines_from_registry:
             self._tasks.append(asyncio.create_task(self._registry_loop()))
-        if self._node_leases:
-            self._tasks.append(asyncio.create_task(self._node_lease_loop()))
+        if self.static.registering:
+            self._tasks.append(asyncio.create_task(self.static.lease_loop()))
         if self.mirror is not None:
             self._tasks.append(
                 asyncio.create_task(
@@ -157,33 +164,9 @@ class GatewayCore:
             await asyncio.sleep(self.settings.health_interval_s)
             try:
                 await self.pool.check_all()
-                await self._register_restarted_engines()
+                await self.static.after_health_check()
             except Exception:
                 log.exception("health check round failed")
-
-    async def _register_restarted_engines(self) -> None:
-        """Stock engines that refused a health check's connection (maybe restarted) and answer again get a new
-        incarnation: registered under a new node lease (the registry then refuses every entry of the old one), the
-        old lease revoked, D's clock learned anew."""
-        for spec, role in self._static_specs():
-            state = self.pool.find(spec.engine_id)
-            if state is None or not (state.needs_new_incarnation and state.healthy):
-                continue
-            old_lease = self._node_leases.get(spec.engine_id)
-            if not await self._register_one(spec, role):
-                continue  # still flagged: no pulls from it; tried again next round
-            state.needs_new_incarnation = False
-            self.router.forget_clock(spec.engine_id)
-            log.info("engine %s refused connections and is back: registered as a new incarnation", spec.engine_id)
-            if old_lease:
-                with contextlib.suppress(ControlPlaneError):
-                    await self.control.revoke_lease(old_lease)
-
-    def _static_specs(self) -> list[tuple[StaticEngine, types_pb2.EngineRole.ValueType]]:
-        cfg = self.settings
-        return [(s, types_pb2.ENGINE_ROLE_PREFILL) for s in cfg.prefill_engines if s.register_in_registry] + [
-            (s, types_pb2.ENGINE_ROLE_DECODE) for s in cfg.decode_engines if s.register_in_registry
-        ]
 
     async def _refresh_registry(self) -> None:
         if not (self.control.enabled and self.settings.engines_from_registry):
@@ -204,63 +187,3 @@ class GatewayCore:
             new = [e for e in self.pool.all() if e.last_check == 0.0]
             if new:
                 await asyncio.gather(*(self.pool.check(e) for e in new))
-
-    async def _register_static_engines(self) -> None:
-        """Stock engines given by config (compatibility mode): the gateway registers them under node leases."""
-        if not self.control.enabled:
-            return
-        for spec, role in self._static_specs():
-            await self._register_one(spec, role)
-
-    async def _register_one(self, spec: StaticEngine, role: types_pb2.EngineRole.ValueType) -> bool:
-        """Registers a stock engine under a new node lease; True once the registry has it."""
-        if not (spec.engine_id and spec.model):
-            log.warning("static engine %s needs engine_id and model to be registered", spec.url)
-            return False
-        try:
-            lease_id = await self.control.grant_lease(
-                kind=lease_pb2.LEASE_KIND_NODE, engine_id=spec.engine_id, ttl_s=_NODE_LEASE_TTL_S
-            )
-            rec = types_pb2.Engine(
-                engine_id=spec.engine_id,
-                role=role,
-                model=spec.model,
-                http_url=spec.url,
-                kv_host=spec.kv_host,
-                kv_port=spec.kv_port,
-                dp_size=1,
-                tp_size=1,
-                pp_size=1,
-                dcp_size=1,
-                block_size=spec.block_size or self.settings.default_block_size,
-                kv_group_count=1,
-                capabilities=["bidirectional_kv_xfer"],
-                node_lease_id=lease_id,
-            )
-            registered = await self.control.register_engine(rec)
-            self._node_leases[spec.engine_id] = lease_id
-            state = self.pool.find(spec.engine_id)
-            if state is not None:  # what the entry mirror's hits name as the source engine
-                state.record = registered
-                state.gateway_registered = True
-            log.info("registered static engine %s (%s)", spec.engine_id, spec.url)
-            return True
-        except ControlPlaneError as exc:
-            log.warning("cannot register static engine %s: %s", spec.engine_id, exc)
-            return False
-
-    async def _node_lease_loop(self) -> None:
-        while True:
-            await asyncio.sleep(_NODE_LEASE_TTL_S / 3)
-            try:
-                statuses = await self.control.keep_alive(lease_ids=list(self._node_leases.values()))
-            except ControlPlaneError as exc:
-                log.warning("node lease renewal failed: %s", exc)
-                continue
-            except Exception:
-                log.exception("node lease renewal failed")
-                continue
-            if any(not st.alive for st in statuses):
-                log.warning("a static engine's node lease ended; registering again")
-                self._node_leases.clear()
-                await self._register_static_engines()

@@ -107,3 +107,22 @@ def test_clock_offsets_keep_the_largest_lower_bound_and_stay_bounded() -> None:
     assert clocks.get("d0") is None and clocks.get("d1") == -2.0 and clocks.get("d2") == 0.0
     clocks.forget("d1")
     assert clocks.get("d1") is None
+
+
+def test_nothing_is_registered_for_a_stock_engine_the_gateway_has_not_registered() -> None:
+    # URL only and routed without registration (no engine id), or its registration pending or failed (ADR 0027):
+    # its block size and NIXL identity are unknown, and the registry would refuse the entry.
+    assert check(returned(), engine_id="").outcome is Skip.ENGINE_UNREGISTERED
+    pending = EngineState("http://d0", DECODE, engine_id="d0", pending_registration=True)
+    got = plan_registration(
+        pending,
+        returned(),
+        40,
+        block_size=16,
+        decode_sent_s=1000.0,
+        decode_answered_s=1000.5,
+        now_s=1001.0,
+        hold_s=HOLD_S,
+        entry_lease_ttl_s=60.0,
+    )
+    assert got.outcome is Skip.ENGINE_UNREGISTERED
