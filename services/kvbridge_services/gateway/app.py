@@ -99,7 +99,7 @@ class GatewayApp:
             access_log=False,
             timeout_graceful_shutdown=5,
             timeout_keep_alive=settings.keep_alive_timeout_s,
-            http=protocol if protocol is not None else "auto",
+            http=protocol,
         )
         self._http = uvicorn.Server(config)
         self._http_task: asyncio.Task[None] | None = None

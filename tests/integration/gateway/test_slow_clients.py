@@ -9,10 +9,17 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from typing import Literal
 
 import httpx
 import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import PlainTextResponse
+from starlette.routing import Route
 
+from kvbridge_services.gateway.httpserver import protocol_class
 from tests.fixtures.gateway_stack import LONG, chat
 
 from .conftest import Stack
@@ -142,3 +149,50 @@ async def test_a_tenant_at_its_limit_gets_429_and_others_go_on(stack: Stack) -> 
     finally:
         stack.decode.engine.unstall.set()
         assert (await first).status_code == 200
+
+
+@pytest.mark.parametrize("impl", ["httptools", "h11"])
+async def test_header_deadline_on_both_uvicorn_protocols(impl: Literal["httptools", "h11"]) -> None:
+    """The deadline on uvicorn's two HTTP implementations (the gateway uses httptools when it is installed):
+    a silent connection, half a request line, and the second request of a keep-alive connection that stops
+    halfway get 408; complete requests on the same connection are served."""
+
+    async def ok(_: Request) -> PlainTextResponse:
+        return PlainTextResponse("ok")
+
+    timeouts: list[int] = []
+    config = uvicorn.Config(
+        Starlette(routes=[Route("/", ok)]),
+        host="127.0.0.1",
+        port=0,
+        log_level="warning",
+        lifespan="off",
+        http=protocol_class(lambda: 0.5, lambda: timeouts.append(1), impl=impl),
+    )
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve())
+    try:
+        while not server.started:  # noqa: ASYNC110 - uvicorn says when it listens
+            await asyncio.sleep(0.01)
+        port = server.servers[0].sockets[0].getsockname()[1]
+
+        async def conn(payload: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(payload)
+            await writer.drain()
+            return reader, writer
+
+        silent, half = await conn(b""), await conn(b"GET / HTTP/1.1\r\nhost: x\r\n")
+        reader, writer = await conn(b"GET / HTTP/1.1\r\nhost: x\r\n\r\n")
+        async with asyncio.timeout(10):
+            first = await reader.readuntil(b"ok")
+            assert first.startswith(b"HTTP/1.1 200 ")
+            writer.write(b"GET / HTTP/1.1\r\nhost:")  # the next request stops halfway
+            for r, _ in (silent, half, (reader, writer)):
+                assert (await r.read()).startswith(b"HTTP/1.1 408 ")
+        assert len(timeouts) == 3
+        for _, w in (silent, half, (reader, writer)):
+            w.close()
+    finally:
+        server.should_exit = True
+        await task
