@@ -9,7 +9,8 @@ assistant tool call whose ``arguments`` are ``json.dumps(input, ensure_ascii=Fal
 separators (``", "`` and ``": "``) and the client's key order: the string vLLM's tool parsers make from a
 parsed call, and the same string on every turn. ``tool_result`` is a ``tool`` message (``tool_call_id`` =
 ``tool_use_id``); one text block is a plain string. ``cache_control`` markers are accepted and ignored: reuse
-is the gateway's job.
+is the gateway's job; so are ``metadata`` (the client's own bookkeeping), ``thinking`` (the answers carry no
+thinking blocks) and any field it does not translate.
 """
 
 from __future__ import annotations
@@ -22,9 +23,6 @@ from kvbridge.errors import invalid_field
 from .chatstream import ChatAnswer, ChatDelta, sse_event
 from .responses_api import new_id
 
-# Accepted and not used: the client's own bookkeeping (metadata.user_id), extended thinking (this gateway's
-# engines answer without thinking blocks), the service tier, container and MCP options are not served.
-IGNORED_FIELDS = frozenset({"metadata", "thinking", "service_tier", "container", "mcp_servers", "context_management"})
 _STOP_REASONS = {"stop": "end_turn", "length": "max_tokens", "tool_calls": "tool_use"}
 
 
@@ -390,7 +388,6 @@ def error_body(kind: str, message: str) -> dict[str, Any]:
 
 
 __all__ = [
-    "IGNORED_FIELDS",
     "MessagesStream",
     "error_body",
     "error_type",

@@ -3,7 +3,9 @@
 Pure translation, no I/O: :func:`to_chat` makes the chat body a turn runs with (``requests.parse_turn`` with kind
 ``chat``), :class:`ResponseBuilder` makes the response object from the chat answer, and :class:`ResponsesStream`
 the Responses SSE events from the chat SSE chunks. Stored responses (``previous_response_id``) are
-``responses_store.py``; the route is ``http_api.py``.
+``responses_store.py``; the route is ``http_api.py``. Fields it does not translate (``reasoning``, ``include``,
+``truncation``, ``service_tier``, any unknown one) are accepted and not used; ``conversation``,
+``prompt`` and ``background: true`` are refused.
 
 Append-only by construction: an input item becomes the same chat message every time it is sent (a
 ``function_call`` item is an assistant message's tool call with ``id = call_id`` and the ``arguments`` string
@@ -27,20 +29,6 @@ from .chatstream import ChatAnswer, ChatDelta, sse_event
 
 _ROLES = frozenset({"user", "assistant", "system", "developer"})
 _TEXT_PARTS = frozenset({"input_text", "output_text", "text"})
-# Request fields accepted and not used (they change nothing the gateway or the engines compute here).
-IGNORED_FIELDS = frozenset(
-    {
-        "include",
-        "reasoning",
-        "truncation",
-        "service_tier",
-        "safety_identifier",
-        "stream_options",
-        "top_logprobs",
-        "max_tool_calls",
-        "prompt_cache_retention",
-    }
-)
 _UNSUPPORTED = {
     "conversation": "the conversations API is not served; chain turns with previous_response_id",
     "prompt": "prompt templates are not served",
@@ -508,7 +496,6 @@ class ResponsesStream:
 
 
 __all__ = [
-    "IGNORED_FIELDS",
     "ResponseBuilder",
     "ResponsesRequest",
     "ResponsesStream",
