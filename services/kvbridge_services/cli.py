@@ -127,6 +127,13 @@ async def _run_until_stopped(stack: Stack, stop: asyncio.Event) -> int:
     return 0
 
 
+_NO_ROUTES = (
+    "gateway routes to no engine yet: list stock vLLM engines (NixlConnector) in KVBRIDGE_GATEWAY_PREFILL_ENGINES and"
+    " KVBRIDGE_GATEWAY_DECODE_ENGINES (compatibility mode: the gateway registers them), start vLLM with the kvbridge"
+    " connector (docs/connector.md; it registers itself), or use `kvbridge up --engines`"
+)
+
+
 def _print_ready(stack: Any) -> None:
     """The stack's addresses (and an example turn when engines run) on stdout."""
     print(f"registry: {stack.registry.address}\nlease manager: {stack.lease.address}")
@@ -135,14 +142,23 @@ def _print_ready(stack: Any) -> None:
     if stack.engines is not None:
         for engine in stack.engines.engines:
             print(f"{engine.spec.name} engine: {engine.url} (id {engine.engine_id}, log {engine.log_path})")
-    if stack.gateway is not None and stack.engines is not None:
+    routes = stack.gateway.core.routes() if stack.gateway is not None else []
+    if stack.gateway is not None:
+        # Each engine: URL, role, model, mode (compatibility: a stock vLLM the gateway registers; connector: it
+        # registers itself) and whether it is registered, i.e. whether its turns can reuse KV.
+        print("gateway routes to:" if routes else _NO_ROUTES)
+        for route in routes:
+            print(f"  {route.line()}")
+    model = "tiny" if stack.engines is not None else next((r.model.split(", ")[0] for r in routes if r.model), "")
+    if stack.gateway is not None and model:
         # The tiny model's vocabulary is "w0".."w505" plus role words: its answers are random words.
+        content = "w1 w2 w3 w4" if stack.engines is not None else "Hello!"
         body = json.dumps(
             {
-                "model": "tiny",
+                "model": model,
                 "conversation_id": "demo-1",
                 "max_tokens": 16,
-                "messages": [{"role": "user", "content": "w1 w2 w3 w4"}],
+                "messages": [{"role": "user", "content": content}],
             }
         )
         print(
@@ -153,8 +169,6 @@ def _print_ready(stack: Any) -> None:
             "  (a follow-up turn with the same conversation_id, the history, the answer and a new message\n"
             "   reuses the decode engine's KV: see the x-kvbridge-reuse response header)"
         )
-    elif stack.gateway is not None:
-        print("no engines: start vLLM with the kvbridge connector (docs/connector.md) or use `kvbridge up --engines`")
     _progress("stack is up; Ctrl-C stops it")
     sys.stdout.flush()
 
