@@ -209,8 +209,11 @@ def to_chat(body: dict[str, Any], history: Sequence[dict[str, Any]] = ()) -> Res
         chat["tool_choice"] = _tool_choice(body["tool_choice"])
     if body.get("parallel_tool_calls") is not None:
         chat["parallel_tool_calls"] = body["parallel_tool_calls"]
-    if body.get("max_output_tokens") is not None:
-        chat["max_tokens"] = body["max_output_tokens"]
+    max_output = body.get("max_output_tokens")
+    if max_output is not None:
+        if not isinstance(max_output, int) or isinstance(max_output, bool) or max_output < 1:
+            raise invalid_field("max_output_tokens", "must be a positive integer")
+        chat["max_tokens"] = max_output
     for name in ("temperature", "top_p", "user", "seed", "top_k", "min_tokens", "stop"):
         if body.get(name) is not None:
             chat[name] = body[name]

@@ -178,7 +178,7 @@ async def test_stateless_function_call_history_reuses(stack: Stack, session: dic
         ({"model": MODEL, "input": 5}, "input"),
         ({"model": MODEL, "input": [{"type": "mystery"}]}, "input[0].type"),
         ({"model": MODEL, "input": "x", "tools": [{"type": "web_search"}]}, "tools[0].type"),
-        ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_tokens"),
+        ({"model": MODEL, "input": "x", "max_output_tokens": 0}, "max_output_tokens"),
         ({"input": "x"}, "model"),
     ],
 )

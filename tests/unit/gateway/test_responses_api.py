@@ -100,6 +100,7 @@ def test_several_text_parts_stay_parts() -> None:
         ({"input": "x", "store": "yes"}, "store"),
         ({"input": "x", "instructions": 5}, "instructions"),
         ({"input": "x", "previous_response_id": 5}, "previous_response_id"),
+        ({"input": "x", "max_output_tokens": True}, "max_output_tokens"),
     ],
 )
 def test_bad_input_names_its_field(body: dict[str, Any], field: str) -> None:
