@@ -11,6 +11,7 @@ that context on in gRPC metadata so the registry's and lease manager's spans joi
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import queue
 import threading
@@ -285,8 +286,7 @@ class ControlPlane:
                     registered = True
                     self._node_lease_id = lease_id
                     log.info("kvbridge: engine %s registered (node lease %d)", engine.engine_id, lease_id)
-                backoff.reset()
-                await self._keep_node_alive(lease_id)
+                await self._keep_node_alive(lease_id, backoff)
                 lease_id = 0  # the lease manager answered that it is gone: a new incarnation
             except (grpc.aio.AioRpcError, TimeoutError) as exc:
                 self._lease_failed(exc)
@@ -297,9 +297,12 @@ class ControlPlane:
                     _describe(exc),
                     f"; keeping node lease {lease_id}" if lease_id else "",
                 )
-            await self._sleep(backoff.next_delay())
+            delay = backoff.next_delay()
+            if lease_id:  # retried at least as often as it is renewed, so a takeover's extension is not missed
+                delay = min(delay, max(self._settings.node_lease_ttl_s / 3, 0.2))
+            await self._sleep(delay)
 
-    async def _keep_node_alive(self, lease_id: int) -> None:
+    async def _keep_node_alive(self, lease_id: int, backoff: Backoff) -> None:
         """Renews the node lease until the lease manager answers it is gone (returns); a failed call raises."""
         interval = max(self._settings.node_lease_ttl_s / 3, 0.2)
         while not self._stop.is_set():
@@ -307,6 +310,7 @@ class ControlPlane:
             if lease_id not in renewed:
                 log.warning("kvbridge: node lease %d lost; re-registering", lease_id)
                 return
+            backoff.reset()
             await self._sleep(interval)
 
     async def _renew(self, lease_ids: Sequence[int]) -> set[int]:
@@ -438,7 +442,7 @@ class ControlPlane:
             block_size,
             command.token_ids,
         )
-        idempotency = f"{self._engine.engine_id}:{command.request_id}"[:128]
+        idempotency = _idempotency_key(self._engine.engine_id, command.request_id)
         try:
             grant = await self._traced_unary(
                 _GRANT_LEASE,
@@ -451,7 +455,7 @@ class ControlPlane:
                     conversation_key=conv.conversation_key,
                     retained_tokens=len(command.token_ids),
                     ttl=_duration(self._settings.entry_lease_ttl_s),
-                    request_id=_idempotency_key(idempotency),
+                    request_id=idempotency,
                 ),
             )
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
@@ -476,7 +480,7 @@ class ControlPlane:
             await self._traced_unary(
                 _REGISTER_ENTRY,
                 self._registry.RegisterEntry,
-                registry_pb2.RegisterEntryRequest(request_id=_idempotency_key(idempotency), entry=entry),
+                registry_pb2.RegisterEntryRequest(request_id=idempotency, entry=entry),
             )
         except (grpc.aio.AioRpcError, TimeoutError) as exc:
             # A refused registration wrote nothing; a timed-out one may have, attached to the lease. End the
@@ -524,9 +528,19 @@ class _RegistrationError(Exception):
         self.withdrawn = withdrawn
 
 
-def _idempotency_key(text: str) -> str:
-    """[A-Za-z0-9._:-]{1,128}: vLLM request ids are already in this alphabet; replace anything else."""
-    return "".join(c if c.isascii() and (c.isalnum() or c in "._:-") else "_" for c in text)[:128]
+_KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")
+
+
+def _idempotency_key(engine_id: str, request_id: str) -> str:
+    """The idempotency key of one registration: ``engine_id:request_id`` when that is a registry request id
+    ([A-Za-z0-9._:-]{1,128}), else ``sha256:`` and the hex digest of it. Never cut or rewritten: vLLM's request
+    id embeds the client's ``request_id`` with its unique suffix at the end, so truncating a long one (or
+    replacing characters) gave two requests one key, and the registry answered the second with the first's
+    record (issue 30)."""
+    text = f"{engine_id}:{request_id}"
+    if len(text) <= 128 and _KEY_CHARS.issuperset(text):
+        return text
+    return "sha256:" + hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
 
 
 def _lease_gone(exc: BaseException) -> bool:

@@ -8,6 +8,7 @@ Used by the store-generation, lease-blip and close-race tests (issue 30)."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -113,15 +114,22 @@ class ConnectorStack:
             await self.store.close()
             self.store = None
 
-    async def fail_over(self) -> None:
-        """Stops the lease-manager leader (the standby takes over)."""
+    async def fail_over(self) -> float:
+        """The lease-manager leader dies as in a crash: its server goes, and its leader key is left to expire (no
+        resignation), so clients get refused or NOT_LEADER until the standby is elected. The seconds until then."""
         assert self.services is not None and self.services.lease is not None and self.standby is not None
         leader = self.services.lease
-        # Stopped here, not again by the stack's stop.
         self.services._started = [s for s in self.services._started if s[0] != "lease manager"]
-        await leader.stop(0.1)
+        await leader.server.stop(0)
+        leader.election._store_lease = 0  # its step-down then revokes nothing: the key lives out its TTL
+        task = leader._election_task
+        assert task is not None
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+        leader.metrics_endpoint.stop()
         standby = self.standby
-        await eventually(lambda: standby.is_leader, "the standby lease manager leads")
+        return await eventually(lambda: standby.is_leader, "the standby lease manager leads")
 
     async def start_engines(self) -> None:
         config = {

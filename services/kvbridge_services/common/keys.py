@@ -11,12 +11,13 @@ scans stay exact.
     <prefix>/registry/closed/<tenant>/<model>/<conv_key>   close tombstone (epoch; expires)
     <prefix>/lease/leases/<lease_id:016x>                  lease.v1.Lease
     <prefix>/<service>/leader                              leader election
-    <prefix>/meta/generation                               the store's generation (ADR 0024)
 """
 
 from __future__ import annotations
 
 from urllib.parse import quote, unquote
+
+from kvbridge.lease.v1 import lease_pb2
 
 
 def _q(component: str) -> str:
@@ -71,22 +72,20 @@ class KeyLayout:
     def leader(self, service: str) -> bytes:
         return self._k(_q(service), "leader")
 
-    def generation(self) -> bytes:
-        return self._k("meta", "generation")
 
-    def soft_state_prefixes(self) -> tuple[bytes, ...]:
-        return (
-            self.entries_prefix(),
-            self._k("registry", "requests", ""),
-            self._k("registry", "closed", ""),
-            self.leases_prefix(),
-        )
+# Soft state (ADR 0024): per-turn entries, their idempotency records and close tombstones, and every lease but
+# the engines' node leases (their incarnations). A store that starts a new generation (repaired, restored, rolled
+# back) retires these, whatever the prefix.
+SOFT_STATE_SEGMENTS = (b"/registry/entries/", b"/registry/requests/", b"/registry/closed/")
+LEASES_SEGMENT = b"/lease/leases/"
 
 
-# Soft state (ADR 0024): per-turn entries, their idempotency records and close tombstones, and every lease.
-# A store that starts a new generation (repaired, restored, rolled back) retires these keys, whatever the prefix.
-SOFT_STATE_SEGMENTS = (b"/registry/entries/", b"/registry/requests/", b"/registry/closed/", b"/lease/leases/")
-
-
-def is_soft_state(key: bytes) -> bool:
-    return any(segment in key for segment in SOFT_STATE_SEGMENTS)
+def is_soft_state(key: bytes, value: bytes) -> bool:
+    if any(segment in key for segment in SOFT_STATE_SEGMENTS):
+        return True
+    if LEASES_SEGMENT not in key:
+        return False
+    try:
+        return bool(lease_pb2.Lease.FromString(value).kind != lease_pb2.LEASE_KIND_NODE)
+    except Exception:  # noqa: BLE001 - an unreadable lease record is retired too
+        return True

@@ -478,7 +478,7 @@ class MemoryStore(Store):
         """A rolled-back store (repaired, restored, copied): retire the older generation's soft state durably,
         then record the new generation (ADR 0024). A crash in between retires again on the next open."""
         assert self._wal is not None
-        doomed = [key for key in self._sorted_keys if is_soft_state(key)]
+        doomed = [key for key in self._sorted_keys if is_soft_state(key, self._kvs[key].value)]
         if doomed:
             mutations: list[Mutation] = [("del", key) for key in doomed]
             self._wal.append({"rev": self._rev + 1, "m": [_encode_mutation(m) for m in mutations]})
@@ -489,8 +489,8 @@ class MemoryStore(Store):
         new = self._wal.begin_generation(reason)
         self.retired = len(doomed)
         log.warning(
-            "embedded store %s starts a new generation %s (was %s): %s; retired %d entries, leases and "
-            "idempotency records of the older generation (engines register again under new incarnations)",
+            "embedded store %s starts a new generation %s (was %s): %s; retired %d entries, entry leases and "
+            "idempotency records of the older generation (engines keep their node leases and register anew)",
             self._wal.directory,
             new,
             old or "none",
