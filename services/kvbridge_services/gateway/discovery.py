@@ -137,7 +137,7 @@ def resolve(spec: StaticEngine, role: str, said: Statement, *, env: str) -> Iden
     elif spec.block_size:
         block_size = spec.block_size  # the operator's word, for an engine whose /metrics does not say
     else:
-        details.append(f"its /metrics has no {CACHE_CONFIG_INFO} with a block_size")
+        details.append(f"its /metrics has no {CACHE_CONFIG_INFO} with a block_size: --disable-log-stats?")
     if not block_size:
         missing.append("block_size")
 

@@ -91,7 +91,7 @@ def test_up_stops_with_one_line_naming_what_an_engine_does_not_state(tmp_path: P
     failed = [line for line in err.read_text().splitlines() if line.startswith("kvbridge: up failed:")]
     assert failed == [
         f"kvbridge: up failed: engine {d} (decode) cannot be registered for reuse: block_size not stated by the"
-        f" engine (its /metrics has no vllm:cache_config_info with a block_size); set it in"
+        f" engine (its /metrics has no vllm:cache_config_info with a block_size: --disable-log-stats?); set it in"
         f' KVBRIDGE_GATEWAY_DECODE_ENGINES ({{"url": "{d}", "block_size": ...}}), or "register_in_registry": false'
         " (or KVBRIDGE_GATEWAY_REGISTER_STATIC_ENGINES=false) to route it without reuse"
     ], err.read_text()
