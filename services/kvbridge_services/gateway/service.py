@@ -152,6 +152,7 @@ class GatewayCore:
             except Exception:  # a loop that died must not stop the shutdown
                 log.exception("background task failed")
         self._tasks.clear()
+        await self.static.close()
         with contextlib.suppress(asyncio.TimeoutError):
             await asyncio.wait_for(self.router.close(), timeout=5)
         await self.http.aclose()
@@ -164,7 +165,7 @@ class GatewayCore:
             await asyncio.sleep(self.settings.health_interval_s)
             try:
                 await self.pool.check_all()
-                await self.static.after_health_check()
+                self.static.after_health_check()
             except Exception:
                 log.exception("health check round failed")
 

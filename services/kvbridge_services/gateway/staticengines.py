@@ -88,6 +88,7 @@ class StaticEngines:
         self._settings, self._pool, self._control, self._http = settings, pool, control, http
         self._forget_clock = forget_clock
         self._leases: dict[str, int] = {}  # engine id -> its node lease
+        self._round: asyncio.Task[None] | None = None  # the registrations a health round started
         self.members: list[StaticMember] = []
         for role, specs in ((PREFILL, settings.prefill_engines), (DECODE, settings.decode_engines)):
             for spec in specs:
@@ -227,12 +228,30 @@ class StaticEngines:
         return True
 
     # -- every health round ----------------------------------------------------------------------
-    async def after_health_check(self) -> None:
+    def after_health_check(self) -> None:
+        """Starts registering healthy engines not registered yet and engines seen restarting, off the health loop
+        (a probe may take long on a busy engine); one such round at a time."""
+        if self.registering and (self._round is None or self._round.done()):
+            self._round = asyncio.create_task(self._registration_round())
+
+    async def close(self) -> None:
+        if self._round is not None:
+            self._round.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._round
+
+    async def _registration_round(self) -> None:
+        try:
+            await self._register_due()
+        except Exception:
+            log.exception("registering the engines given by URL failed; trying again next round")
+
+    async def _register_due(self) -> None:
         """Registers engines that answer for the first time, and engines seen restarting once they answer again."""
         pending = [m for m in self.members if m.registers and not (m.registered or m.connector or m.failed)]
         restarted = [m for m in self.members if m.registered and m.state.needs_new_incarnation and m.state.healthy]
         if pending:
-            await self._first_registrations([m for m in pending if m.identity is None])
+            await self._first_registrations([m for m in pending if m.identity is None and m.state.healthy])
             await self._register_found(pending)  # and those the registry refused before
         for m in restarted:
             await self._new_incarnation(m)
