@@ -29,7 +29,7 @@ from tests.fixtures.common import free_port
 from tests.fixtures.gateway_stack import BLOCK, KEYS, LONG, MODEL, SECRET_HEX
 from tests.tools.engine_sim import SimConfig, SimServer
 
-__all__ = ["LONG", "ConnectorStack", "eventually"]
+__all__ = ["LONG", "MODEL", "ConnectorStack", "eventually"]
 
 
 async def eventually(check: Callable[[], bool], what: str, timeout_s: float = 30.0) -> float:

@@ -9,20 +9,25 @@ from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
 from kvbridge_services.common import validation as cv
 from kvbridge_services.common.auth import Principal
-from kvbridge_services.common.store.base import Compare, Delete
+from kvbridge_services.common.store.base import Compare, Delete, Put
 
 from . import validation as v
 from .cas import CAS_ATTEMPTS, contention
 from .page_tokens import decode_page_token, encode_page_token
 from .parts import RegistryParts
+from .registrar import IdempotencyLease
 
 # Store pages read for one list page at most: a filtered page may come back short, with a token to go on.
 _MAX_SCANS = 8
+# How long a close tombstone refuses the registrations of the turns it raced (they land within the connector's
+# RPC deadlines, seconds); tombstones share one store lease per half of it, so they go after 30-60 s.
+CLOSE_TOMBSTONE_TTL_S = 60
 
 
 class Entries:
     def __init__(self, parts: RegistryParts) -> None:
         self._parts = parts
+        self._tombstones = IdempotencyLease(parts.store, CLOSE_TOMBSTONE_TTL_S, parts.timeout_s)
 
     async def get_entry(self, principal: Principal, key: registry_pb2.EntryKey) -> registry_pb2.Entry:
         v.check_entry_key("key", key)
@@ -49,9 +54,18 @@ class Entries:
             raise invalid_field("reason", "unknown revoke reason")
         tenant = principal.tenant_for(key.tenant, field="key.tenant")
         store_key = self._parts.keys.entry(tenant, key.model, key.conversation_key)
+        # A delete that is not a consume (no expected epoch: a close, an operator's delete) leaves a tombstone at
+        # the registry's time: a registration of a turn that began before it is refused when it lands (issue 30).
+        tombstone: tuple[Put, ...] = ()
+        if not expected_epoch:
+            closed_key = self._parts.keys.closed(tenant, key.model, key.conversation_key)
+            epoch = int(self._parts.clock() * 1_000_000)
+            tombstone = (Put(closed_key, str(epoch).encode(), lease=await self._tombstones.current()),)
         for _ in range(CAS_ATTEMPTS):
             kv = await self._parts.store.get(store_key, timeout=self._parts.timeout_s)
             if kv is None:
+                if tombstone:
+                    await self._parts.store.txn([], tombstone, timeout=self._parts.timeout_s)
                 raise NotFound(Reason.ENTRY_NOT_FOUND, "no entry for this key")
             entry = registry_pb2.Entry.FromString(kv.value)
             if expected_epoch and entry.epoch != expected_epoch:
@@ -62,7 +76,7 @@ class Entries:
                 )
             result = await self._parts.store.txn(
                 [Compare.mod_revision_is(store_key, kv.mod_revision)],
-                [Delete(store_key)],
+                [Delete(store_key), *tombstone],
                 timeout=self._parts.timeout_s,
             )
             if result.succeeded:

@@ -103,12 +103,13 @@ class Registrar:
             lease_key=self._parts.keys.lease(entry.lease_id),
             engine_key=self._parts.keys.engine(entry.engine_id),
             asserted_incarnation=request.entry.engine_incarnation,
+            closed_key=self._parts.keys.closed(tenant, key.model, key.conversation_key),
         )
         if self.batcher is None:
             return await self.register_alone(reg, None)
         job: BatchJob[Response] = BatchJob(
             exclusive_keys=(reg.entry_key, reg.request_key),
-            read_keys=(reg.request_key, reg.entry_key, reg.lease_key, reg.engine_key),
+            read_keys=reg.read_keys,
             # Entry value twice (entry + response in the idempotency record) plus keys and digest.
             size_hint=2 * entry.ByteSize() + 512,
             payload=reg,
@@ -160,6 +161,17 @@ class Registrar:
             if current_kv is None
             else Compare.mod_revision_is(reg.entry_key, current_kv.mod_revision)
         )
+        # A close landing between the read and the write sends the registration back to be refused.
+        closed_kv = reads.get(reg.closed_key) if reg.closed_key else None
+        unclosed = (
+            ()
+            if not reg.closed_key
+            else (
+                Compare.absent(reg.closed_key)
+                if closed_kv is None
+                else Compare.mod_revision_is(reg.closed_key, closed_kv.mod_revision),
+            )
+        )
         idem_lease = await self._idem.current()
 
         def on_commit(revision: int) -> Response:
@@ -175,6 +187,7 @@ class Registrar:
                 exists(reg.lease_key),
                 Compare.mod_revision_is(reg.engine_key, engine_kv.mod_revision),
                 Compare.absent(reg.request_key),
+                *unclosed,
             ),
             puts=(
                 Put(reg.entry_key, entry.SerializeToString(), lease=lease_kv.lease),

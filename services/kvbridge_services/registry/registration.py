@@ -30,10 +30,13 @@ class Registration:
     engine_key: bytes
     # The engine incarnation the caller registers for (0: whichever is registered now).
     asserted_incarnation: int = 0
+    # The conversation's close tombstone (b"": not checked): a close refuses registrations up to its epoch.
+    closed_key: bytes = b""
 
     @property
-    def read_keys(self) -> tuple[bytes, bytes, bytes, bytes]:
-        return (self.request_key, self.entry_key, self.lease_key, self.engine_key)
+    def read_keys(self) -> tuple[bytes, ...]:
+        keys = (self.request_key, self.entry_key, self.lease_key, self.engine_key)
+        return (*keys, self.closed_key) if self.closed_key else keys
 
 
 @dataclass(frozen=True, slots=True)
@@ -83,6 +86,27 @@ def check_incarnation(engine_id: str, asserted: int, engine: types_pb2.Engine) -
         )
 
 
+def closed_epoch(tombstone: KeyValue | None) -> int:
+    """The epoch a conversation was closed at (0: no tombstone)."""
+    if tombstone is None:
+        return 0
+    try:
+        return int(tombstone.value)
+    except ValueError:
+        return 0
+
+
+def check_not_closed(tombstone: KeyValue | None, entry: registry_pb2.Entry) -> None:
+    """A close wins over a registration racing it: an entry of an epoch up to the close is refused (issue 30)."""
+    closed = closed_epoch(tombstone)
+    if closed and entry.epoch <= closed:
+        raise FailedPrecondition(
+            Reason.STALE_EPOCH,
+            f"the conversation was closed at epoch {closed}, after this turn (epoch {entry.epoch}) began",
+            metadata={"field": "entry.epoch", "closed_epoch": str(closed)},
+        )
+
+
 def decide(reg: Registration, reads: Mapping[bytes, KeyValue | None]) -> Replay | Write:
     """From one snapshot: the answer (replay), the error (raised), or the write to commit."""
     entry = reg.entry
@@ -94,6 +118,7 @@ def decide(reg: Registration, reads: Mapping[bytes, KeyValue | None]) -> Replay 
     # Bound to the incarnation the registry knows, never to what a caller says (docs/adr/0010).
     incarnation = engine.node_lease_id
     check_entry_lease(parse_lease(reads[reg.lease_key], "entry.lease_id"), entry)
+    check_not_closed(reads.get(reg.closed_key) if reg.closed_key else None, entry)
     current = registry_pb2.Entry.FromString(current_kv.value) if current_kv is not None else None
     # An entry of a previous incarnation of the same engine is garbage whatever its epoch: replace it.
     if current is None or (current.engine_id == entry.engine_id and current.engine_incarnation != incarnation):
