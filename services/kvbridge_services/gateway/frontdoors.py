@@ -161,11 +161,10 @@ class ResponsesExchange:
         self.builder = responses_api.ResponseBuilder(self.request)
         self._store = store
         self._tenant = tenant
-        # The conversation key: the chain's (previous_response_id), the client's own, or a new stored chain's
-        # first response id (so that its next turn, by previous_response_id, is keyed).
+        # The conversation key: the chain's (previous_response_id), or the client's own. Without one the chain is
+        # a keyless thread (ADR 0022): a stateless client resending the history and a stateful one chaining
+        # previous_response_id render the same prompts, so both find the same thread by content.
         key = self._parent.thread_key if self._parent is not None else responses_api.conversation_key(body)
-        if key is None and session_header is None and self.request.store:
-            key = self.builder.response_id
         self.thread_key = key or session_header or ""
         self.turn_body = dict(self.request.chat_body)
         if key:
