@@ -149,14 +149,14 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
             epoch = await self._core.control.entry_epoch(
                 tenant=tenant, model=request.model, conversation_key=request.conversation_id
             )
-            if not epoch:
-                return gateway_pb2.CloseConversationResponse(released=False)
+            # Deleted even with no entry yet: the registry's close tombstone refuses the registration of a turn
+            # that began before the close (D's connector may register it after this answer; issue 30).
             await self._core.control.delete_entry(
                 tenant=tenant, model=request.model, conversation_key=request.conversation_id
             )
         except ControlPlaneError as exc:
             raise Unavailable(Reason.STORE_UNAVAILABLE, f"registry unavailable: {exc}") from exc
-        return gateway_pb2.CloseConversationResponse(released=True)
+        return gateway_pb2.CloseConversationResponse(released=bool(epoch))
 
 
 def _streaming_body(request: Any, **fields: Any) -> dict[str, Any]:
