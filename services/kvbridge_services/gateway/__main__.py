@@ -19,7 +19,8 @@ Settings come from the environment (listed below with their defaults); flags ove
 needs three: KVBRIDGE_API_KEYS_FILE (client and service keys; unset: insecure development mode, loopback only
 unless KVBRIDGE_INSECURE=1), KVBRIDGE_API_KEY (the service key presented to the registry and lease manager)
 and KVBRIDGE_HASH_SECRET (hex, shared with every connector). Engines: registered by their connectors (the
-registry's list), or KVBRIDGE_GATEWAY_PREFILL_ENGINES / _DECODE_ENGINES. docs/gateway.md, docs/settings.md."""
+registry's list), or stock vLLM engines by URL in KVBRIDGE_GATEWAY_PREFILL_ENGINES / _DECODE_ENGINES, which
+the gateway registers itself. docs/gateway.md, docs/settings.md."""
 # Every setting this process reads (--help and docs/settings.md are made from these). The gRPC front door takes
 # the common server settings but the gateway's own bind address, log level and keys file.
 SETTINGS: SettingsModels = (
