@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+
 from prometheus_client import CollectorRegistry, generate_latest
 
 from kvbridge_services.common.metric_factory import MetricFactory
@@ -27,6 +29,13 @@ _OVERHEAD_BUCKETS = (
     1,
     2.5,
 )
+
+
+def engine_label(engine_id: str, url: str) -> str:
+    """How /metrics names an engine: its engine id (the registry's, or the one it was configured with), else
+    ``url-`` and 12 hex digits of its URL's SHA-256. Never the URL: /metrics is served without a key on the
+    public HTTP port (docs/gateway.md, "Metrics"), and engines' addresses are not for tenants."""
+    return engine_id or "url-" + hashlib.sha256(url.encode()).hexdigest()[:12]
 
 
 class GatewayMetrics:
@@ -146,7 +155,9 @@ class GatewayMetrics:
             buckets=_OVERHEAD_BUCKETS,
         )
         self.engine_healthy = m.gauge(
-            "kvbridge_gateway_engine_healthy", "1 if the engine passed its last check", ["role", "url"]
+            "kvbridge_gateway_engine_healthy",
+            "1 if the engine passed its last check (engine: engine_label, never a URL)",
+            ["role", "engine"],
         )
 
     def count_verdict(self, label: str) -> None:

@@ -12,7 +12,7 @@ from opentelemetry import trace
 from . import placement
 from .engines import DECODE, PREFILL, EnginePool, EngineState
 from .figures import Figures, PrefillFit
-from .metrics import GatewayMetrics
+from .metrics import GatewayMetrics, engine_label
 from .placement import Choice, EngineFigures, Placement, PlacementInput
 from .reuse import ReusePlan
 from .turn import Turn
@@ -106,7 +106,9 @@ class Placer:
         m.moved_tokens.labels("prompt_to_d").inc(chosen.prompt_to_d)
         if prefill is not None:
             key = engine_key(prefill)
-            m.prefill_s_per_token.labels(key).set(self._figures.prefill(key).s_per_token)
+            m.prefill_s_per_token.labels(engine_label(prefill.engine_id, prefill.url)).set(
+                self._figures.prefill(key).s_per_token
+            )
         measured = self._figures.measured_bytes_per_s
         if measured is not None:
             m.pull_bytes_per_s.set(measured)

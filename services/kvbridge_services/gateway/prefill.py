@@ -107,7 +107,8 @@ class Prefiller(EngineStep):
         try:
             returned = kvparams.check_prefill_returned(data.get("kv_transfer_params"))
         except ValueError as exc:
-            raise UpstreamError(f"prefill on {engine.url}: {exc}") from exc
+            log.warning("prefill on %s answered unusable kv_transfer_params: %s", engine.url, exc)
+            raise UpstreamError(f"the engine answered unusable kv_transfer_params: {exc}") from exc
         usage = data.get("usage")
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         prompt = prompt if isinstance(prompt, int) and prompt > 0 else None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 import aiohttp
 
 from .jsoncodec import dumps, loads_engine
+
+log = logging.getLogger(__name__)
 
 # (method, url, headers) of each request the gateway sends to an engine.
 RequestObserver = Callable[[str, str, Mapping[str, str]], None]
@@ -34,16 +37,45 @@ def connection_refused(exc: BaseException) -> bool:
 
 
 class UpstreamError(Exception):
-    """An engine failed (transport error, timeout, 5xx) or answered something unusable."""
+    """An engine failed (transport error, timeout, 5xx) or answered something unusable.
+
+    Its message reaches tenants (a 502/504's message: ``upstream_failure``), so it never names the engine: no URL,
+    host or port, nor the transport's own error text (aiohttp's names the address). ``detail`` has them, for logs
+    (each failure is logged once, at WARNING, where it is raised)."""
 
     def __init__(
-        self, message: str, *, status: int = 502, body: Any = None, transport: bool = False, timed_out: bool = False
+        self,
+        message: str,
+        *,
+        status: int = 502,
+        body: Any = None,
+        transport: bool = False,
+        timed_out: bool = False,
+        detail: str = "",
     ) -> None:
         super().__init__(message)
         self.status = status
         self.body = body
         self.transport = transport
         self.timed_out = timed_out
+        self.detail = detail or message
+
+
+def _failed(url: str, message: str, detail: str, **kw: Any) -> UpstreamError:
+    """An UpstreamError whose message names no engine; the URL and the cause go to the log."""
+    log.warning("engine call to %s failed: %s", url, detail)
+    return UpstreamError(message, detail=f"{url}: {detail}", **kw)
+
+
+def _transport_failure(url: str, exc: BaseException) -> UpstreamError:
+    timed_out = isinstance(exc, TimeoutError)
+    if timed_out:
+        message = "the engine did not answer in time"
+    elif connection_refused(exc):
+        message = "the engine could not be reached"
+    else:
+        message = "the connection to the engine failed"
+    return _failed(url, message, f"{type(exc).__name__}: {exc}", transport=True, timed_out=timed_out)
 
 
 class ClientError(Exception):
@@ -129,19 +161,19 @@ class EngineHttp:
                 async with self._http().post(url, data=dumps(body), headers=_json_headers(headers)) as resp:
                     status, raw = resp.status, await resp.read()
         except TRANSPORT_ERRORS as exc:
-            raise UpstreamError(
-                f"{url}: {type(exc).__name__}: {exc}", transport=True, timed_out=isinstance(exc, TimeoutError)
-            ) from exc
+            raise _transport_failure(url, exc) from exc
         if 400 <= status < 500:
             raise ClientError(status, _body_of(raw))
         if status != 200:
-            raise UpstreamError(f"{url}: HTTP {status}", status=status, body=_body_of(raw))
+            raise _failed(
+                url, f"the engine answered HTTP {status}", f"HTTP {status}", status=status, body=_body_of(raw)
+            )
         try:
             data = loads_engine(raw)
         except ValueError as exc:
-            raise UpstreamError(f"{url}: response is not JSON") from exc
+            raise _failed(url, "the engine's response is not JSON", "response is not JSON") from exc
         if not isinstance(data, dict):
-            raise UpstreamError(f"{url}: response is not a JSON object")
+            raise _failed(url, "the engine's response is not a JSON object", "response is not a JSON object")
         return data
 
     async def open_stream(
@@ -161,9 +193,7 @@ class EngineHttp:
         try:
             resp = await self._http().post(url, data=dumps(body), headers=_json_headers(headers), timeout=timeout)
         except TRANSPORT_ERRORS as exc:
-            raise UpstreamError(
-                f"{url}: {type(exc).__name__}: {exc}", transport=True, timed_out=isinstance(exc, TimeoutError)
-            ) from exc
+            raise _transport_failure(url, exc) from exc
         if resp.status != 200:
             raw = b""
             with contextlib.suppress(*TRANSPORT_ERRORS):
@@ -171,7 +201,13 @@ class EngineHttp:
             resp.release()
             if 400 <= resp.status < 500:
                 raise ClientError(resp.status, _body_of(raw))
-            raise UpstreamError(f"{url}: HTTP {resp.status}", status=resp.status, body=_body_of(raw))
+            raise _failed(
+                url,
+                f"the engine answered HTTP {resp.status}",
+                f"HTTP {resp.status}",
+                status=resp.status,
+                body=_body_of(raw),
+            )
         return UpstreamStream(resp)
 
     async def aclose(self) -> None:
