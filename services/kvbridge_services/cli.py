@@ -442,10 +442,53 @@ def _bench(args: argparse.Namespace) -> int:
     return code if code >= 0 else 128 - code
 
 
-def _store(args: argparse.Namespace) -> int:
-    """``kvbridge store verify|repair``: check (or cut at its damage) an embedded store's directory."""
-    from kvbridge_services.common.store.wal import StoreOpenError, repair, verify
+async def _retire_etcd(args: argparse.Namespace) -> int:
+    from kvbridge_services.common.config import StoreSettings
+    from kvbridge_services.common.store import open_store
+    from kvbridge_services.common.store.generation import retire_soft_state
 
+    settings = StoreSettings(etcd_endpoints=args.etcd, etcd_prefix=args.prefix)
+    store = open_store(settings)
+    try:
+        retired = await retire_soft_state(store, settings.etcd_prefix.encode() + b"/", timeout=settings.etcd_timeout_s)
+    finally:
+        await store.close()
+    print(f"new generation: retired {retired} entries, entry leases and idempotency records under {args.prefix}")
+    return 0
+
+
+def _new_generation(args: argparse.Namespace) -> int:
+    """``kvbridge store new-generation``: nothing of the store's older generation is offered again (ADR 0024)."""
+    from kvbridge_services.common.store.wal import StoreOpenError, WriteAheadLog, read_generation, retire_generation
+
+    if args.etcd:
+        return asyncio.run(_retire_etcd(args))
+    if not args.data_dir:
+        print("kvbridge: store new-generation: give --data-dir or --etcd", file=sys.stderr)
+        return 2
+    directory = Path(args.data_dir)
+    if not (directory / "log").exists():
+        print(f"kvbridge: store new-generation: no embedded store in {directory}", file=sys.stderr)
+        return 1
+    try:
+        WriteAheadLog(directory).close()  # refuses (locked) while a service has the directory open
+    except StoreOpenError as exc:
+        print(f"kvbridge: store new-generation: {exc}", file=sys.stderr)
+        return 1
+    retire_generation(directory, "kvbridge store new-generation (the operator restored or rolled back the store)")
+    print(f"generation {(read_generation(directory) or {}).get('id', 'none')} of {directory} ends at its next open")
+    return 0
+
+
+def _store(args: argparse.Namespace) -> int:
+    """``kvbridge store verify|repair|new-generation``: check, cut at its damage, or start a new generation."""
+    from kvbridge_services.common.store.wal import StoreOpenError, read_generation, repair, verify
+
+    if args.action == "new-generation":
+        return _new_generation(args)
+    if not args.data_dir:
+        print(f"kvbridge: store {args.action}: --data-dir is required", file=sys.stderr)
+        return 2
     directory = Path(args.data_dir)
     if not directory.is_dir():
         print(f"kvbridge: store {args.action}: no directory {directory}", file=sys.stderr)
@@ -454,6 +497,9 @@ def _store(args: argparse.Namespace) -> int:
         report = verify(directory)
         print(f"snapshot: {report.snapshot}")
         print(f"log: {report.log_bytes} bytes, {report.log_records} valid records before any damage")
+        generation = read_generation(directory) or {}
+        ends = f" (ends at the next open: {generation['retire']})" if generation.get("retire") else ""
+        print(f"generation: {generation.get('id', 'none')}{ends}")
         if report.damage is not None:
             d = report.damage
             kind = (
@@ -584,14 +630,22 @@ def build_parser() -> argparse.ArgumentParser:
     client_flags(ls)
     sto = sub.add_parser(
         "store",
-        help="embedded store files: verify | repair (cut the log at its damage)",
+        help="store files: verify | repair (cut the log at its damage) | new-generation (after a restore)",
         description="verify: check the snapshot's checksum and the log's records (exit 1 if damaged). "
         "repair: with every process using the directory stopped, truncate the log at its first "
-        "damage and print what was dropped; the records before it are kept. A damaged snapshot "
-        "cannot be repaired: restore the directory from a backup.",
+        "damage and print what was dropped; the records before it are kept, and the next open starts a new "
+        "generation (docs/adr/0024). A damaged snapshot cannot be repaired: restore the directory from a backup. "
+        "new-generation: after restoring or rolling back a store in a way the embedded store cannot see (a "
+        "filesystem snapshot rolled back in place) or an etcd cluster restored from a snapshot, with every "
+        "kvbridge service stopped: the older generation's entries, entry leases and idempotency records are "
+        "retired (--data-dir: at the next open; --etcd: now), so none is ever offered again.",
     )
-    sto.add_argument("action", choices=["verify", "repair"])
-    sto.add_argument("--data-dir", required=True, help="the directory given to --data-dir of the service")
+    sto.add_argument("action", choices=["verify", "repair", "new-generation"])
+    sto.add_argument("--data-dir", default="", help="the directory given to --data-dir of the service")
+    sto.add_argument("--etcd", default="", help="new-generation only: etcd endpoints host:port,...")
+    sto.add_argument(
+        "--prefix", default="/kvbridge/v1", help="new-generation --etcd: the key prefix (KVBRIDGE_ETCD_PREFIX)"
+    )
     bench = sub.add_parser(
         "bench",
         help="run a benchmark script from bench/ (needs a source checkout)",
