@@ -26,6 +26,7 @@ from .config import GatewaySettings, StaticEngine
 from .control import ControlPlane, ControlPlaneError
 from .discovery import Identity, Undiscoverable, Unreachable, discover
 from .engines import DECODE, PREFILL, EnginePool, EngineState
+from .metrics import engine_label
 from .upstream import EngineHttp
 
 log = logging.getLogger(__name__)
@@ -101,8 +102,9 @@ class StaticEngines:
                 self.members.append(member)
         self._gauge = metrics.gauge(
             "kvbridge_gateway_static_engine_registered",
-            "Engines given by URL that the gateway is to register (compatibility mode): 1 registered, 0 not (yet)",
-            ["role", "url"],
+            "Engines given by URL that the gateway is to register (compatibility mode): 1 registered, 0 not (yet); "
+            "engine: its configured engine id, else url- and a digest of its URL (metrics.engine_label)",
+            ["role", "engine"],
         )
         self._update_gauge()
 
@@ -113,7 +115,8 @@ class StaticEngines:
     def _update_gauge(self) -> None:
         for m in self.members:
             if m.registers:
-                self._gauge.labels(m.role, m.spec.url).set(1 if m.registered or m.connector else 0)
+                label = engine_label(m.spec.engine_id, m.spec.url)  # never the URL: /metrics needs no key
+                self._gauge.labels(m.role, label).set(1 if m.registered or m.connector else 0)
 
     # -- start -------------------------------------------------------------------------------
     async def start(self) -> None:

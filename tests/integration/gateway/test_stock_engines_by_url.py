@@ -16,6 +16,7 @@ from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.common.store.memory import MemoryStore
 from kvbridge_services.gateway.app import GatewayApp
 from kvbridge_services.gateway.config import GatewaySettings
+from kvbridge_services.gateway.metrics import engine_label
 from kvbridge_services.gateway.staticengines import StaticEngineError
 from kvbridge_services.lease.policy import LeasePolicy
 from kvbridge_services.registry.config import RegistrySettings
@@ -168,7 +169,8 @@ async def test_registration_opted_out_routes_without_reuse_and_without_a_warning
 async def registered_gauge(client: httpx.AsyncClient, sim: SimServer) -> str:
     text = (await client.get("/metrics")).text
     found = [line for line in text.splitlines() if line.startswith("kvbridge_gateway_static_engine_registered{")]
-    return next(line.rsplit(" ", 1)[1] for line in found if f'url="{sim.url}"' in line)
+    label = engine_label("", sim.url)  # given by URL alone: named by a digest of it, never the URL
+    return next(line.rsplit(" ", 1)[1] for line in found if f'engine="{label}"' in line)
 
 
 async def test_an_engine_that_answers_only_after_the_start_is_registered_once_it_does() -> None:
