@@ -12,7 +12,7 @@ from kvbridge import telemetry as tel
 
 from .enginecalls import EngineAccess, EngineStep
 from .engines import EngineState
-from .requests import CHAT_TEMPLATE_FIELDS
+from .requests import CHAT_TEMPLATE_FIELDS, prompt_too_large
 from .tokenizer import ATTR_TOKENIZE_PATH, LocalTokenizers
 from .turn import Turn
 from .upstream import UpstreamError
@@ -41,12 +41,23 @@ class PromptIds(EngineStep):
         None where it has none for the request (no call to P)."""
         if self._tokenizers is None:
             return None
-        return await self._tokenizers.ids(
+        ids = await self._tokenizers.ids(
             turn.model,
             turn.kind,
             turn.body,
             (turn.tenant, turn.conversation_key) if turn.conversation_key else None,
         )
+        return None if ids is None else self._bounded(turn, ids)
+
+    def _bounded(self, turn: Turn, ids: Sequence[int]) -> Sequence[int]:
+        """``ids``, if within max_prompt_tokens: a text prompt's tokens are known only now (the text's size was
+        bounded before, requests.MAX_CHARS_PER_TOKEN); past it, TOO_LARGE (HTTP 413) before they are hashed."""
+        if len(ids) > self._s.max_prompt_tokens:
+            raise prompt_too_large(
+                "messages" if turn.kind == "chat" else "prompt",
+                f"{len(ids)} tokens, more than max_prompt_tokens ({self._s.max_prompt_tokens})",
+            )
+        return ids
 
     async def of(self, turn: Turn, engine: EngineState) -> Sequence[int]:
         """The prompt's token ids (``engine``: the prefill engine asked when no other source has them).
@@ -74,4 +85,4 @@ class PromptIds(EngineStep):
             if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
                 raise UpstreamError("tokenize answered without token ids")
             span.set_attribute("kvbridge.prompt_tokens", len(tokens))
-        return tokens
+        return self._bounded(turn, tokens)

@@ -32,6 +32,14 @@ CHAT_TEMPLATE_FIELDS = (
 )
 
 
+# How many characters of text one prompt token may stand for, at most, in the bound checked before the gateway
+# tokenizes a text prompt: real text averages 3-5 characters a token, and long runs (indentation, rules of dashes)
+# seldom exceed 16 even in the tokens made for them. A text past max_prompt_tokens x 16 characters is refused
+# (TOO_LARGE, HTTP 413) before it costs a tokenization and a hash; its exact count is checked once tokenized
+# (prompt_ids.py, against max_prompt_tokens).
+MAX_CHARS_PER_TOKEN = 16
+
+
 @dataclass(frozen=True, slots=True)
 class Limits:
     max_messages: int
@@ -39,6 +47,27 @@ class Limits:
     # The key of every engine request's per-tenant cache_salt (kvparams.cache_salt_key of the deployment secret;
     # the service passes it, so that every replica salts alike). A fresh random key by default: never unsalted.
     cache_salt_key: bytes = field(default_factory=lambda: secrets.token_bytes(32), repr=False)
+
+    @property
+    def max_prompt_chars(self) -> int:
+        """The most characters of prompt text (message contents and text parts, or a text prompt)."""
+        return self.max_prompt_tokens * MAX_CHARS_PER_TOKEN
+
+
+def prompt_too_large(field_name: str, detail: str) -> InvalidArgument:
+    return InvalidArgument(Reason.TOO_LARGE, f"{field_name}: {detail}", metadata={"field": field_name})
+
+
+def _text_chars(messages: list[Any]) -> int:
+    """Characters of the messages' text: string contents and the ``text`` of content parts."""
+    total = 0
+    for msg in messages:
+        content = msg.get("content")
+        if isinstance(content, str):
+            total += len(content)
+        elif isinstance(content, list):
+            total += sum(len(p["text"]) for p in content if isinstance(p, dict) and isinstance(p.get("text"), str))
+    return total
 
 
 def parse_json_body(raw: bytes) -> dict[str, Any]:
@@ -98,6 +127,11 @@ def _check_messages(messages: object, limits: Limits) -> None:
         content = msg.get("content")
         if content is not None and not isinstance(content, str | list):
             raise invalid_field(f"messages[{i}].content", "must be a string or an array of parts")
+    if _text_chars(messages) > limits.max_prompt_chars:
+        raise prompt_too_large(
+            "messages",
+            f"more than {limits.max_prompt_chars} characters of text (max_prompt_tokens x {MAX_CHARS_PER_TOKEN})",
+        )
 
 
 def _check_sampling(body: dict[str, Any]) -> None:
@@ -120,10 +154,14 @@ def _check_sampling(body: dict[str, Any]) -> None:
 
 def _prompt_ids(prompt: object, limits: Limits) -> list[int] | None:
     if isinstance(prompt, str):
+        if len(prompt) > limits.max_prompt_chars:
+            raise prompt_too_large(
+                "prompt", f"more than {limits.max_prompt_chars} characters (max_prompt_tokens x {MAX_CHARS_PER_TOKEN})"
+            )
         return None
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if len(prompt) > limits.max_prompt_tokens:
-            raise InvalidArgument(Reason.TOO_LARGE, "prompt: too many tokens", metadata={"field": "prompt"})
+            raise prompt_too_large("prompt", f"more than max_prompt_tokens ({limits.max_prompt_tokens}) tokens")
         if any(t < 0 or t >= 2**32 for t in prompt):
             raise invalid_field("prompt", "token ids must be 0..2^32-1")
         return list(prompt)
@@ -143,6 +181,8 @@ def parse_turn(
     salt = body.get("cache_salt", "")
     if not isinstance(salt, str) or len(salt) > 256:
         raise invalid_field("cache_salt", "must be a string of at most 256 characters")
+    if "request_id" in body:  # vLLM embeds it in its own request id, which keys D's registration
+        ids.REQUEST_ID.check("request_id", body["request_id"])
     key = conversation_key_of(body, session_header)
     # What the engines see and the block-hash chain is scoped by: the tenant's salt combined with the client's.
     engine_salt = engine_cache_salt(limits.cache_salt_key, tenant, salt)

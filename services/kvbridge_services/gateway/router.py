@@ -233,11 +233,11 @@ class TurnRouter:
             # D's connector registers this turn's state on its own schedule (compatibility mode: the registrar
             # reports its registrations itself).
             self._recent.finished(turn.conversation, plan.sent_epoch)
-        log.info(
-            "turn tenant=%s model=%s key=%r reuse=%s",
+        log.info(  # the key hashed as in spans (KVBRIDGE_TELEMETRY_HASH_KEY_HEX): conversation keys are credentials
+            "turn tenant=%s model=%s key=%s reuse=%s",
             turn.tenant,
             turn.model,
-            turn.conversation_key,
+            self._telemetry.hash(turn.conversation_key) if turn.conversation_key else "-",
             plan.verdict.header(),
         )
 

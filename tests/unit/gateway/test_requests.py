@@ -6,7 +6,13 @@ import pytest
 
 from kvbridge.errors import InvalidArgument
 from kvbridge_services.gateway.kvparams import cache_salt_key, engine_cache_salt
-from kvbridge_services.gateway.requests import Limits, conversation_key_of, parse_json_body, parse_turn
+from kvbridge_services.gateway.requests import (
+    MAX_CHARS_PER_TOKEN,
+    Limits,
+    conversation_key_of,
+    parse_json_body,
+    parse_turn,
+)
 from kvbridge_services.gateway.turn import Turn, TurnKind
 
 LIMITS = Limits(max_messages=3, max_prompt_tokens=100)
@@ -116,3 +122,37 @@ def test_engine_cache_salt_is_per_tenant_and_client_salt_and_keyed() -> None:
     assert engine_cache_salt(key, "a", "bc") != engine_cache_salt(key, "ab", "c")  # length-prefixed
     assert engine_cache_salt(cache_salt_key(b"j" * 32), "acme", "") != salt("acme", None)  # keyed by the secret
     assert all("acme" not in s and "globex" not in s for s in seen)
+
+
+def test_text_prompts_are_bounded_in_characters_before_tokenizing() -> None:
+    assert LIMITS.max_prompt_chars == 100 * MAX_CHARS_PER_TOKEN
+    at_limit = "x" * LIMITS.max_prompt_chars
+    assert turn("completion", {"model": "m", "prompt": at_limit}).prompt_token_ids is None
+    turn("chat", {"model": "m", "messages": [{"role": "user", "content": at_limit}]})
+    for kind, body, field in (
+        ("completion", {"model": "m", "prompt": at_limit + "x"}, "prompt"),
+        ("chat", {"model": "m", "messages": [{"role": "user", "content": at_limit + "x"}]}, "messages"),
+        (
+            "chat",
+            {
+                "model": "m",
+                "messages": [
+                    {"role": "system", "content": at_limit[:-5]},
+                    {"role": "user", "content": [{"type": "text", "text": "123456"}]},
+                ],
+            },
+            "messages",
+        ),
+    ):
+        with pytest.raises(InvalidArgument) as err:
+            turn(kind, body)  # type: ignore[arg-type]
+        assert err.value.reason == "TOO_LARGE" and err.value.metadata["field"] == field
+
+
+def test_a_client_request_id_must_be_a_request_id() -> None:
+    msgs = [{"role": "user", "content": "hi"}]
+    assert turn("chat", {"model": "m", "messages": msgs, "request_id": "r-1"}).body["request_id"] == "r-1"
+    for bad in ("x" * 129, "a b", "", 5):
+        with pytest.raises(InvalidArgument) as err:
+            turn("chat", {"model": "m", "messages": msgs, "request_id": bad})
+        assert err.value.metadata["field"] == "request_id"
