@@ -27,6 +27,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvbridge import secret as kvsecret
+
 BLOCK_SIZE = 32
 # Starts take 45-60 s alone; one took 12 min while other engines ran.
 DEFAULT_START_TIMEOUT_S = 15 * 60.0
@@ -270,9 +272,26 @@ def post_json(url: str, body: dict[str, Any], timeout_s: float = 300.0) -> dict[
         raise RuntimeError(f"POST {url} -> HTTP {error.code}: {detail[:2000]}") from error
 
 
+# kv_connector_extra_config settings that are credentials, and the environment variable the kvbridge connector
+# reads each from when the extra config lacks it (kvbridge_connector/settings.py). The launcher passes them in the
+# engine's environment, never on its command line: any local user can read a process's command line (ps,
+# /proc/<pid>/cmdline), only its owner its environment (/proc/<pid>/environ is 0400).
+CREDENTIAL_ENV = {
+    "kvbridge_hash_secret": kvsecret.ENV,
+    "kvbridge_api_key": "KVBRIDGE_API_KEY",
+    "kvbridge_telemetry_hash_key_hex": "KVBRIDGE_TELEMETRY_HASH_KEY_HEX",
+}
+
+
+def credential_env(spec: EngineSpec) -> dict[str, str]:
+    """The engine's credentials from its extra config, as the environment variables its connector reads."""
+    return {env: str(spec.extra_config[key]) for key, env in CREDENTIAL_ENV.items() if spec.extra_config.get(key)}
+
+
 def kv_transfer_config(spec: EngineSpec, engine_id: str) -> dict[str, Any]:
+    """vLLM's --kv-transfer-config: the extra config without its credentials (``engine_env`` carries them)."""
     extra: dict[str, Any] = {"bidirectional_kv_xfer": True}
-    extra.update(spec.extra_config)
+    extra.update((k, v) for k, v in spec.extra_config.items() if k not in CREDENTIAL_ENV)
     config: dict[str, Any] = {
         "kv_connector": spec.kv_connector,
         "kv_role": spec.kv_role,
@@ -359,6 +378,7 @@ def engine_env(spec: EngineSpec, side_channel_port: int) -> dict[str, str]:
             "PYTHONUNBUFFERED": "1",
         }
     )
+    env.update(credential_env(spec))
     env.update(spec.extra_env)
     return env
 

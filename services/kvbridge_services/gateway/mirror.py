@@ -18,6 +18,14 @@ registry by milliseconds is safe (ADR 0008):
   tokenizing, hashing and the registry round trip (ADR 0008's addendum); an entry written within the
   copy's lag costs one turn's reuse, as it would a registry that answered a moment earlier;
 - a hit names an entry of the engine's current incarnation only (``entrylookup.unusable``).
+
+Freshness is measured from when a message *arrived*, not from how old its data is (issue 30, item 8): a message
+that waited in a buffer (a starved event loop, a slow link) counts as fresh on arrival. WatchEntries messages
+carry a store revision and no time, so the data's age cannot be told here. What would be needed: the registry
+stamping each message with when its store confirmed that revision (``WatchEntriesResponse.as_of``, a Timestamp
+on the registry's clock; for a progress heartbeat, when the store answered it), and the copy's lag taken as
+``now - as_of`` plus a bound on the clocks' skew. Until then the bound above holds only up to that buffering;
+safety does not depend on it (every hit is verified, and blocks outlive their lease by the free grace).
 """
 
 from __future__ import annotations
