@@ -16,12 +16,15 @@ import asyncio
 import shutil
 from pathlib import Path
 
+import grpc
 import pytest
+from google.protobuf import duration_pb2
 
+from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge_services.cli import main as kvbridge
 from kvbridge_services.common.store.wal import _HEADER, LOG_NAME
 
-from .connector_stack import LONG, ConnectorStack
+from .connector_stack import LONG, MODEL, ConnectorStack, eventually
 
 pytestmark = [pytest.mark.slow]
 
@@ -100,3 +103,42 @@ async def test_a_repaired_store_offers_nothing_of_the_older_generation(tmp_path:
 
 async def test_a_restored_backup_copy_offers_nothing_of_the_older_generation(tmp_path: Path) -> None:
     await _rolled_back(tmp_path, "copy")
+
+
+async def test_a_live_lease_of_d_that_d_does_not_hold_is_revoked(tmp_path: Path) -> None:
+    """The connector's second line against a rollback nobody declared: an entry lease of its engine that this
+    process was not granted (here granted behind its back, as a restored one would be) is revoked within
+    2 x the RPC deadline + 1 s of the lease watch showing it; D's own lease is left alone."""
+    stack = ConnectorStack(tmp_path / "data")
+    await stack.start_services()
+    try:
+        await stack.start_engines()
+        msgs = [{"role": "user", "content": LONG}]
+        answer, _ = await stack.turn(msgs, "c1")
+        await stack.wait_registered(1)
+        assert stack.services is not None and stack.services.lease is not None
+        manager = stack.services.lease.manager
+        [own] = [r.lease_id for r in manager.table.leases.values() if r.conversation_key == "c1"]
+        async with grpc.aio.insecure_channel(stack.services.lease.address) as channel:
+            ghost = await lease_pb2_grpc.LeaseServiceStub(channel).GrantLease(
+                lease_pb2.GrantLeaseRequest(
+                    kind=lease_pb2.LEASE_KIND_ENTRY,
+                    tenant="acme",
+                    engine_id="d0",
+                    model=MODEL,
+                    conversation_key="ghost",
+                    ttl=duration_pb2.Duration(seconds=600),
+                ),
+                timeout=5,
+            )
+        plane = stack.d_connector().plane
+        took = await eventually(lambda: ghost.lease.lease_id not in manager.table.leases, "the ghost lease revoked")
+        print(f"a lease D does not hold revoked after {took:.1f} s")
+        assert plane.revoked_unheld == 1
+        assert own in manager.table.leases
+        msgs = [*msgs, {"role": "assistant", "content": answer}, {"role": "user", "content": "next"}]
+        _, verdict = await stack.turn(msgs, "c1")
+        assert verdict.startswith("hit"), verdict
+    finally:
+        await stack.stop_services()
+        await stack.stop_engines()
