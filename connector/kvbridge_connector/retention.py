@@ -20,12 +20,13 @@ frees an entry's blocks only once no prefill can still be reading them.
   ``fallback_ttl`` (>= node lease TTL + grace) after the last confirmation: by then D's node lease,
   which it could not renew either, has ended, and with it every offer of D's blocks.
 
-Retained KV is a cache: it never delays admission (ADR 0026). D keeps a free-block *headroom*: the blocks the
-requests arriving within one *horizon* (``free_grace_s`` + one RPC deadline: from a withdrawal decision to its
-blocks being free) will ask for, from the measured arrival rate, floored at the watermark and capped. Each step
-it withdraws, in one batch and ahead of need, every oldest-idle entry it takes for free + withdrawing blocks to
-cover that headroom plus what requests waiting for blocks now need (``withdrawal_need``). And a finished request
-is retained only from slack (``retention_verdict``): when a request waits for blocks, or the headroom is not
+Retained KV is a cache: it never delays admission (ADR 0026). A withdrawn entry's blocks come back only a
+*horizon* after D decides to withdraw it (the revoke's round trip, then ``free_grace_s``), so D keeps a free-block
+*headroom* for what live requests (running, and waiting for blocks) may ask for within a horizon: their peak
+demand over the last ``demand_window_s`` (at least one horizon) less what they use now, at least the watermark
+(``headroom_blocks``). Each step it withdraws, in one batch and ahead of need, every oldest-idle entry it takes
+for free + withdrawing blocks to cover that (plus a batch margin, ``withdrawal_need``). And a finished request is
+retained only from slack (``retention_verdict``): when a request waits for blocks, or the headroom is not
 covered, its blocks are freed at once instead: never registered, never offered, so no grace. A live request
 therefore waits at most for the withdrawals of one horizon, never behind one grace after another.
 """
@@ -44,8 +45,9 @@ Clock = Callable[[], float]
 
 # A withdrawal D asked for (revoke) that is not confirmed yet is asked for again this often.
 REVOKE_RETRY_S = 5.0
-# Arrivals remembered for the rate (bounded: the oldest go first).
-_MAX_ARRIVALS = 4096
+# Once free + withdrawing blocks fall short of the headroom, D withdraws this fraction of the cache more: one batch
+# of revokes (and one grace) for several arrivals, not one entry at each step that falls short.
+BATCH_FRACTION = 0.1
 
 
 class RetainVerdict(enum.StrEnum):
@@ -61,23 +63,25 @@ class WithdrawReason(enum.StrEnum):
 
     ENTRY_CAP = "entry_cap"  # more live entries than kvbridge_max_retained_entries
     ADMISSION_WAITING = "admission_waiting"  # requests wait for blocks that free + withdrawing blocks lack
-    HEADROOM = "headroom"  # free + withdrawing blocks are short of the arrivals of one horizon
+    HEADROOM = "headroom"  # free + withdrawing blocks are short of what live demand may grow to within a horizon
 
 
-def headroom_blocks(
-    arrival_blocks_per_s: float, horizon_s: float, total_blocks: int, watermark: float, max_fraction: float
+def headroom_blocks(peak_demand_blocks: int, live_blocks: int, total_blocks: int, watermark: float) -> int:
+    """The free blocks D keeps ahead of need: what live requests' demand (blocks of running requests plus what
+    waiting ones ask for) may grow to within one horizon, i.e. its peak over the demand window, less the blocks
+    running requests hold now; at least ``watermark`` of the cache, at most all of it."""
+    floor = math.ceil(watermark * total_blocks - 1e-9)  # 0.2 * 100 is 20.000000000000004
+    return max(0, min(total_blocks, max(floor, peak_demand_blocks - live_blocks)))
+
+
+def withdrawal_need(
+    free_blocks: int, withdrawing_blocks: int, waiting_blocks: int, headroom: int, batch_blocks: int = 0
 ) -> int:
-    """The free blocks D keeps ahead of need: what arrivals ask for within one horizon (the time a withdrawal
-    decided now takes to free its blocks), at least ``watermark`` and at most ``max_fraction`` of the cache."""
-    floor = watermark * total_blocks
-    ceiling = max(floor, max_fraction * total_blocks)
-    return max(0, math.ceil(min(ceiling, max(floor, arrival_blocks_per_s * horizon_s)) - 1e-9))  # 0.2 * 100 -> 20
-
-
-def withdrawal_need(free_blocks: int, withdrawing_blocks: int, waiting_blocks: int, headroom: int) -> int:
     """Blocks of live entries to withdraw now (0: none): free blocks plus those already on their way out must
-    cover what waiting requests need plus the headroom."""
-    return max(0, waiting_blocks + headroom - free_blocks - withdrawing_blocks)
+    cover the headroom and what waiting requests ask for. Once short, D withdraws ``batch_blocks`` more (one
+    batch for the next arrivals too, not one entry per step)."""
+    short = max(waiting_blocks, headroom) - free_blocks - withdrawing_blocks
+    return short + batch_blocks if short > 0 else 0
 
 
 def retention_verdict(free_blocks: int, withdrawing_blocks: int, waiting_blocks: int, headroom: int) -> RetainVerdict:
@@ -91,36 +95,29 @@ def retention_verdict(free_blocks: int, withdrawing_blocks: int, waiting_blocks:
     return RetainVerdict.RETAIN
 
 
-class ArrivalRate:
-    """KV blocks asked for by arriving requests per second, over the last ``window_s`` (each request once)."""
+class PeakDemand:
+    """The largest live demand (KV blocks) sampled over the last ``window_s``: a sliding-window maximum."""
 
     def __init__(self, clock: Clock, window_s: float) -> None:
         self._clock = clock
         self._window_s = window_s
-        self._arrivals: deque[tuple[float, int]] = deque()
-        self._seen: dict[str, None] = {}
-        self._sum = 0
+        # (time, blocks), blocks strictly decreasing: the front is the window's maximum.
+        self._samples: deque[tuple[float, int]] = deque()
 
-    def note(self, request_id: str, blocks: int) -> None:
-        if request_id in self._seen:
-            return
-        self._seen[request_id] = None
-        while len(self._seen) > _MAX_ARRIVALS:
-            del self._seen[next(iter(self._seen))]
+    def sample(self, blocks: int) -> None:
         now = self._clock()
-        self._arrivals.append((now, blocks))
-        self._sum += blocks
+        while self._samples and self._samples[-1][1] <= blocks:
+            self._samples.pop()
+        self._samples.append((now, blocks))
         self._trim(now)
 
-    def blocks_per_s(self) -> float:
-        """Over the whole window, also before one has passed (a burst at start is not taken for a rate: what
-        waiting requests need covers it)."""
+    def peak(self) -> int:
         self._trim(self._clock())
-        return self._sum / self._window_s
+        return self._samples[0][1] if self._samples else 0
 
     def _trim(self, now: float) -> None:
-        while self._arrivals and (self._arrivals[0][0] <= now - self._window_s or len(self._arrivals) > _MAX_ARRIVALS):
-            self._sum -= self._arrivals.popleft()[1]
+        while len(self._samples) > 1 and self._samples[0][0] <= now - self._window_s:
+            self._samples.popleft()
 
 
 @dataclass(slots=True)
@@ -168,8 +165,7 @@ class RetentionTable:
         free_kv_watermark: float,
         free_grace_s: float = 0.0,
         *,
-        headroom_max_fraction: float = 0.5,
-        arrival_window_s: float = 30.0,
+        demand_window_s: float = 0.0,
         horizon_s: float | None = None,
     ) -> None:
         self._clock = clock
@@ -177,10 +173,10 @@ class RetentionTable:
         self._fallback_ttl_s = fallback_ttl_s
         self._max_entries = max_entries
         self._watermark = free_kv_watermark
-        self._headroom_max_fraction = headroom_max_fraction
-        # From a withdrawal decision to its blocks being free: the revoke's round trip, then the grace.
-        self._horizon_s = free_grace_s + 2.0 if horizon_s is None else horizon_s
-        self._arrivals = ArrivalRate(clock, arrival_window_s)
+        # From a withdrawal decision to its blocks being free: the revoke's round trip, then the grace. The demand
+        # window covers at least one: the headroom must hold what live requests may ask for before blocks return.
+        horizon = free_grace_s + 2.0 if horizon_s is None else horizon_s
+        self._demand = PeakDemand(clock, max(demand_window_s, horizon))
         self._entries: dict[str, RetainedEntry] = {}
         self._by_lease: dict[int, str] = {}
         # Leases that ended before their grant reached us (bounded: trimmed FIFO).
@@ -205,22 +201,23 @@ class RetentionTable:
         """Blocks of withdrawn entries not freed yet (they are on their way out)."""
         return sum(e.num_blocks for e in self._entries.values() if e.released)
 
-    def headroom(self, total_blocks: int) -> int:
-        """The free blocks to keep ahead of need now (``headroom_blocks`` from the measured arrival rate)."""
-        return headroom_blocks(
-            self._arrivals.blocks_per_s(), self._horizon_s, total_blocks, self._watermark, self._headroom_max_fraction
-        )
+    def held_blocks(self) -> int:
+        """Blocks the table holds: retained entries' and withdrawn ones' not freed yet."""
+        return sum(e.num_blocks for e in self._entries.values())
+
+    def headroom(self, free_blocks: int, total_blocks: int, waiting_blocks: int = 0) -> int:
+        """The free blocks to keep ahead of need now (``headroom_blocks``); samples the live demand."""
+        live = max(0, total_blocks - free_blocks - self.held_blocks())  # running requests' blocks
+        self._demand.sample(live + waiting_blocks)
+        return headroom_blocks(self._demand.peak(), live, total_blocks, self._watermark)
 
     def verdict(self, free_blocks: int | None, total_blocks: int | None, waiting_blocks: int = 0) -> RetainVerdict:
-        """Whether a finished request may keep its blocks (``retention_verdict``); without a block pool, yes."""
+        """Whether a finished request may keep its blocks (``retention_verdict``); without a block pool, yes.
+        ``free_blocks`` does not count the request's own (they are still allocated to it)."""
         if free_blocks is None or not total_blocks:
             return RetainVerdict.RETAIN
-        return retention_verdict(free_blocks, self.withdrawn_blocks(), waiting_blocks, self.headroom(total_blocks))
-
-    # ---- demand --------------------------------------------------------
-    def note_arrival(self, request_id: str, blocks: int) -> None:
-        """A request asked for KV blocks (counted once per request): the arrival rate sizes the headroom."""
-        self._arrivals.note(request_id, blocks)
+        headroom = self.headroom(free_blocks, total_blocks, waiting_blocks)
+        return retention_verdict(free_blocks, self.withdrawn_blocks(), waiting_blocks, headroom)
 
     # ---- events --------------------------------------------------------
     def retain(self, request_id: str, num_blocks: int, token_count: int, conversation: ConversationRef | None) -> float:
@@ -386,8 +383,10 @@ class RetentionTable:
             # Withdrawn entries' blocks are on their way out: count them as free already, so pressure
             # withdraws only what it still needs (they cannot be freed sooner: a READ may be under way).
             withdrawing = self.withdrawn_blocks()
-            need = withdrawal_need(free_blocks, withdrawing, waiting_blocks, self.headroom(total_blocks))
-            if withdrawal_need(free_blocks, withdrawing, waiting_blocks, 0) > 0:
+            headroom = self.headroom(free_blocks, total_blocks, waiting_blocks)
+            batch = math.ceil(total_blocks * BATCH_FRACTION)
+            need = withdrawal_need(free_blocks, withdrawing, waiting_blocks, headroom, batch)
+            if waiting_blocks > free_blocks:
                 reason = WithdrawReason.ADMISSION_WAITING
         for entry in live:
             if excess <= 0 and need <= 0:

@@ -118,8 +118,7 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             settings.max_retained_entries,
             settings.free_kv_watermark,
             free_grace_s=settings.free_grace_s,
-            headroom_max_fraction=settings.headroom_max_fraction,
-            arrival_window_s=settings.arrival_window_s,
+            demand_window_s=settings.demand_window_s,
             horizon_s=settings.free_grace_s + settings.rpc_deadline_s,
         )
         # Decode: KV blocks each request vLLM asked about this step wants (dropped once it is allocated), and
@@ -166,10 +165,8 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
 
     def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int, bool]:
         if self.is_decode and self.control_plane is not None:
-            # vLLM asks for each waiting request it tries to admit: its demand, until it is allocated.
-            need = self._blocks_needed(request)
-            self._asked[request.request_id] = need
-            self.retention.note_arrival(request.request_id, need)
+            # vLLM asks about each waiting request it tries to admit: its demand, until it is allocated.
+            self._asked[request.request_id] = self._blocks_needed(request, num_computed_tokens)
         params = request.kv_transfer_params
         offered = bool(
             params and params.get("do_remote_decode") and params.get("remote_block_ids") and not self.is_decode
@@ -231,10 +228,12 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         super().update_state_after_alloc(request, blocks, num_external_tokens)
         self._asked.pop(request.request_id, None)  # admitted: no longer waiting for blocks
 
-    def _blocks_needed(self, request: Request) -> int:
-        """KV blocks a request takes on this engine by its end (prompt and the most it may generate)."""
+    def _blocks_needed(self, request: Request, num_computed_tokens: int) -> int:
+        """New KV blocks a request takes on this engine by its end (prompt and the most it may generate), less
+        its local prefix-cache hit (``num_computed_tokens``, whole blocks: a retained entry's blocks are shared)."""
+        size = max(self.block_size, 1)
         tokens = request.num_prompt_tokens + max(0, int(request.max_tokens or 0))
-        return -(-tokens // max(self.block_size, 1)) * self._kv_groups
+        return max(0, -(-tokens // size) - num_computed_tokens // size) * self._kv_groups
 
     def _note_incarnation(self, params: dict[str, Any]) -> None:
         """A decode engine restarted under the same engine id has new NIXL memory registrations: what this
@@ -275,14 +274,13 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
             # so never offered: no grace. No params: nothing may be read back from them.
             self._reqs_need_send.pop(request_id, None)
             log.info(
-                "kvbridge: not retaining request %s (%d blocks): %s (free %s, withdrawing %d, waiting %d, headroom %d)",
+                "kvbridge: not retaining request %s (%d blocks): %s (free %s, withdrawing %d, waiting %d)",
                 request_id,
                 sum(len(g) for g in blocks),
                 verdict.value,
                 free,
                 self.retention.withdrawn_blocks(),
                 self._waiting_blocks,
-                self.retention.headroom(total or 0),
             )
             return False, None
         token_count = int(params["remote_num_tokens"])
@@ -330,7 +328,7 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
         if decisions.revoke:
             log.info(
                 "kvbridge: withdrawing %d retained entr%s (%s%s); their blocks stay until the end is confirmed "
-                "and %.0f s more (free %s, waiting %d, headroom %d)",
+                "and %.0f s more (free %s, waiting %d)",
                 len(decisions.revoke),
                 "y" if len(decisions.revoke) == 1 else "ies",
                 ", ".join(sorted({reason for _, reason in decisions.revoke})),
@@ -338,7 +336,6 @@ class KvbridgeConnectorScheduler(NixlPullConnectorScheduler):
                 self.settings.free_grace_s,
                 free,
                 self._waiting_blocks,
-                self.retention.headroom(total or 0),
             )
         meta = super().build_connector_meta(scheduler_output)
         setattr(meta, META_HOLD, self._hold_ids)

@@ -100,10 +100,10 @@ class ConnectorSettings:
     # Decode: the least free-block headroom (a fraction of the cache) D keeps: below it, retained entries are
     # withdrawn (oldest idle first) and finished requests are not retained.
     free_kv_watermark: float = 0.2
-    # Decode: the most headroom (a fraction of the cache) the arrival rate may ask for (ADR 0026).
-    headroom_max_fraction: float = 0.5
-    # Decode: the window over which the arrival rate (KV blocks per second) that sizes the headroom is measured.
-    arrival_window_s: float = 30.0
+    # Decode: how long D remembers the peak of live requests' KV demand; the headroom holds what live demand may
+    # grow to (that peak) beyond what it uses now (ADR 0026). 0 (and anything shorter): one horizon,
+    # free_grace_s + rpc_deadline_s, the time a withdrawal decided now takes to free its blocks.
+    demand_window_s: float = 0.0
     rpc_deadline_s: float = 2.0
     queue_size: int = 1024
     max_retained_entries: int = 4096
@@ -182,8 +182,7 @@ class ConnectorSettings:
             entry_lease_ttl_s=_float(extra, "kvbridge_entry_lease_ttl_s", 60.0, 1.0, 3600.0),
             node_lease_ttl_s=_float(extra, "kvbridge_node_lease_ttl_s", 15.0, 1.0, 600.0),
             free_kv_watermark=_float(extra, "kvbridge_free_kv_watermark", 0.2, 0.0, 0.95),
-            headroom_max_fraction=_float(extra, "kvbridge_headroom_max_fraction", 0.5, 0.0, 0.95),
-            arrival_window_s=_float(extra, "kvbridge_arrival_window_s", 30.0, 1.0, 3600.0),
+            demand_window_s=_float(extra, "kvbridge_demand_window_s", 0.0, 0.0, 3600.0),
             offer_window_s=_float(extra, "kvbridge_offer_window_s", 5.0, 0.1, 300.0),
             index_max_lag_s=_float(extra, "kvbridge_index_max_lag_s", 3.0, 0.05, 300.0),
             free_grace_s=_float(extra, "kvbridge_free_grace_s", 10.0, 1.0, 3600.0),

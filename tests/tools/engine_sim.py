@@ -80,6 +80,14 @@ class SimConfig:
     # Non-streaming responses carry "sim_timing": when the first token was generated (wall clock) and the
     # prompt tokens hit in the local prefix cache, pulled and computed.
     report_timing: bool = False
+    # Admission as vLLM's scheduler does it: a request takes its KV blocks (prompt + max_tokens, less a prefix-cache
+    # hit, which it shares) before it runs and waits, first come first served, while the cache lacks them (free
+    # blocks less those running requests took); the connector is told what the request at the head waits for.
+    # False: a request never waits (it takes blocks only when it finishes).
+    admission: bool = False
+    # P starts its READ of an offer this long after accepting it (a busy queue); a READ that would start past the
+    # offer's deadline (less kvbridge.offers.READ_START_MARGIN_S) is declined and P computes, as vLLM's worker does.
+    read_delay_s: float = 0.0
     # /metrics states the engine's KV cache config as vLLM 0.32 does (v1/metrics/loggers.py log_metrics_info: the
     # gauge vllm:cache_config_info, one label per CacheConfig field, block_size among them). False: it does not.
     cache_config_info: bool = True
@@ -218,9 +226,15 @@ class BlockStore:
     hash_of: dict[int, int] = field(default_factory=dict)
     # References of blocks in use beyond the first (a prefix-cache hit shares blocks between requests).
     extra_refs: dict[int, int] = field(default_factory=dict)
+    # Blocks running requests took at admission (SimConfig.admission) and have not stored yet.
+    reserved: int = 0
 
     def __post_init__(self) -> None:
         self.free_ids.extend(range(self.total))
+
+    def available(self) -> int:
+        """Free blocks no running request has taken."""
+        return len(self.free_ids) - self.reserved
 
     def usage(self) -> float:
         self.reap()
@@ -339,6 +353,10 @@ class Stats:
     running: int = 0
     stalled: int = 0  # generations that hit the stall_s pause
     cancelled: int = 0  # non-streaming generations abandoned because the client went away
+    # SimConfig.admission: requests that waited for KV blocks, the longest and the total wait (seconds).
+    admission_waits: int = 0
+    admission_wait_max_s: float = 0.0
+    admission_wait_total_s: float = 0.0
     last_kv_transfer_params: dict[str, Any] | None = None
     kv_transfer_params_seen: list[dict[str, Any] | None] = field(default_factory=list)
     bodies_seen: list[dict[str, Any]] = field(default_factory=list)
@@ -359,6 +377,8 @@ class Engine:
         self.http = httpx.AsyncClient(timeout=10.0)
         self.hf = HfText(cfg.hf_tokenizer) if cfg.hf_tokenizer else None
         self.connector = self._connector(cfg) if cfg.kvbridge_config.get("kvbridge_registry") else None
+        # SimConfig.admission: requests waiting for KV blocks, in arrival order -> the blocks each needs.
+        self.waiting: dict[str, int] = {}
 
     def _connector(self, cfg: SimConfig) -> SimConnector:
         from tests.tools.sim_connector import SimConnector  # only connector mode needs the connector package
@@ -380,7 +400,40 @@ class Engine:
         """The connector's scheduler step: lease events into its retention table, then its holds and releases."""
         if self.connector is not None:
             self.kv.reap()
-            self.connector.step(self.kv.held, self.kv.release, len(self.kv.free_ids), self.kv.total)
+            head = next(iter(self.waiting.values()), 0)  # vLLM asks about the head of its queue only
+            self.connector.step(self.kv.held, self.kv.release, self.kv.available(), self.kv.total, waiting_blocks=head)
+
+    async def admit(self, request_id: str, prompt: list[int], max_tokens: int, cache_salt: str) -> None:
+        """Waits until the request may take its blocks (SimConfig.admission), first come first served: the
+        prompt's and ``max_tokens``' blocks less a prefix-cache hit on blocks in use (shared at no cost; a hit on
+        a freed block takes that block off the free list, as a new one would). Returns with no await after the
+        check, so the caller's ``local_hit`` finds the same hit."""
+        total = -(-(len(prompt) + max_tokens) // self.cfg.block_size)
+        if total > self.kv.total:
+            raise ApiError(400, "the request needs more KV blocks than the engine has")
+        start = time.time()
+        self.waiting[request_id] = total
+        try:
+            while True:
+                self.sync_connector()
+                hit: list[int] = []
+                if self.cfg.prefix_caching:
+                    hit, _ = self.kv.prefix_hit(prompt, len(prompt) - 1, cache_salt)
+                need = total - sum(1 for b in hit if b in self.kv.in_use)
+                self.waiting[request_id] = need
+                if next(iter(self.waiting)) == request_id and self.kv.available() >= need:
+                    break
+                await asyncio.sleep(0.005)
+        finally:
+            del self.waiting[request_id]
+        waited = time.time() - start
+        if waited > 0.05:
+            self.stats.admission_waits += 1
+        self.stats.admission_wait_total_s += waited
+        self.stats.admission_wait_max_s = max(self.stats.admission_wait_max_s, waited)
+
+    def unreserve(self, head: dict[str, Any]) -> None:
+        self.kv.reserved -= head.pop("reserved", 0)
 
     def detok(self, token_id: int) -> str:
         return self.hf.detokenize(token_id) if self.hf is not None else detokenize(token_id)
@@ -480,6 +533,15 @@ class Engine:
         self, prompt: list[int], params: dict[str, Any], n: int, cached: list[int]
     ) -> tuple[list[int], int]:
         local = cached + prompt[len(cached) :]
+        if self.cfg.read_delay_s and params.get("do_remote_decode"):
+            from kvbridge import offers  # the API package: only a prefill pulling a connector's offer needs it
+
+            deadline = offers.read_deadline(params, time.time())
+            await asyncio.sleep(self.cfg.read_delay_s)
+            if deadline is not None and offers.too_late(deadline, time.time()):
+                if self.connector is not None:
+                    self.connector.declined["offer_expired"] = self.connector.declined.get("offer_expired", 0) + 1
+                return local, 0  # vLLM's worker declines a READ this late: P computes
         try:
             pulled = await self.pull(params, n, start=len(cached))
         except KVError as exc:
@@ -511,10 +573,20 @@ class Engine:
             conversation = self.connector.conversation(head["params"], accepted_at=head["accepted_at"])
             if conversation is not None:
                 held = self.kv.held[request_id]
-                held.multi_use, retained = True, True
-                held.deadline = self.connector.retain(
-                    request_id, conversation, block_ids, head["token_ids"][:computed], head["cache_salt"]
+                kept = self.connector.retain(
+                    request_id,
+                    conversation,
+                    block_ids,
+                    head["token_ids"][:computed],
+                    head["cache_salt"],
+                    free_blocks=self.kv.available() if self.cfg.admission else None,
+                    waiting_blocks=next(iter(self.waiting.values()), 0),
                 )
+                if kept is None:  # not retained (memory pressure): freed now, nothing to read back
+                    self.kv.release(request_id)
+                    return None
+                held.multi_use, retained = True, True
+                held.deadline = kept
         params: dict[str, Any] = {
             "do_remote_prefill": is_p,
             "do_remote_decode": not is_p,
@@ -559,13 +631,22 @@ class Engine:
         if len(prompt) + max_tokens > self.cfg.max_model_len:
             raise ApiError(400, "prompt too long")
         is_p = bool(params and params.get("do_remote_decode"))
-        shared, cached, parent = self.local_hit(prompt, str(body.get("cache_salt") or ""))
+        request_id = f"{'cmpl' if not chat else 'chatcmpl'}-{uuid.uuid4().hex}"
+        salt = str(body.get("cache_salt") or "")
+        if self.cfg.admission:
+            await self.admit(request_id, prompt, max_tokens, salt)
+        shared, cached, parent = self.local_hit(prompt, salt)
+        reserved = 0
+        if self.cfg.admission:
+            # The blocks it stores at its end: all but the prefix-cache hit (a retained entry's blocks too), shared.
+            reserved = -(-(len(prompt) + max_tokens) // self.cfg.block_size) - len(shared)
+            self.kv.reserved += reserved
         try:
             kv, pulled = await self.compute_kv(prompt, params, cached)
         except BaseException:
             self.kv.free(shared)
+            self.kv.reserved -= reserved
             raise
-        request_id = f"{'cmpl' if not chat else 'chatcmpl'}-{uuid.uuid4().hex}"
         head = {
             "request_id": request_id,
             "prompt": prompt,
@@ -578,6 +659,7 @@ class Engine:
             "params": params,
             "accepted_at": accepted_at,
             "cache_salt": str(body.get("cache_salt") or ""),
+            "reserved": reserved,
         }
         self.stats.local_hit_tokens += len(cached)
         self.stats.computed_tokens += len(prompt) - pulled - len(cached)
@@ -613,11 +695,13 @@ class Engine:
                 yield {"token": tok, "last": i == max_tokens - 1}
             computed = len(seq) - 1 if not head["is_p"] else len(prompt)
             head["token_ids"] = prompt + out
+            self.unreserve(head)  # the blocks it took become the ones it stores
             head["final_params"] = (
                 self.finish_params(seq, head["is_p"], head["request_id"], computed, head) if head["params"] else None
             )
         finally:
             self.stats.running -= 1
+            self.unreserve(head)
             self.kv.free(head.pop("shared", []))  # a prefix hit no retained state took over
 
 
@@ -833,7 +917,12 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
                 "remote_pulled_bytes": s.remote_pulled_bytes,
                 "remote_reads": s.remote_reads,
                 "kvbridge": (
-                    {"registered": engine.connector.registered, "declined": dict(engine.connector.declined)}
+                    {
+                        "registered": engine.connector.registered,
+                        "declined": dict(engine.connector.declined),
+                        "not_retained": dict(engine.connector.not_retained),
+                        "withdrawal_batches": list(engine.connector.withdrawal_batches),
+                    }
                     if engine.connector is not None
                     else None
                 ),
@@ -842,6 +931,11 @@ def build_app(cfg: SimConfig) -> tuple[Starlette, Engine]:
                 "running": s.running,
                 "stalled": s.stalled,
                 "cancelled": s.cancelled,
+                "admission": {
+                    "waits": s.admission_waits,
+                    "wait_max_s": s.admission_wait_max_s,
+                    "wait_total_s": s.admission_wait_total_s,
+                },
                 "held_requests": sorted(engine.kv.held),
                 "unsafe_reads": engine.kv.unsafe_reads,
                 "last_kv_transfer_params": s.last_kv_transfer_params,

@@ -15,7 +15,11 @@ manager can be tested and benchmarked with simulated engines:
   retains the request's blocks by reference (a READ does not free them) and registers the entry; from then on
   the retention table decides: the hold deadline it extends while the control plane confirms the lease, the
   blocks it releases ``free_grace_s`` after the lease's end is confirmed, the leases it revokes (memory
-  pressure, entry cap, a registration that may have landed after its blocks were freed).
+  pressure, entry cap, a registration that may have landed after its blocks were freed);
+- with the simulator's admission model (``SimConfig.admission``) D also tells the table the blocks running
+  requests took (free blocks exclude them) and what the request waiting for blocks asks for, as the scheduler
+  does from vLLM's block pool, ``get_num_new_matched_tokens`` and ``update_state_after_alloc``: the headroom, the
+  withdrawals ahead of need and the retention verdict (ADR 0026) are the connector's own.
 
 Not modelled: what vLLM's scheduler adds around it (its block pool's reference counts, the NIXL worker's read
 notifications, ``offer_expired`` declines of a READ that would start too late: the simulator reads at once).
@@ -36,7 +40,7 @@ from kvbridge import offers
 from kvbridge.types.v1 import types_pb2
 from kvbridge_connector import control_plane as cp
 from kvbridge_connector.params import ConversationRef, parse_conversation, prompt_prefix_problem, pull_offer_problem
-from kvbridge_connector.retention import RetentionTable
+from kvbridge_connector.retention import RetainVerdict, RetentionTable
 from kvbridge_connector.settings import ConnectorSettings
 
 _ROLES = {
@@ -91,8 +95,13 @@ class SimConnector:
             settings.max_retained_entries,
             settings.free_kv_watermark,
             settings.free_grace_s,
+            demand_window_s=settings.demand_window_s,
+            horizon_s=settings.free_grace_s + settings.rpc_deadline_s,
         )
+        self.total_blocks = total_blocks
         self._retained: set[str] = set()  # request ids the table holds
+        self.not_retained: dict[str, int] = {}  # D: finished requests freed at once, by RetainVerdict
+        self.withdrawal_batches: list[int] = []  # D: live entries withdrawn per step that withdrew any
         self._bound: set[str] = set()  # of those, the ones registered under a lease
         self.registered = 0  # entries D registered (bound to a lease)
         self.declined: dict[str, int] = {}  # P: declined offers by reason
@@ -129,8 +138,19 @@ class SimConnector:
         block_ids: Sequence[int],
         token_ids: Sequence[int],
         cache_salt: str,
-    ) -> float:
-        """Retains a finished request's blocks and queues the entry's registration; the first hold deadline."""
+        *,
+        free_blocks: int | None = None,
+        waiting_blocks: int = 0,
+    ) -> float | None:
+        """Retains a finished request's blocks and queues the entry's registration; the first hold deadline.
+        None: not retained (``RetentionTable.verdict`` with ``free_blocks``, which do not count these): the
+        caller frees the blocks at once."""
+        verdict = self.retention.verdict(
+            free_blocks, self.total_blocks if free_blocks is not None else None, waiting_blocks
+        )
+        if verdict is not RetainVerdict.RETAIN:
+            self.not_retained[verdict.value] = self.not_retained.get(verdict.value, 0) + 1
+            return None
         deadline = self.retention.retain(request_id, len(block_ids), len(token_ids), conversation)
         self._retained.add(request_id)
         self.plane.submit(
@@ -145,15 +165,24 @@ class SimConnector:
         return deadline
 
     def step(
-        self, held: Mapping[str, Any], release: Callable[[str], None], free_blocks: int, total_blocks: int
+        self,
+        held: Mapping[str, Any],
+        release: Callable[[str], None],
+        free_blocks: int,
+        total_blocks: int,
+        *,
+        waiting_blocks: int = 0,
     ) -> None:
         """One scheduler step: the control plane's events into the retention table, then its decisions.
         ``held``: the block store's held requests (objects with a ``deadline``), after its own fallback reaping;
-        ``release(request_id)``: frees a held request's blocks."""
+        ``release(request_id)``: frees a held request's blocks; ``waiting_blocks``: what the request waiting for
+        blocks asks for."""
         cp.apply_events(self.retention, self.plane.drain())
         for request_id in [r for r in self._retained if r not in held]:  # reaped at its hold deadline
             self._forget(request_id)
-        decisions = self.retention.step(free_blocks, total_blocks)
+        decisions = self.retention.step(free_blocks, total_blocks, waiting_blocks)
+        if decisions.withdrawn:
+            self.withdrawal_batches.append(len(decisions.withdrawn))
         for request_id, deadline in decisions.deadlines.items():
             if request_id in held:
                 held[request_id].deadline = deadline

@@ -73,6 +73,7 @@ def _step(sched: Any) -> Any:
     return sched.build_connector_meta(SchedulerOutput.make_empty())
 
 
+DEMAND_WINDOW_S = 1.3  # past a 1.25 s demand window
 GRACE_S = 1.2  # the least a 0.1 s offer window and a 0.05 s index lag bound allow (+ 1 s for the READ)
 SECRET_HEX = b"unit-hash-secret-0123456789abcdef".hex()  # the deployment secret is hex (kvbridge.secret)
 EXTRA = {
@@ -201,11 +202,12 @@ def _finish(sched: Any, pool: Any, request_id: str) -> tuple[bool, dict[str, Any
 def test_a_finished_request_is_not_retained_while_a_request_waits_for_blocks(vllm_configs: dict[str, Any]) -> None:
     """Retained KV is a cache (ADR 0026): when vLLM could not admit a request for want of blocks, a finished
     request's blocks go to it at once: never registered, never offered, so no grace."""
-    with scheduler(vllm_configs, "kv_consumer", EXTRA) as sched:
+    extra = dict(EXTRA, kvbridge_rpc_deadline_s=0.05, kvbridge_demand_window_s=1)  # window: grace + RPC = 1.25 s
+    with scheduler(vllm_configs, "kv_consumer", extra) as sched:
         _quiet(sched)
         pool = _pool()
         sched.bind_block_pool(pool)
-        live = pool.get_new_blocks(40)  # 24 free
+        live = pool.get_new_blocks(40)  # 23 free (and vLLM's null block)
         # vLLM asks about a waiting 28-block request (800 prompt + 96 new tokens) and cannot allocate it.
         waiting = FakeRequest("w-1", {}, list(range(800)), max_tokens=96)
         sched.get_num_new_matched_tokens(waiting, 0)
@@ -214,12 +216,16 @@ def test_a_finished_request_is_not_retained_while_a_request_waits_for_blocks(vll
         assert (delay_free, returned) == (False, None)
         assert "d-6" not in sched.retention and all(b.ref_cnt == 0 for b in blocks)
         assert not [c for c in sched.control_plane.commands if type(c).__name__ == "RegisterEntry"]
-        # Admitted (vLLM allocated it): nothing waits any more, and the next finished request is retained.
+        # Admitted (vLLM allocated it) and done: nothing waits any more, but live demand reached 40 + 28 blocks
+        # within the demand window, so the headroom keeps 28 free beyond the 40 running: still no retention.
         sched.get_num_new_matched_tokens(waiting, 0)
         sched.update_state_after_alloc(waiting, None, 0)
         _step(sched)
-        delay_free, returned, _ = _finish(sched, pool, "d-7")
-        assert returned is not None and returned["kvbridge_retained"] is True and "d-7" in sched.retention
+        assert _finish(sched, pool, "d-7")[1] is None
+        time.sleep(DEMAND_WINDOW_S)  # the peak leaves the window: the next finished request is retained
+        _step(sched)
+        _, returned, _ = _finish(sched, pool, "d-8")
+        assert returned is not None and returned["kvbridge_retained"] is True and "d-8" in sched.retention
         pool.free_blocks(live)
 
 

@@ -129,9 +129,12 @@ def test_watermark_withdraws_oldest_idle_first_and_frees_once_the_revoke_is_conf
         table.bind_lease(name, index + 1)
         clock.now += 1
     table.lease_alive(1)  # "old" was just renewed: now the most recently used
-    # 100 blocks, 12 free: need 20 free -> withdraw 10 blocks' worth = one entry ("mid").
+    # 100 blocks, 12 free: need 20 free -> 8 blocks short, and a batch of 10 % of the cache more: "mid" and "new".
     decisions = table.step(free_blocks=12, total_blocks=100)
-    assert decisions.revoke == [(2, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE")]
+    assert decisions.revoke == [
+        (2, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE"),
+        (3, "REVOKE_REASON_EVICTED_MEMORY_PRESSURE"),
+    ]
     assert decisions.release == set(), "a READ offered before the revoke may still come: never free at once"
     # Next step, still short: "mid"'s blocks are on their way out and count as freed already.
     assert table.step(free_blocks=12, total_blocks=100) == Decisions()

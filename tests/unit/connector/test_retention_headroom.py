@@ -7,7 +7,7 @@ import pytest
 
 from kvbridge_connector.params import ConversationRef
 from kvbridge_connector.retention import (
-    ArrivalRate,
+    PeakDemand,
     RetainVerdict,
     RetentionTable,
     WithdrawReason,
@@ -30,15 +30,14 @@ class FakeClock:
         return self.now
 
 
-def make_table(clock: FakeClock, *, watermark: float = 0.2, max_fraction: float = 0.5) -> RetentionTable:
+def make_table(clock: FakeClock, *, watermark: float = 0.2) -> RetentionTable:
     return RetentionTable(
         clock,
         fallback_ttl_s=100.0,
         max_entries=100,
         free_kv_watermark=watermark,
         free_grace_s=GRACE,
-        headroom_max_fraction=max_fraction,
-        arrival_window_s=30.0,
+        demand_window_s=30.0,
         horizon_s=HORIZON,
     )
 
@@ -51,29 +50,26 @@ def retain_bound(table: RetentionTable, clock: FakeClock, names: list[str], bloc
 
 
 @pytest.mark.parametrize(
-    ("rate", "expect"),
+    ("peak", "live", "expect"),
     [
-        (0.0, 20),  # no arrivals: the watermark (20 % of 100)
-        (1.0, 20),  # 12 blocks within a horizon: still the watermark
-        (3.0, 36),  # 36 blocks arrive within a horizon
-        (10.0, 50),  # capped at half the cache
+        (0, 0, 20),  # no demand seen: the watermark (20 % of 100)
+        (30, 20, 20),  # live demand may grow by 10: still the watermark
+        (80, 20, 60),  # it reached 80 within the window: 60 more than now
+        (150, 20, 100),  # more than the cache: all of it (nothing is retained)
     ],
 )
-def test_the_headroom_is_the_arrivals_of_one_horizon_between_the_watermark_and_the_cap(
-    rate: float, expect: int
-) -> None:
-    assert headroom_blocks(rate, HORIZON, 100, watermark=0.2, max_fraction=0.5) == expect
-
-
-def test_a_cap_below_the_watermark_leaves_the_watermark() -> None:
-    assert headroom_blocks(10.0, HORIZON, 100, watermark=0.3, max_fraction=0.1) == 30
+def test_the_headroom_is_what_live_demand_may_grow_to_within_the_window(peak: int, live: int, expect: int) -> None:
+    assert headroom_blocks(peak, live, 100, watermark=0.2) == expect
 
 
 def test_withdrawal_need_counts_blocks_on_their_way_out_and_what_waits() -> None:
     assert withdrawal_need(free_blocks=30, withdrawing_blocks=0, waiting_blocks=0, headroom=20) == 0
     assert withdrawal_need(free_blocks=10, withdrawing_blocks=0, waiting_blocks=0, headroom=20) == 10
     assert withdrawal_need(free_blocks=10, withdrawing_blocks=10, waiting_blocks=0, headroom=20) == 0
-    assert withdrawal_need(free_blocks=10, withdrawing_blocks=10, waiting_blocks=15, headroom=20) == 15
+    assert withdrawal_need(free_blocks=10, withdrawing_blocks=10, waiting_blocks=30, headroom=20) == 10
+    # Once short, a batch more.
+    assert withdrawal_need(free_blocks=10, withdrawing_blocks=0, waiting_blocks=0, headroom=20, batch_blocks=10) == 20
+    assert withdrawal_need(free_blocks=20, withdrawing_blocks=0, waiting_blocks=0, headroom=20, batch_blocks=10) == 0
 
 
 @pytest.mark.parametrize(
@@ -93,31 +89,36 @@ def test_a_finished_request_is_retained_only_from_slack(
     assert retention_verdict(free, withdrawing, waiting, headroom) is verdict
 
 
-def test_the_arrival_rate_counts_each_request_once_over_its_window() -> None:
+def test_the_peak_demand_is_a_sliding_window_maximum() -> None:
     clock = FakeClock()
-    rate = ArrivalRate(clock, window_s=10.0)
-    assert rate.blocks_per_s() == 0.0
-    rate.note("a", 20)
-    rate.note("a", 20)  # vLLM asks again while the request waits
-    rate.note("b", 10)
-    assert rate.blocks_per_s() == pytest.approx(3.0)
-    clock.now += 10.0
-    assert rate.blocks_per_s() == 0.0
+    peak = PeakDemand(clock, window_s=10.0)
+    assert peak.peak() == 0
+    for blocks in (30, 80, 40):
+        peak.sample(blocks)
+        clock.now += 1
+    assert peak.peak() == 80
+    clock.now += 7.5  # 80 was sampled 9.5 s ago
+    assert peak.peak() == 80
+    clock.now += 0.5
+    assert peak.peak() == 40
+    clock.now += 10
+    assert peak.peak() == 40  # the last sample stands until a new one
 
 
-def test_arrivals_make_the_table_withdraw_ahead_of_need_in_one_batch() -> None:
-    """Nothing waits yet and free KV is above the watermark, but the arrivals of one horizon would not fit:
-    every entry that takes is withdrawn at once (one batch), and none more while they are on their way out."""
+def test_live_demand_makes_the_table_withdraw_ahead_of_need_in_one_batch() -> None:
+    """Nothing waits and free KV is above the watermark, but live demand reached 60 blocks in the window and
+    running requests hold 20 now: the 40 it may grow by must be free or on their way. Every entry that takes
+    (plus a batch of 10 % of the cache) is withdrawn at once, and none more while they are on their way out."""
     clock = FakeClock()
     table = make_table(clock)
+    table.step(free_blocks=40, total_blocks=100, waiting_blocks=0)  # 60 running, nothing retained: peak 60
     retain_bound(table, clock, [f"e{i}" for i in range(8)], blocks=8)
-    for i in range(30):  # 3 blocks/s over the 30 s window: 36 blocks within a horizon
-        table.note_arrival(f"r{i}", 3)
-    assert table.headroom(100) == 36
-    first = table.step(free_blocks=25, total_blocks=100)  # above the 20 % watermark, short of 36
-    assert first.withdrawn == [("e0", WithdrawReason.HEADROOM), ("e1", WithdrawReason.HEADROOM)]
-    assert first.revoke == [(1, PRESSURE), (2, PRESSURE)] and first.release == set()
-    assert table.step(free_blocks=25, total_blocks=100).withdrawn == []  # 25 + 16 on their way cover it
+    # 64 blocks retained, 20 running: 16 free, 40 wanted -> short by 24, +10 -> 34 blocks: five entries.
+    first = table.step(free_blocks=16, total_blocks=100)
+    assert first.withdrawn == [(f"e{i}", WithdrawReason.HEADROOM) for i in range(5)]
+    assert first.revoke == [(lease, PRESSURE) for lease in range(1, 6)] and first.release == set()
+    assert table.step(free_blocks=16, total_blocks=100).withdrawn == []  # 16 + 40 on their way cover it
+    assert table.verdict(16, 100) is RetainVerdict.RETAIN  # free + withdrawing cover the headroom
 
 
 def test_a_waiting_request_is_named_as_the_reason_and_nothing_frees_before_the_grace() -> None:
@@ -125,23 +126,24 @@ def test_a_waiting_request_is_named_as_the_reason_and_nothing_frees_before_the_g
     table = make_table(clock)
     table.set_connected(True)
     retain_bound(table, clock, ["old", "mid", "new"], blocks=10)
-    decisions = table.step(free_blocks=25, total_blocks=100, waiting_blocks=30)  # needs 30 + 20, has 25
-    assert decisions.withdrawn == [(n, WithdrawReason.ADMISSION_WAITING) for n in ("old", "mid", "new")]
+    # A 30-block request waits with 25 free: 5 short, and a batch of 10 more: the two oldest entries.
+    decisions = table.step(free_blocks=25, total_blocks=100, waiting_blocks=30)
+    assert decisions.withdrawn == [(n, WithdrawReason.ADMISSION_WAITING) for n in ("old", "mid")]
     assert decisions.release == set(), "a READ offered before the revoke may still come"
-    for lease in (1, 2, 3):
+    for lease in (1, 2):
         table.lease_ended(lease)  # the revokes are confirmed
     clock.now += GRACE - 0.01
     assert table.step(free_blocks=25, total_blocks=100, waiting_blocks=30).release == set()
     clock.now += 0.01
-    assert table.step(free_blocks=25, total_blocks=100, waiting_blocks=30).release == {"old", "mid", "new"}
+    assert table.step(free_blocks=25, total_blocks=100, waiting_blocks=30).release == {"old", "mid"}
 
 
-def test_the_table_verdict_counts_its_own_withdrawals() -> None:
+def test_the_table_verdict_counts_its_own_withdrawals_and_what_waits() -> None:
     clock = FakeClock()
     table = make_table(clock)
     assert table.verdict(None, None) is RetainVerdict.RETAIN  # no block pool: stock retention
     retain_bound(table, clock, ["a"], blocks=10)
-    assert table.verdict(15, 100) is RetainVerdict.BELOW_HEADROOM
+    assert table.verdict(15, 100) is RetainVerdict.BELOW_HEADROOM  # 15 free, the watermark wants 20
     table.step(free_blocks=15, total_blocks=100)  # withdraws "a": 15 + 10 on the way
     assert table.verdict(15, 100) is RetainVerdict.RETAIN
     assert table.verdict(15, 100, waiting_blocks=16) is RetainVerdict.ADMISSION_WAITING
