@@ -166,8 +166,10 @@ async def test_small_decode_cache_under_concurrent_conversations_and_a_restart_n
         withdrawals = sum(
             "kvbridge: withdrawing" in line and "EVICTED_MEMORY_PRESSURE" in line for line in log.splitlines()
         )
-        print(f"memory-pressure withdrawals on D: {withdrawals}")
-        assert withdrawals > 0, "D's cache never came under pressure: the test proves nothing"
+        # Under pressure D also frees finished requests at once instead of retaining them (ADR 0026).
+        not_retained = sum("kvbridge: not retaining" in line for line in log.splitlines())
+        print(f"memory pressure on D: {withdrawals} withdrawals, {not_retained} requests not retained")
+        assert withdrawals + not_retained > 0, "D's cache never came under pressure: the test proves nothing"
 
         # D restarts under the same engine id (same port): no offer may name the old process's blocks.
         decode = small_cache_pd.decode
