@@ -25,7 +25,7 @@ Payloads are JSON with bytes carried as latin-1 strings (lossless, stdlib only).
 The scan and repair functions are pure over the file's bytes (``scan_log``).
 
 Generations (ADR 0024): the file ``generation`` names the store's generation and the log file it was written
-for (device and inode). Opening a directory whose log is not that file (a copy or a restored backup), whose
+for (its inode number). Opening a directory whose log is not that file (a copy or a restored backup), whose
 record says it was repaired (``kvbridge store repair`` cut acknowledged records, or ``kvbridge store
 new-generation``), or that has no record although it holds data, starts a new generation: the store retires
 the older generation's soft state (``MemoryStore``) and the record is rewritten for the new one.
@@ -289,8 +289,9 @@ class WriteAheadLog:
         return snapshot, records
 
     def _identity(self) -> list[int]:
-        st = os.fstat(self._log.fileno())
-        return [st.st_dev, st.st_ino]
+        """The log file's identity: its inode number. A copy is another file; the device number is left out, as
+        some filesystems (overlay, network mounts) give the same files another one after a remount."""
+        return [os.fstat(self._log.fileno()).st_ino]
 
     def _check_generation(self, *, empty: bool) -> str:
         """Why this open starts a new generation ("" when it continues the recorded one)."""
