@@ -243,3 +243,20 @@ def test_hold_mode_is_validated() -> None:
 
     with pytest.raises(ValueError, match="kvbridge_hold_blocks"):
         ConnectorSettings.from_extra_config({"kvbridge_hold_blocks": "forever"})
+
+
+def test_a_waiting_request_asks_only_for_blocks_beyond_its_local_prefix_hit(vllm_configs: dict[str, Any]) -> None:
+    """The next turn of a retained conversation shares the retained blocks (vLLM's prefix cache): only the rest
+    is demand, so retaining it did not cost the waiting request anything."""
+    with scheduler(vllm_configs, "kv_consumer", EXTRA) as sched:
+        _quiet(sched)
+        pool = _pool()
+        sched.bind_block_pool(pool)
+        live = pool.get_new_blocks(40)  # 23 free
+        # 800 prompt + 96 new tokens = 28 blocks, 640 tokens (20 blocks) of them in the local prefix cache: 8.
+        waiting = FakeRequest("w-2", {}, list(range(800)), max_tokens=96)
+        sched.get_num_new_matched_tokens(waiting, 640)
+        _step(sched)
+        _, returned, _ = _finish(sched, pool, "d-9")
+        assert returned is not None and returned["kvbridge_retained"] is True
+        pool.free_blocks(live)
