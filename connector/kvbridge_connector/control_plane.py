@@ -363,7 +363,7 @@ class ControlPlane:
         elif event.type in (lease_pb2.LeaseEvent.TYPE_ACTIVE, lease_pb2.LeaseEvent.TYPE_RENEWED):
             if snapshot is not None:
                 snapshot.add(lease.lease_id)
-            if lease.lease_id not in self._granted:
+            if lease.lease_id not in self._granted and len(self._unheld) < 4 * self._settings.max_retained_entries:
                 self._unheld.setdefault(lease.lease_id, time.monotonic())
             self._emit(LeaseAlive(lease.lease_id))
 
