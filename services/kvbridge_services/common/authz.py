@@ -3,8 +3,10 @@
 Every kvbridge gRPC method has exactly one row in :data:`TABLE`: the roles that may call it. The server
 interceptor (:class:`AuthzInterceptor`, installed by kvbridge_services.common.server) authenticates the caller once
 per RPC, refuses a role the row does not name with PERMISSION_DENIED / TENANT_FORBIDDEN (metadata ``method``),
-refuses every method without a row the same way, hands the principal to the servicer (:func:`caller`), and
-redacts what a tenant may not see (:func:`redact_for_tenant`). Health and reflection are public.
+refuses every method without a row the same way, admits the RPC under its principal's concurrency limits
+(kvbridge_services.common.limits: RESOURCE_EXHAUSTED / OVERLOADED past them), hands the principal to the servicer
+(:func:`caller`), and redacts what a tenant may not see (:func:`redact_for_tenant`). Health and reflection are
+public (they take a public slot).
 
 A tenant principal's tenant always comes from its credentials (``Principal.tenant_for``); every other role acts
 for any tenant and names it in the request. docs/security.md shows this table; tests/unit/common/test_authz.py
@@ -16,7 +18,7 @@ from __future__ import annotations
 import contextvars
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
@@ -26,6 +28,7 @@ from kvbridge.types.v1 import types_pb2
 
 from .auth import Authenticator, Principal, Role
 from .handler_cache import WrappingInterceptor
+from .limits import RpcLimiter, Slot
 
 T, G, E, OP = Role.TENANT, Role.GATEWAY, Role.ENGINE, Role.OPERATOR
 _REG = "kvbridge.registry.v1.RegistryService/"
@@ -157,16 +160,22 @@ Ctx = grpc.aio.ServicerContext[Any, Any]
 
 
 class AuthzInterceptor(WrappingInterceptor):
-    def __init__(self, auth: Authenticator) -> None:
-        self._auth = auth
-        super().__init__(self._wrap, skip_prefixes=PUBLIC_PREFIXES)
+    """Authenticates, authorizes and admits every RPC. With a ``limiter`` each RPC (streams for their whole life)
+    holds a slot of its principal's class (common/limits.py); health and reflection take a public slot."""
 
-    def _admit(self, method: str, context: Ctx) -> Principal:
+    def __init__(self, auth: Authenticator, limiter: RpcLimiter | None = None) -> None:
+        self._auth = auth
+        self._limiter = limiter
+        super().__init__(self._wrap)
+
+    def _admit(self, method: str, context: Ctx) -> tuple[Principal, Slot | None]:
         principal = self._auth.authenticate(context)
         require(principal, method)
-        return principal
+        return principal, (self._limiter.admit(principal) if self._limiter is not None else None)
 
     def _wrap(self, method: str, h: Any) -> Any:
+        if method.startswith(PUBLIC_PREFIXES):
+            return self._wrap_public(h)
         if h.unary_unary is not None:
             return h._replace(unary_unary=self._unary(method, h.unary_unary))
         if h.stream_unary is not None:
@@ -177,40 +186,95 @@ class AuthzInterceptor(WrappingInterceptor):
             return h._replace(stream_stream=self._streaming(method, h.stream_stream))
         return h
 
+    # --- public methods: no credentials, a public slot ---
+
+    def _wrap_public(self, h: Any) -> Any:
+        limiter = self._limiter
+        if limiter is None:
+            return h
+
+        def unary(inner: Callable[[Any, Ctx], Any]) -> Callable[[Any, Ctx], Any]:
+            async def behavior(request: Any, context: Ctx) -> Any:
+                slot = await _admit_or_abort(context, limiter.admit, None)
+                try:
+                    return await inner(request, context)
+                finally:
+                    slot.release()
+
+            return behavior
+
+        def streaming(inner: Callable[[Any, Ctx], Any]) -> Callable[[Any, Ctx], Any]:
+            async def behavior(request: Any, context: Ctx) -> AsyncIterator[Any]:
+                slot = await _admit_or_abort(context, limiter.admit, None)
+                try:
+                    result = inner(request, context)
+                    if hasattr(result, "__aiter__"):
+                        async for item in result:
+                            yield item
+                    else:
+                        await result
+                finally:
+                    slot.release()
+
+            return behavior
+
+        if h.unary_unary is not None:
+            return h._replace(unary_unary=unary(h.unary_unary))
+        if h.stream_unary is not None:
+            return h._replace(stream_unary=unary(h.stream_unary))
+        if h.unary_stream is not None:
+            return h._replace(unary_stream=streaming(h.unary_stream))
+        if h.stream_stream is not None:
+            return h._replace(stream_stream=streaming(h.stream_stream))
+        return h
+
+    # --- kvbridge methods ---
+
     def _unary(self, method: str, inner: Callable[[Any, Ctx], Any]) -> Callable[[Any, Ctx], Any]:
         async def behavior(request: Any, context: Ctx) -> Any:
-            try:
-                principal = self._admit(method, context)
-            except KvbridgeError as err:
-                await context.abort_with_status(err.to_status())
-                raise AssertionError("unreachable") from None
+            principal, slot = await _admit_or_abort(context, self._admit, method, context)
             token = _CALLER.set(principal)
             try:
                 response = await inner(request, context)
             finally:
                 _CALLER.reset(token)
+                if slot is not None:
+                    slot.release()
             return redact_for_tenant(method, response) if principal.tenant is not None else response
 
         return behavior
 
     def _streaming(self, method: str, inner: Callable[[Any, Ctx], Any]) -> Callable[[Any, Ctx], Any]:
         async def behavior(request: Any, context: Ctx) -> AsyncIterator[Any]:
-            try:
-                principal = self._admit(method, context)
-            except KvbridgeError as err:
-                await context.abort_with_status(err.to_status())
-                raise AssertionError("unreachable") from None
+            principal, slot = await _admit_or_abort(context, self._admit, method, context)
             tenant = principal.tenant is not None
             # Not reset: a generator may be finalized in another context; each RPC runs in its own task.
             _CALLER.set(principal)
-            result = inner(request, context)
-            if hasattr(result, "__aiter__"):
-                async for item in result:
-                    yield redact_for_tenant(method, item) if tenant else item
-            else:
-                await result
+            try:
+                result = inner(request, context)
+                if hasattr(result, "__aiter__"):
+                    async for item in result:
+                        yield redact_for_tenant(method, item) if tenant else item
+                else:
+                    await result
+            finally:  # the stream's slot is held until it ends, however it ends
+                if slot is not None:
+                    slot.release()
 
         return behavior
+
+
+_A = TypeVar("_A")
+
+
+async def _admit_or_abort(context: Ctx, admit: Callable[..., _A], *args: Any) -> _A:
+    """``admit(*args)``, or the RPC aborted with the KvbridgeError it raised (unauthenticated, forbidden,
+    over a limit)."""
+    try:
+        return admit(*args)
+    except KvbridgeError as err:
+        await context.abort_with_status(err.to_status())
+        raise AssertionError("unreachable") from None
 
 
 def table_rows(roles: Iterable[Role] = tuple(Role)) -> list[tuple[str, dict[Role, bool], str]]:

@@ -16,6 +16,8 @@ from typing import Annotated
 from pydantic import Field, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from .limits import RpcLimits
+
 
 def check_client_tls_files(settings: object, names: tuple[str, str, str], *, label: str = "") -> None:
     """The (CA, client certificate, client key) fields of a TLS client: certificate and key together, a CA
@@ -151,7 +153,81 @@ class ServerSettings(BaseSettings):
         default=4 * 1024 * 1024, ge=64 * 1024, le=64 * 1024 * 1024, description="Largest gRPC message received or sent."
     )
     max_concurrent_rpcs: int = Field(
-        default=1024, ge=1, le=100_000, description="RPCs served at once; more are refused with RESOURCE_EXHAUSTED."
+        default=1024,
+        ge=4,
+        le=100_000,
+        description=(
+            "RPCs and streams served at once; more are refused with RESOURCE_EXHAUSTED / OVERLOADED. Tenants and "
+            "health/reflection callers get bounded parts of it (below); engine, gateway and operator keys the rest."
+        ),
+    )
+    # Per-principal limits (common/limits.py, ADR 0025): a tenant key never takes the slots engines need.
+    tenant_rpc_share: float = Field(
+        default=0.5,
+        gt=0,
+        lt=1,
+        description=(
+            "Share of KVBRIDGE_MAX_CONCURRENT_RPCS all tenant keys together may hold (idle streams included); the "
+            "rest, less KVBRIDGE_MAX_PUBLIC_RPCS, is kept for engine, gateway and operator keys."
+        ),
+    )
+    max_rpcs_per_tenant: int = Field(
+        default=128,
+        ge=1,
+        le=100_000,
+        description=(
+            "Concurrent RPCs and streams of one tenant (all its keys) on one server; one more is refused with "
+            "RESOURCE_EXHAUSTED / OVERLOADED, metadata limit=per_tenant. Capped at the tenant share."
+        ),
+    )
+    max_public_rpcs: int = Field(
+        default=32,
+        ge=1,
+        le=10_000,
+        description=(
+            "Concurrent health and reflection calls (no credentials needed); at most half of what the tenant share "
+            "leaves."
+        ),
+    )
+    # Connections (grpc server options; 0 turns one off).
+    max_connection_idle_s: float = Field(
+        default=900.0,
+        ge=0,
+        le=7 * 24 * 3600,
+        description="A client connection with no RPC for this long is closed (GOAWAY); clients reconnect. 0: never.",
+    )
+    max_connection_age_s: float = Field(
+        default=7200.0,
+        ge=0,
+        le=30 * 24 * 3600,
+        description=(
+            "A client connection older than this (gRPC adds +-10% jitter) is asked to reconnect (GOAWAY); its "
+            "streams get KVBRIDGE_MAX_CONNECTION_AGE_GRACE_S more. 0: never."
+        ),
+    )
+    max_connection_age_grace_s: float = Field(
+        default=60.0,
+        ge=0,
+        le=24 * 3600,
+        description="How long RPCs on a connection past its age may go on before they are cancelled.",
+    )
+    keepalive_time_s: float = Field(
+        default=60.0,
+        ge=1,
+        le=24 * 3600,
+        description="The server pings a connection idle for this long, to find dead clients holding streams.",
+    )
+    keepalive_timeout_s: float = Field(
+        default=20.0, ge=1, le=3600, description="A ping not answered within this closes the connection."
+    )
+    min_client_ping_interval_s: float = Field(
+        default=5.0,
+        ge=0,
+        le=3600,
+        description=(
+            "Client keepalive pings more frequent than this are refused (GOAWAY too_many_pings); kvbridge's own "
+            "clients ping every 10 s or more."
+        ),
     )
     shutdown_grace_s: float = Field(
         default=5.0, ge=0, le=120, description="On SIGTERM, how long RPCs in flight may finish before the server stops."
@@ -171,7 +247,44 @@ class ServerSettings(BaseSettings):
             raise ValueError("tls_cert_file and tls_key_file must be given together")
         if self.tls_client_ca_file is not None and self.tls_cert_file is None:
             raise ValueError("tls_client_ca_file (mutual TLS) needs tls_cert_file and tls_key_file")
+        self.rpc_limits()  # ValueError naming the settings when they leave services no share
         return self
+
+    def rpc_limits(self) -> RpcLimits:
+        """The per-class limits of common/limits.py: the tenant share (at least 1), one tenant's cap clamped to
+        it, and the public cap (at most half of the rest); services keep the rest (at least one slot, or
+        ValueError)."""
+        total = self.max_concurrent_rpcs
+        tenant_pool = max(1, int(total * self.tenant_rpc_share))
+        public = min(self.max_public_rpcs, max(1, (total - tenant_pool) // 2))
+        if tenant_pool + public >= total:
+            raise ValueError(
+                f"max_concurrent_rpcs ({total}) leaves engine/gateway/operator keys no share: the tenant share "
+                f"({tenant_pool}, tenant_rpc_share={self.tenant_rpc_share}) plus max_public_rpcs ({public}) "
+                "must stay below it"
+            )
+        return RpcLimits(
+            total=total, tenant_pool=tenant_pool, per_tenant=min(self.max_rpcs_per_tenant, tenant_pool), public=public
+        )
+
+    def grpc_options(self) -> list[tuple[str, int]]:
+        """Connection age, idle and keepalive options of the gRPC server (a value of 0 is left out: off)."""
+
+        def ms(seconds: float) -> int:
+            return int(seconds * 1000)
+
+        opts = [
+            ("grpc.keepalive_time_ms", ms(self.keepalive_time_s)),
+            ("grpc.keepalive_timeout_ms", ms(self.keepalive_timeout_s)),
+            # grpc's name for the shortest interval between client pings it accepts (GRPC_ARG_HTTP2_MIN_RECV_...).
+            ("grpc.http2.min_ping_interval_without_data_ms", ms(self.min_client_ping_interval_s)),
+        ]
+        if self.max_connection_idle_s:
+            opts.append(("grpc.max_connection_idle_ms", ms(self.max_connection_idle_s)))
+        if self.max_connection_age_s:
+            opts.append(("grpc.max_connection_age_ms", ms(self.max_connection_age_s)))
+            opts.append(("grpc.max_connection_age_grace_ms", ms(self.max_connection_age_grace_s)))
+        return opts
 
 
 class PeerTlsSettings(BaseSettings):

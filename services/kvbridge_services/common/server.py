@@ -2,9 +2,11 @@
 
 Health checking (Check, Watch, List) and reflection (v1 and v1alpha) on every server
 (kvbridge_services.common.introspection), a tracing + RPC-metrics
-interceptor (kvbridge_services.common.telemetry), optional TLS / mutual TLS, message-size caps, a bound
-on concurrent RPCs, and graceful shutdown: health flips to NOT_SERVING, then
-in-flight RPCs drain for the grace period, then the server stops.
+interceptor (kvbridge_services.common.telemetry), optional TLS / mutual TLS, message-size caps, bounds on
+concurrent RPCs per principal class (kvbridge_services.common.limits, enforced by the authorization interceptor:
+tenants never take the share kept for engines and services), connection age / idle limits and keepalive, and
+graceful shutdown: health flips to NOT_SERVING, then in-flight RPCs drain for the grace period, then the server
+stops.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from .authz import AuthzInterceptor
 from .config import ServerSettings, check_bind
 from .decode_guard import DecodeGuardInterceptor
 from .introspection import HEALTH, ListingHealthServicer, enable_reflection
+from .limits import RpcLimiter
 from .telemetry import Telemetry
 
 log = logging.getLogger(__name__)
@@ -61,19 +64,23 @@ class GrpcServer:
             check_bind(settings.host, secured=not auth.insecure, insecure=settings.insecure, what="gRPC server")
         # Without one, spans go to the global tracer provider (a no-op unless the process set one).
         self.telemetry = telemetry or Telemetry.disabled(bindings[0].full_name if bindings else "grpc")
-        opts = [
+        opts: list[tuple[str, int]] = [
             ("grpc.max_receive_message_length", settings.max_message_bytes),
             ("grpc.max_send_message_length", settings.max_message_bytes),
             # Off unless asked: a second server on a taken port must fail, not silently take half its connections.
             ("grpc.so_reuseport", 1 if reuse_port else 0),
+            *settings.grpc_options(),
         ]
+        # auth None: only test servers of non-kvbridge services (grpc's own single pool bounds them).
+        self.limiter = RpcLimiter(settings.rpc_limits(), self.telemetry.registry) if auth is not None else None
         self.server = grpc.aio.server(
             options=opts,
-            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+            # With a limiter, grpc's own pool is only a backstop: it counts RPCs before anyone knows their caller
+            # (the ones about to be refused too), so at the limiter's total it would refuse engines for tenants.
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs * (1 if self.limiter is None else 2),
             interceptors=[
                 self.telemetry.server_interceptor(),
-                # auth None: only test servers of non-kvbridge services
-                *([AuthzInterceptor(auth)] if auth is not None else []),
+                *([AuthzInterceptor(auth, self.limiter)] if auth is not None else []),
                 DecodeGuardInterceptor(),
             ],
         )

@@ -74,6 +74,15 @@ class LeasePolicy(BaseSettings):
         ),
     )
     max_watchers: int = Field(default=10_000, ge=1, le=1_000_000, description="Most WatchLeases subscribers at once.")
+    keepalive_idle_s: float = Field(
+        default=120.0,
+        ge=0.1,
+        le=24 * 3600,
+        description=(
+            "A KeepAlive stream that sends no message for this long is closed (UNAVAILABLE / STREAM_IDLE): an idle "
+            "stream must not hold a concurrency slot. kvbridge's clients renew far more often, or reopen."
+        ),
+    )
 
     # Expiry: how often the deadline heap is checked.
     expiry_tick_s: float = Field(default=0.05, gt=0, le=1.0)

@@ -84,7 +84,21 @@ class LeaseServicer(lease_pb2_grpc.LeaseServiceServicer):
     ) -> AsyncIterator[lease_pb2.KeepAliveResponse]:
         principal = caller()
         self._m.require_serving()
-        async for request in request_iterator:
+        idle_s = self._policy.keepalive_idle_s
+        requests = aiter(request_iterator)
+        while True:
+            # An idle stream holds one of its principal's concurrency slots: close it (ADR 0025).
+            try:
+                async with asyncio.timeout(idle_s):
+                    request = await anext(requests)
+            except StopAsyncIteration:
+                return
+            except TimeoutError:
+                raise Unavailable(
+                    Reason.STREAM_IDLE,
+                    f"KeepAlive stream closed: no renewal for {idle_s:g}s; open a new stream to renew",
+                    metadata={"idle_limit_s": f"{idle_s:g}"},
+                ) from None
             self._m.require_serving()  # leadership may have moved while the stream was open
             yield self._renew(request, principal)
 
