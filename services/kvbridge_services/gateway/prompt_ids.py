@@ -3,7 +3,9 @@ local tokenizer (incremental per conversation), else P's /tokenize."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import hashlib
+import json
+from collections.abc import Hashable, Sequence
 from typing import Any
 
 from opentelemetry import trace
@@ -16,6 +18,20 @@ from .requests import CHAT_TEMPLATE_FIELDS, prompt_too_large
 from .tokenizer import ATTR_TOKENIZE_PATH, LocalTokenizers
 from .turn import Turn
 from .upstream import UpstreamError
+
+
+def encoding_slot(turn: Turn) -> Hashable | None:
+    """Under what the tokenizer keeps this turn's encoding for the next turn to resume: the conversation, or for a
+    keyless chat turn its first two messages (a keyless thread's key is known only once its ids are: the ids
+    come first). Keyless conversations that open alike share a slot and may re-encode whole; the tokenizer
+    resumes only from a previous text that the new one starts with, so a shared slot costs time, never ids."""
+    if turn.conversation_key:
+        return turn.tenant, turn.conversation_key
+    messages = turn.body.get("messages") if turn.kind == "chat" else None
+    if not isinstance(messages, list) or not messages:
+        return None
+    opening = json.dumps(messages[:2], sort_keys=True, separators=(",", ":"), default=str).encode()
+    return turn.tenant, "~keyless", hashlib.blake2b(opening, digest_size=16).digest()
 
 
 def tokenize_request(turn: Turn) -> dict[str, Any]:
@@ -41,12 +57,7 @@ class PromptIds(EngineStep):
         None where it has none for the request (no call to P)."""
         if self._tokenizers is None:
             return None
-        ids = await self._tokenizers.ids(
-            turn.model,
-            turn.kind,
-            turn.body,
-            (turn.tenant, turn.conversation_key) if turn.conversation_key else None,
-        )
+        ids = await self._tokenizers.ids(turn.model, turn.kind, turn.body, encoding_slot(turn))
         return None if ids is None else self._bounded(turn, ids)
 
     def _bounded(self, turn: Turn, ids: Sequence[int]) -> Sequence[int]:

@@ -56,6 +56,22 @@ async def test_local_ids_match_the_engines_so_turns_reuse(local_stack: Stack) ->
     assert tokenizers.reused_tokens() >= 2 * 112  # each later turn re-encoded only what followed the last one
 
 
+async def test_a_keyless_conversation_is_encoded_incrementally_too(local_stack: Stack) -> None:
+    """Without a conversation key the encoding is kept under the conversation's first two messages (the thread's
+    key comes after the ids): each later turn re-encodes only what follows the previous turn's prompt."""
+    messages = [{"role": "system", "content": "w1 w2 w3"}, {"role": "user", "content": LONG}]
+    answer, _ = await turn(local_stack, messages, conv=None)
+    tokenizers = local_stack.gateway.core.tokenizers
+    assert tokenizers is not None
+    for _ in range(2):
+        messages = [*messages, {"role": "assistant", "content": answer}, {"role": "user", "content": "w7 w8"}]
+        answer, verdict = await turn(local_stack, messages, conv=None)
+        assert verdict.startswith("hit;"), verdict
+        assert answer == await reference(local_stack, messages)
+    assert tokenized(local_stack, "local") == 3 and tokenized(local_stack, "engine") == 0
+    assert tokenizers.reused_tokens() >= 2 * 112
+
+
 async def test_requests_it_cannot_reproduce_use_the_engines_tokenize(local_stack: Stack) -> None:
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     messages = [{"role": "user", "content": LONG}]
