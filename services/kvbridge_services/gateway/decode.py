@@ -15,7 +15,14 @@ from typing import Any
 from kvbridge import telemetry as tel
 
 from . import kvparams
-from .enginecalls import EngineAccess, EngineStep, completion_path, upstream_failure
+from .enginecalls import (
+    EngineAccess,
+    EngineStep,
+    call_timeout_s,
+    client_cut_short,
+    completion_path,
+    upstream_failure,
+)
 from .engines import EngineState
 from .posturn import PostTurnWork
 from .registration import CompatRegistrar, connector_registers
@@ -81,11 +88,11 @@ class Decoder(EngineStep):
                     data = await self._http.post_json(
                         engine.url + completion_path(turn),
                         body,
-                        timeout_s=turn.timeout_s or self._s.decode_timeout_s,
+                        timeout_s=call_timeout_s(turn, self._s.decode_timeout_s),
                         headers=tel.trace_headers(),
                     )
                 except UpstreamError as exc:
-                    self._calls.failed(engine, exc)
+                    self._calls.failed(engine, exc, client_deadline=client_cut_short(turn, self._s.decode_timeout_s))
                     raise upstream_failure("decode", exc) from exc
                 plan.decode_answered_s = time.time()
         self._pool.answered(engine)
@@ -120,12 +127,12 @@ class Decoder(EngineStep):
                     engine.url + completion_path(turn),
                     body,
                     connect_timeout_s=self._s.connect_timeout_s,
-                    read_timeout_s=turn.timeout_s or self._s.decode_timeout_s,
+                    read_timeout_s=call_timeout_s(turn, self._s.decode_timeout_s),
                     headers=tel.trace_headers(),
                 )
         except UpstreamError as exc:
             engine.outstanding -= 1
-            self._calls.failed(engine, exc)
+            self._calls.failed(engine, exc, client_deadline=client_cut_short(turn, self._s.decode_timeout_s))
             raise upstream_failure("decode", exc) from exc
         except BaseException:
             engine.outstanding -= 1

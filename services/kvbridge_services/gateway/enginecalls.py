@@ -31,13 +31,27 @@ class EngineCalls:
             attributes={tel.ATTR_ENGINE: engine.engine_id or engine.url, "server.address": engine.url},
         )
 
-    def failed(self, engine: EngineState, exc: UpstreamError) -> None:
+    def failed(self, engine: EngineState, exc: UpstreamError, *, client_deadline: bool = False) -> None:
         """Passive health: a timeout ejects the engine for a while, any other transport failure marks it
-        down until its next good health check."""
+        down until its next good health check. A timeout under ``client_deadline`` (the client's own, shorter
+        than the server's: :func:`client_cut_short`) is the client's choice and says nothing of the engine."""
         if exc.timed_out:
-            self._pool.timed_out(engine)
+            if not client_deadline:
+                self._pool.timed_out(engine)
         elif exc.transport:
             self._pool.mark_failed(engine, str(exc))
+
+
+def call_timeout_s(turn: Turn, server_s: float) -> float:
+    """The deadline of one engine call of a turn: the server's own for the step (``server_s``), or the client's
+    ``timeout`` when that is shorter (a client can shorten it, never extend it)."""
+    return server_s if turn.timeout_s is None else min(turn.timeout_s, server_s)
+
+
+def client_cut_short(turn: Turn, server_s: float) -> bool:
+    """Whether the turn's engine calls run under the client's deadline, shorter than the server's: their
+    expiry is then not the engine's fault (no ejection; a 1 ms timeout must not take engines out of rotation)."""
+    return turn.timeout_s is not None and turn.timeout_s < server_s
 
 
 def completion_path(turn: Turn) -> str:

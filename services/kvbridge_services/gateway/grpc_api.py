@@ -15,6 +15,7 @@ from kvbridge_services.common.authz import caller
 from kvbridge_services.common.boundary import rpc_boundary, stream_boundary
 
 from .control import ControlPlaneError
+from .http_api import TenantSlots
 from .requests import conversation_key_of, parse_turn
 from .reuse import ReuseVerdict
 from .service import TENANT_HEADER, GatewayCore
@@ -46,6 +47,7 @@ def _report(v: ReuseVerdict) -> gateway_pb2.ReuseReport:
 class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     def __init__(self, core: GatewayCore) -> None:
         self._core = core
+        self._slots = TenantSlots(core)
 
     def _tenant(self, context: Ctx) -> str:
         principal = caller()
@@ -60,30 +62,37 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
     ) -> AsyncIterator[tuple[ReuseVerdict, dict[str, Any], bool]]:
         tenant = self._tenant(context)
         turn: Turn = parse_turn(kind, body, tenant=tenant, session_header=None, limits=self._core.limits)
-        if request.HasField("timeout"):
-            turn = dataclasses.replace(turn, timeout_s=request.timeout.ToNanoseconds() / 1e9)
+        timeout_s = _timeout_s(request)
+        if timeout_s is not None:
+            turn = dataclasses.replace(turn, timeout_s=timeout_s)
+        # The HTTP door's slots: a gRPC turn counts against max_concurrency (the gateway's one count of turns in
+        # flight, shared with HTTP) and max_tenant_concurrency (per tenant, counted over this door's turns).
+        self._slots.take(tenant)
         try:
-            result = await self._core.router.run(turn)
-        except ClientError as exc:
-            error = exc.body.get("error") if isinstance(exc.body, dict) else None
-            message = str(error.get("message")) if isinstance(error, dict) else str(exc)
-            raise invalid_field("request", f"engine rejected the request: {message}") from exc
-        stream = result.stream
-        assert stream is not None
-        first = True
-        try:
-            async for event in sse_events(stream):
-                if event is None:
-                    break
-                if "error" in event:
-                    raise Unavailable(Reason.UPSTREAM_FAILED, "decode stream failed")
-                yield result.verdict, event, first
-                first = False
-        finally:  # the caller went away or the stream ended: close the upstream request now
-            close = getattr(stream, "aclose", None)
-            if close is not None:
-                await close()
-            result.finish()
+            try:
+                result = await self._core.router.run(turn)
+            except ClientError as exc:
+                error = exc.body.get("error") if isinstance(exc.body, dict) else None
+                message = str(error.get("message")) if isinstance(error, dict) else str(exc)
+                raise invalid_field("request", f"engine rejected the request: {message}") from exc
+            stream = result.stream
+            assert stream is not None
+            first = True
+            try:
+                async for event in sse_events(stream):
+                    if event is None:
+                        break
+                    if "error" in event:
+                        raise Unavailable(Reason.UPSTREAM_FAILED, "decode stream failed")
+                    yield result.verdict, event, first
+                    first = False
+            finally:  # the caller went away or the stream ended: close the upstream request now
+                close = getattr(stream, "aclose", None)
+                if close is not None:
+                    await close()
+                result.finish()
+        finally:
+            self._slots.release(tenant)
 
     @stream_boundary
     async def CreateChatCompletion(
@@ -157,6 +166,18 @@ class GatewayServicer(gateway_pb2_grpc.GatewayServiceServicer):
         except ControlPlaneError as exc:
             raise Unavailable(Reason.STORE_UNAVAILABLE, f"registry unavailable: {exc}") from exc
         return gateway_pb2.CloseConversationResponse(released=bool(epoch))
+
+
+def _timeout_s(request: Any) -> float | None:
+    """The request's ``timeout`` in seconds: None when unset or zero (the server's deadlines), INVALID_ARGUMENT
+    when negative. A positive one shortens the engine calls' deadlines (never extends them); its expiry is the
+    client's choice, not an engine failure (gateway/enginecalls.py)."""
+    if not request.HasField("timeout"):
+        return None
+    seconds = request.timeout.ToNanoseconds() / 1e9
+    if seconds < 0:
+        raise invalid_field("timeout", "must not be negative (unset or zero: the server's deadlines)")
+    return seconds or None
 
 
 def _streaming_body(request: Any, **fields: Any) -> dict[str, Any]:

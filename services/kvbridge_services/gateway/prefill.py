@@ -15,7 +15,14 @@ from kvbridge import telemetry as tel
 from kvbridge.errors import Unavailable
 
 from . import kvparams
-from .enginecalls import EngineAccess, EngineStep, completion_path, upstream_failure
+from .enginecalls import (
+    EngineAccess,
+    EngineStep,
+    call_timeout_s,
+    client_cut_short,
+    completion_path,
+    upstream_failure,
+)
 from .engines import PREFILL, EngineState
 from .figures import Figures
 from .reuse import NoReuse
@@ -74,7 +81,9 @@ class Prefiller(EngineStep):
         except UpstreamError as exc:
             other = (
                 self._pool.choose(turn.model, PREFILL, exclude=frozenset({engine.url}))
-                if exc.timed_out and self._pool.count(turn.model, PREFILL) > 1
+                if exc.timed_out
+                and not client_cut_short(turn, self._s.prefill_timeout_s)  # another P would get the same deadline
+                and self._pool.count(turn.model, PREFILL) > 1
                 else None
             )
             if other is None:
@@ -95,11 +104,11 @@ class Prefiller(EngineStep):
                     data = await self._http.post_json(
                         engine.url + completion_path(turn),
                         prefill_body(turn, params),
-                        timeout_s=turn.timeout_s or self._s.prefill_timeout_s,
+                        timeout_s=call_timeout_s(turn, self._s.prefill_timeout_s),
                         headers=tel.trace_headers(),
                     )
                 except UpstreamError as exc:
-                    self._calls.failed(engine, exc)
+                    self._calls.failed(engine, exc, client_deadline=client_cut_short(turn, self._s.prefill_timeout_s))
                     raise
                 finally:
                     plan.engine_seconds += time.perf_counter() - started

@@ -128,7 +128,11 @@ class CreateChatCompletionRequest(_message.Message):
     def sampling(self) -> Global___SamplingParams: ...
     @_builtins.property
     def timeout(self) -> _duration_pb2.Duration:
-        """Per-request deadline for the upstream engines; unset uses the default."""
+        """Per-request deadline for the upstream engines; unset (or zero) uses the
+        server's. It shortens each engine call's deadline, never extends it, and
+        its expiry is the client's (DEADLINE_EXCEEDED), not an engine failure.
+        Negative: INVALID_ARGUMENT.
+        """
 
     def __init__(
         self,
@@ -169,7 +173,9 @@ class CreateCompletionRequest(_message.Message):
     @_builtins.property
     def sampling(self) -> Global___SamplingParams: ...
     @_builtins.property
-    def timeout(self) -> _duration_pb2.Duration: ...
+    def timeout(self) -> _duration_pb2.Duration:
+        """As CreateChatCompletionRequest.timeout."""
+
     def __init__(
         self,
         *,
