@@ -394,6 +394,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "placement.py",
         "decoding on the D that holds the conversation, 4P4D simulators: KV bytes moved and TTFT, off vs on",
     ),
+    "small-cache": (
+        "retention_pressure.py",
+        "a 96-block decode cache under 12 concurrent conversations: reuse on vs off (vLLM engines or simulators)",
+    ),
 }
 
 
