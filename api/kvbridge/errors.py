@@ -51,6 +51,7 @@ class Reason(enum.StrEnum):
     INVALID_PAGE_TOKEN = "INVALID_PAGE_TOKEN"
     ENGINE_RESTARTED = "ENGINE_RESTARTED"
     STREAM_IDLE = "STREAM_IDLE"
+    STORE_NO_SPACE = "STORE_NO_SPACE"
 
 
 # The exception class of each status code, filled by the subclasses below as they are defined.

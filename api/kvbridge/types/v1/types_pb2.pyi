@@ -77,6 +77,13 @@ class _ErrorReasonEnumTypeWrapper(_enum_type_wrapper._EnumTypeWrapper[_ErrorReas
     closed (a KeepAlive stream with no renewal); open a new one when there is
     something to send.
     """
+    ERROR_REASON_STORE_NO_SPACE: _ErrorReason.ValueType  # 22
+    """The store (etcd) refuses writes because its database reached its space
+    quota (etcd's NOSPACE alarm): nothing was written. Reads still answer;
+    writes resume, without a restart, once an operator has compacted,
+    defragmented and disarmed the alarm (docs/etcd-space.md). Retry later or
+    go on without the write (a registration lost costs a cache miss).
+    """
 
 class ErrorReason(_ErrorReason, metaclass=_ErrorReasonEnumTypeWrapper):
     """Shared vocabulary of the kvbridge APIs.
@@ -136,6 +143,13 @@ ERROR_REASON_STREAM_IDLE: ErrorReason.ValueType  # 21
 """A stream sent nothing for longer than the server's idle limit and was
 closed (a KeepAlive stream with no renewal); open a new one when there is
 something to send.
+"""
+ERROR_REASON_STORE_NO_SPACE: ErrorReason.ValueType  # 22
+"""The store (etcd) refuses writes because its database reached its space
+quota (etcd's NOSPACE alarm): nothing was written. Reads still answer;
+writes resume, without a restart, once an operator has compacted,
+defragmented and disarmed the alarm (docs/etcd-space.md). Retry later or
+go on without the write (a registration lost costs a cache miss).
 """
 Global___ErrorReason: _TypeAlias = ErrorReason  # noqa: Y015
 
