@@ -91,6 +91,8 @@ class RegistrationFailed:
     # No entry naming the blocks can be in the registry (nothing granted, registration refused, or the
     # lease revoked); False when that is unknown (e.g. a timed-out registration whose revoke failed too).
     withdrawn: bool
+    # The registry may have stored the entry (and so offered it): False when it refused it (ADR 0026).
+    written: bool = True
 
 
 @dataclass(frozen=True, slots=True)
@@ -117,7 +119,7 @@ def apply_events(retention: RetentionTable, events: Iterable[Event]) -> None:
         elif isinstance(event, LeaseEnded):
             retention.lease_ended(event.lease_id)
         elif isinstance(event, RegistrationFailed):
-            retention.registration_failed(event.request_id, event.lease_id, event.withdrawn)
+            retention.registration_failed(event.request_id, event.lease_id, event.withdrawn, written=event.written)
         elif isinstance(event, LeaseSnapshot):
             retention.snapshot(event.live_lease_ids)
         elif isinstance(event, Connection):
@@ -424,7 +426,7 @@ class ControlPlane:
             try:
                 lease_id = await self._grant_and_register(command)
             except _RegistrationError as failed:
-                self._emit(RegistrationFailed(command.request_id, failed.lease_id, failed.withdrawn))
+                self._emit(RegistrationFailed(command.request_id, failed.lease_id, failed.withdrawn, failed.written))
                 raise failed.cause from None
             span.set(tracing.ATTR_LEASE_ID, lease_id)
             span.set(tracing.ATTR_OUTCOME, "registered")
@@ -491,7 +493,7 @@ class ControlPlane:
                 revoked = True
             except (grpc.aio.AioRpcError, TimeoutError):
                 revoked = False
-            raise _RegistrationError(exc, int(lease_id), withdrawn=refused or revoked) from exc
+            raise _RegistrationError(exc, int(lease_id), withdrawn=refused or revoked, written=not refused) from exc
         return int(lease_id)
 
     async def _revoke(self, command: RevokeLease) -> None:
@@ -521,11 +523,12 @@ _AMBIGUOUS = (
 
 
 class _RegistrationError(Exception):
-    def __init__(self, cause: BaseException, lease_id: int, *, withdrawn: bool) -> None:
+    def __init__(self, cause: BaseException, lease_id: int, *, withdrawn: bool, written: bool = False) -> None:
         super().__init__(str(cause))
         self.cause = cause
         self.lease_id = lease_id
         self.withdrawn = withdrawn
+        self.written = written  # the registry may have stored the entry
 
 
 _KEY_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789._:-")

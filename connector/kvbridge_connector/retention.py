@@ -256,9 +256,10 @@ class RetentionTable:
         else:
             self._confirm(entry)
 
-    def registration_failed(self, request_id: str, lease_id: int, withdrawn: bool) -> None:
+    def registration_failed(self, request_id: str, lease_id: int, withdrawn: bool, *, written: bool = True) -> None:
         """The entry's grant or registration failed. ``withdrawn``: no entry naming these blocks can be in
-        the registry (nothing was granted, the registration was refused, or its lease was revoked)."""
+        the registry (nothing was granted, the registration was refused, or its lease was revoked).
+        ``written``: the registry may have stored the entry (False: it refused it, so nothing ever offered it)."""
         entry = self._entries.get(request_id)
         if entry is None:
             return
@@ -268,11 +269,11 @@ class RetentionTable:
         if not withdrawn:
             # Possibly registered: withdraw it like an eviction, free once the lease end is confirmed.
             self._withdraw(entry, "REVOKE_REASON_EXPIRED")
-        elif lease_id:
+        elif lease_id and written:
             self._ended(entry)  # the lease (and any entry attached to it) ended: the grace covers lookups
         else:
             self._mark_released(entry)
-            entry.free_at = self._clock()  # never registered, so never offered
+            entry.free_at = self._clock()  # never registered, so never offered: no offer can outlive this
 
     def lease_alive(self, lease_id: int) -> None:
         """ACTIVE or RENEWED: a renewal also marks the entry as recently used."""

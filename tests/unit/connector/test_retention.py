@@ -176,13 +176,14 @@ def test_a_withdrawal_during_the_registration_revokes_the_lease_when_it_arrives(
 def test_a_failed_registration_frees_when_no_entry_can_name_the_blocks() -> None:
     clock = FakeClock()
     table = RetentionTable(clock, fallback_ttl_s=TTL, max_entries=100, free_kv_watermark=0.2, free_grace_s=GRACE)
-    for name in ("never-granted", "revoked", "unknown"):
+    for name in ("never-granted", "refused", "revoked", "unknown"):
         table.retain(name, 1, 32, CONV)
     table.registration_failed("never-granted", 0, withdrawn=True)
-    table.registration_failed("revoked", 7, withdrawn=True)
+    table.registration_failed("refused", 9, withdrawn=True, written=False)  # the registry stored nothing
+    table.registration_failed("revoked", 7, withdrawn=True)  # timed out, then revoked: may have been offered
     table.registration_failed("unknown", 8, withdrawn=False)  # timed out and the revoke failed: may be registered
     decisions = table.step(None, None)
-    assert decisions.release == {"never-granted"} and decisions.revoke == [(8, "REVOKE_REASON_EXPIRED")]
+    assert decisions.release == {"never-granted", "refused"} and decisions.revoke == [(8, "REVOKE_REASON_EXPIRED")]
     clock.now += GRACE
     assert table.step(None, None).release == {"revoked"}
     table.lease_ended(8)
