@@ -397,7 +397,9 @@ async def _post(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> 
 async def gateway_turn(
     http: aiohttp.ClientSession, gw: str, msgs: list[dict[str, str]], conv: str, max_tokens: int
 ) -> tuple[str, str, int]:
-    body = {"model": MODEL, "messages": msgs, "max_tokens": max_tokens, "conversation_id": conv}
+    body: dict[str, Any] = {"model": MODEL, "messages": msgs, "max_tokens": max_tokens}
+    if conv:  # "": a keyless client (--keyless), found by its content
+        body["conversation_id"] = conv
     async with http.post(gw + "/v1/chat/completions", json=body) as resp:
         data = await resp.json(content_type=None)
         if resp.status != 200:
@@ -464,6 +466,8 @@ async def worker(
             first = " ".join(
                 f"w{(idx * 13 + conv_n * 7 + i) % 500 + 10}" for i in range(level.prompt_words or args.prompt_words)
             )
+            if args.keyless:  # a word of its own, so that no two conversations share their first prompt
+                first = f"{conv} {first}"
             msgs = [{"role": "user", "content": first}]
             retained: dict[str, Any] | None = None
             conv_n += 1
@@ -476,7 +480,7 @@ async def worker(
                         started = time.perf_counter()
                         if leg == 0:
                             gw_answer, verdict, prompt_tokens = await gateway_turn(
-                                http, procs.gateway_url, msgs, conv, args.max_tokens
+                                http, procs.gateway_url, msgs, "" if args.keyless else conv, args.max_tokens
                             )
                             t_gw = time.perf_counter() - started
                         else:
@@ -818,7 +822,9 @@ def write_report(
             if args.prompt_tokens
             else f"Conversations of {args.turns} turns starting from {args.prompt_words} words, "
         )
-        + f"{args.think_ms} ms think time; each turn is sent through the gateway (`conversation_id` set: lookup, "
+        + f"{args.think_ms} ms think time; each turn is sent through the gateway ("
+        + ("no `conversation_id`: a keyless thread" if args.keyless else "`conversation_id` set")
+        + ": lookup, "
         f"pull, {registration_note}) and directly ({args.direct_mode} mode: prefill max_tokens=1 + "
         f"do_remote_decode{pull_note}, then decode with P's params), alternating which goes first, "
         f"with identical prompts. "
@@ -1015,6 +1021,11 @@ def main() -> None:
         type=int,
         default=0,
         help="the simulators' context length (default: 8192, or the largest --prompt-tokens + 8192)",
+    )
+    p.add_argument(
+        "--keyless",
+        action="store_true",
+        help="the client sends no conversation_id (keyless threads, ADR 0022): compare with a run without it",
     )
     p.add_argument("--seconds", type=float, default=45.0, help="measured seconds per level")
     p.add_argument("--warmup-s", type=float, default=5.0)

@@ -80,7 +80,13 @@ def kvbridge_overrides(procs: ControlPlaneProcs, **extra: object) -> tuple[dict[
         kvbridge_entry_lease_ttl_s=ENTRY_LEASE_TTL_S,
         **extra,
     )
-    connector = {"kv_connector": "KvbridgeConnector", "kv_connector_module_path": "kvbridge_connector.connector"}
+    connector = {
+        "kv_connector": "KvbridgeConnector",
+        "kv_connector_module_path": "kvbridge_connector.connector",
+        # What a deployment serving tool-calling agents runs with: vLLM refuses `tools` (tool_choice "auto", the
+        # default) without a parser. "pythonic" needs no special tokens, which the tiny model's tokenizer lacks.
+        "extra_args": ["--enable-auto-tool-choice", "--tool-call-parser", "pythonic"],
+    }
     return dict(connector, extra_config=common), dict(connector, extra_config=decode_extra)
 
 
