@@ -436,3 +436,43 @@ async def test_a_client_deadline_is_not_an_engine_failure(tmp_path: Path) -> Non
         assert await _turn(stub, ACME_KEY)  # no timeout: the server's deadlines, served at once
         assert stack.gateway.core.inflight == 0
         print("\n5 turns with a 1 ms timeout: DEADLINE_EXCEEDED, engines ejected: 0, consecutive timeouts: 0")
+
+
+async def test_connections_past_their_age_are_closed_and_clients_reconnect(tmp_path: Path) -> None:
+    """max_connection_age reaches grpc: a stream on an old connection ends after the grace, and the next call on
+    the same channel is served on a new connection."""
+    auth = Authenticator.from_file(write_keys(tmp_path / "keys.json"))
+    store = MemoryStore()
+    app = LeaseApp(
+        store,
+        LeasePolicy(port=0, leader_ttl_s=2, leader_refresh_s=0.5),
+        ServerSettings(shutdown_grace_s=0.1, max_connection_age_s=0.5, max_connection_age_grace_s=0.5),
+        auth=auth,
+    )
+    await app.start()
+    try:
+        async with grpc.aio.insecure_channel(app.address) as ch:
+            lease = lease_pb2_grpc.LeaseServiceStub(ch)
+            async with asyncio.timeout(10):
+                while not app.is_leader:  # noqa: ASYNC110 - the election runs in the app's own task
+                    await asyncio.sleep(0.02)
+            stream = lease.KeepAlive(metadata=md(ACME_KEY))
+            started = time.monotonic()
+            ended: grpc.aio.AioRpcError | None = None
+            while time.monotonic() - started < 10:
+                try:
+                    await stream.write(lease_pb2.KeepAliveRequest())
+                    await asyncio.wait_for(stream.read(), 5)
+                except (grpc.aio.AioRpcError, asyncio.InvalidStateError):
+                    ended = await _status(stream)
+                    break
+                await asyncio.sleep(0.1)
+            lived = time.monotonic() - started
+            assert ended is not None and ended.code() is grpc.StatusCode.UNAVAILABLE, ended
+            assert 0.4 < lived < 3.0, lived  # age 0.5 s (+-10 % jitter) plus 0.5 s grace
+            renewed = lease.KeepAlive(iter([lease_pb2.KeepAliveRequest()]), metadata=md(ACME_KEY), timeout=10)
+            assert [r async for r in renewed]  # the same channel, a new connection
+            print(f"\nstream on a connection with max age 0.5 s + 0.5 s grace ended after {lived:.2f} s")
+    finally:
+        await app.stop(0.1)
+        await store.close()
