@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 
+from kvbridge_services.common.store_space import STORE_HEALTH
 from tests.fixtures.gateway_stack import Stack, running_stack
 
 T = TypeVar("T")
@@ -197,10 +198,13 @@ async def test_health_list_reports_every_service_and_follows_changes(stack: Stac
         async with grpc.aio.insecure_channel(address(stack, t.name)) as channel:
             listed = await health_pb2_grpc.HealthStub(channel).List(health_pb2.HealthListRequest(), timeout=5)
         liveness = {"liveness": health_pb2.HealthCheckResponse.SERVING} if t.name == "lease" else {}  # every replica
+        # The services on the store say whether it takes writes (NOT_SERVING at etcd's NOSPACE alarm).
+        space = {STORE_HEALTH: health_pb2.HealthCheckResponse.SERVING} if t.name in ("lease", "registry") else {}
         assert {name: s.status for name, s in listed.statuses.items()} == {
             "": health_pb2.HealthCheckResponse.SERVING,
             t.service: health_pb2.HealthCheckResponse.SERVING,
             **liveness,
+            **space,
         }, t.name
     await stack.registry.server.health.set(TARGETS[0].service, health_pb2.HealthCheckResponse.NOT_SERVING)
     async with grpc.aio.insecure_channel(stack.registry.address) as channel:

@@ -17,7 +17,7 @@ import grpc
 
 from kvbridge.errors import Internal, KvbridgeError, Reason, Unavailable
 
-from .store.base import StoreError, StoreUnavailable
+from .store.base import StoreError, StoreNoSpace, StoreUnavailable
 
 log = logging.getLogger(__name__)
 
@@ -28,6 +28,13 @@ Resp = TypeVar("Resp")
 def translate(exc: BaseException) -> KvbridgeError:
     if isinstance(exc, KvbridgeError):
         return exc
+    if isinstance(exc, StoreNoSpace):
+        # UNAVAILABLE, as any store outage (callers fail open on it), with the cause as its reason.
+        return Unavailable(
+            Reason.STORE_NO_SPACE,
+            "the store (etcd) is out of space (NOSPACE alarm) and refuses writes; nothing was written; "
+            "reads still answer; retry later",
+        )
     if isinstance(exc, StoreUnavailable | TimeoutError):
         return Unavailable(Reason.STORE_UNAVAILABLE, "the backing store did not answer in time; retry")
     if isinstance(exc, StoreError):

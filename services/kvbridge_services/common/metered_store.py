@@ -96,5 +96,8 @@ class MeteredStore(Store):
     watch_prefix = _counted(Store.watch_prefix)
     watch = _counted(Store.watch)
 
+    def writes_refused(self) -> str | None:
+        return self.inner.writes_refused()
+
     async def close(self) -> None:
         await self.inner.close()

@@ -157,6 +157,8 @@ class CompatRegistrar:
     ) -> None:
         """``on_registered(conversation, epoch)``: told of each entry registered (freshness.py)."""
         self._on_registered = on_registered
+        # The store refuses writes (STORE_NO_SPACE): logged once until a registration succeeds again.
+        self._no_space = False
         self._control = control
         self._chains = chains
         self._metrics = metrics
@@ -243,6 +245,7 @@ class CompatRegistrar:
             entry.expire_time.FromNanoseconds(int(plan.expire_s * 1e9))
             try:
                 await self._control.register_entry(entry)
+                self._no_space = False
                 self._metrics.registrations.labels("ok").inc()
                 if self._on_registered is not None:
                     self._on_registered(turn.conversation, int(entry.epoch))
@@ -256,7 +259,11 @@ class CompatRegistrar:
                 with contextlib.suppress(ControlPlaneError):
                     await self._control.revoke_lease(lease_id)
         except ControlPlaneError as exc:
-            log.warning("compatibility-mode registration failed: %s", exc)
+            if exc.reason != Reason.STORE_NO_SPACE.value:
+                log.warning("compatibility-mode registration failed: %s", exc)
+            elif not self._no_space:  # once per episode: the registry and lease manager say the rest
+                self._no_space = True
+                log.warning("compatibility-mode registrations fail until etcd takes writes again: %s", exc)
             self._metrics.registrations.labels("failed").inc()
             if lease_id:
                 with contextlib.suppress(ControlPlaneError):

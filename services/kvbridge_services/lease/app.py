@@ -22,6 +22,7 @@ from kvbridge_services.common.metered_store import MeteredStore
 from kvbridge_services.common.metrics_http import MetricsEndpoint
 from kvbridge_services.common.server import GrpcServer, ServiceBinding
 from kvbridge_services.common.store.base import Compare, Store
+from kvbridge_services.common.store_space import StoreSpaceReadiness
 from kvbridge_services.common.telemetry import Telemetry
 
 from .election import LeaderElection
@@ -102,6 +103,8 @@ class LeaseApp:
         )
         self._election = self.election
         self._election_task: asyncio.Task[None] | None = None
+        # Health "kvbridge.store" and kvbridge_store_writes_refused: NOSPACE; leadership is not touched by it.
+        self.store_space = StoreSpaceReadiness(self.store, self.server.health, self.telemetry.registry, service="lease")
 
     def _fence(self) -> Sequence[Compare]:
         return list(self._election.fence()) if self._election is not None else []
@@ -141,6 +144,7 @@ class LeaseApp:
         # A standby until elected (server.start() has just set every name SERVING).
         await self._health(("", SERVICE_NAME), serving=False)
         await self._health((LIVENESS,), serving=True)
+        await self.store_space.start()
         self.metrics_endpoint.start()
         self._election_task = asyncio.create_task(self.election.run())
 
@@ -152,6 +156,7 @@ class LeaseApp:
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._election_task
         await self.manager.step_down()
+        await self.store_space.stop()
         await self.server.stop(grace_s)
         self.metrics_endpoint.stop()
         await asyncio.to_thread(self.telemetry.force_flush)  # exporting blocks: off the event loop

@@ -4,6 +4,11 @@ The leader key holds the leader's gRPC address and is attached to a short
 store lease that the leader refreshes; a crashed leader's key vanishes when
 that lease expires, and standbys, watching the key, campaign at once. The
 store lease id doubles as the fencing token every leader write compares.
+
+A store out of space (etcd's NOSPACE alarm) refuses the grant and the put a
+campaign needs, but not the leader's refreshes (keep-alives are not writes):
+the leader keeps leading through it, a standby stays a standby (logged once)
+and campaigns again once writes are taken.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ from kvbridge_services.common.store.base import (
     Put,
     Store,
     StoreError,
+    StoreNoSpace,
 )
 
 log = logging.getLogger(__name__)
@@ -69,14 +75,22 @@ class LeaderElection:
 
     async def run(self) -> None:
         """Campaign, lead, fall back to standby; forever (cancel to stop)."""
+        refused = False  # the last campaign failed for lack of store space (logged once per episode)
         while True:
             try:
-                if await self._campaign():
+                won = await self._campaign()
+                refused = False
+                if won:
                     await self._lead()
                 else:
                     await self._wait_for_vacancy()
             except asyncio.CancelledError:
                 raise
+            except StoreNoSpace as exc:
+                if not refused:
+                    log.warning("leader election: cannot campaign while the store refuses writes (%s)", exc)
+                refused = True
+                await asyncio.sleep(self._refresh)
             except (StoreError, TimeoutError) as exc:
                 log.warning("leader election: store error %s; retrying", exc)
                 await asyncio.sleep(self._refresh)

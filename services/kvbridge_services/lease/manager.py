@@ -21,6 +21,7 @@ from prometheus_client import CollectorRegistry
 from kvbridge.backoff import Backoff, retry
 from kvbridge.errors import AlreadyExists, DeadlineExceeded, NotFound, Reason, Unavailable
 from kvbridge.types.v1 import types_pb2
+from kvbridge_services.common.store.base import StoreNoSpace
 
 from .metrics import LeaseMetrics, LeaseState
 from .persistence import LeasePersistence, NotLeaderAnymore
@@ -449,7 +450,8 @@ class LeaseManager:
             except Exception as exc:  # noqa: BLE001 - retried at the next interval
                 self._fenced(exc)
                 self.table.mark_dirty(dirty)
-                log.warning("deadline checkpoint of %d leases failed: %s", len(dirty), exc)
+                if not isinstance(exc, StoreNoSpace):  # the store logs a NOSPACE episode once
+                    log.warning("deadline checkpoint of %d leases failed: %s", len(dirty), exc)
 
     async def _stats_loop(self) -> None:
         while True:

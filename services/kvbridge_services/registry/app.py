@@ -17,6 +17,7 @@ from kvbridge_services.common.metrics_http import MetricsEndpoint
 from kvbridge_services.common.server import GrpcServer, ServiceBinding
 from kvbridge_services.common.store.base import Store
 from kvbridge_services.common.store.memory import MemoryStore
+from kvbridge_services.common.store_space import StoreSpaceReadiness
 from kvbridge_services.common.telemetry import Telemetry
 
 from .config import RegistrySettings
@@ -112,6 +113,10 @@ class RegistryApp:
             reuse_port=share_port,
             auth=auth,
         )
+        # Health "kvbridge.store" and kvbridge_store_writes_refused: NOSPACE, while lookups go on.
+        self.store_space = StoreSpaceReadiness(
+            self.store, self.server.health, self.telemetry.registry, service="registry"
+        )
 
     @property
     def address(self) -> str:
@@ -123,6 +128,7 @@ class RegistryApp:
         self._sweeper = asyncio.get_running_loop().create_task(self._sweep_engines(), name="registry-engine-sweep")
         await self.server.start()
         self._readiness = asyncio.get_running_loop().create_task(self._follow_freshness(), name="registry-readiness")
+        await self.store_space.start()
         self.metrics_endpoint.start()
 
     async def _follow_freshness(self) -> None:
@@ -160,6 +166,7 @@ class RegistryApp:
             self._readiness.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await self._readiness
+        await self.store_space.stop()
         await self.server.stop(grace_s)
         await self.registry.close()
         if self._sweeper is not None:

@@ -36,6 +36,7 @@ __all__ = [
     "RangeQuery",
     "Store",
     "StoreError",
+    "StoreNoSpace",
     "StoreUnavailable",
     "Txn",
     "TxnResult",
@@ -53,6 +54,13 @@ class StoreError(Exception):
 
 class StoreUnavailable(StoreError):
     """The store did not answer within the deadline or is unreachable."""
+
+
+class StoreNoSpace(StoreError):
+    """The store refused a write because its database reached its space quota (etcd's NOSPACE alarm): nothing
+    was written. Reads, deletes and lease renewals still work; writes resume once an operator has compacted,
+    defragmented and disarmed the alarm (docs/etcd-space.md). Not a ``StoreUnavailable``: retrying within a
+    deadline cannot help, so callers fail it at once."""
 
 
 class LeaseNotFound(StoreError):
@@ -286,6 +294,11 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     async def current_revision(self, *, timeout: float = DEFAULT_TIMEOUT_S) -> int: ...
+
+    def writes_refused(self) -> str | None:
+        """Why the store refuses writes now (e.g. etcd's NOSPACE alarm), None while it takes them. Readiness,
+        metrics and logs follow it; the embedded store has no quota and always takes writes."""
+        return None
 
     @abc.abstractmethod
     async def close(self) -> None: ...

@@ -9,6 +9,10 @@
 - Writes are retried only when etcd certainly did not apply them (the
   connection was never made, or there was no leader); otherwise the outcome
   is unknown and the caller gets ``StoreUnavailable`` at once.
+- A write refused at etcd's space quota (the NOSPACE alarm) raises
+  ``StoreNoSpace`` at once (no retry can help); the store then says so
+  (``writes_refused``), logs it once per episode, and asks etcd's alarm list
+  every second until the alarm is gone or a write succeeds (docs/etcd-space.md).
 - Watches run on our own stream so reconnects resume exactly after the last
   delivered event (etcd3aio's own watch resumes from the header revision,
   which can be ahead of the events while a watcher catches up).
@@ -19,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from typing import Any, TypeVar
 
@@ -30,6 +35,7 @@ from etcd3aio._protobuf import (  # type: ignore[attr-defined]  # rpc_pb2 is not
     DeleteRangeRequest,
     LeaseKeepAliveRequest,
     LeaseStub,
+    MaintenanceStub,
     PutRequest,
     RangeRequest,
     RequestOp,
@@ -60,6 +66,7 @@ from .base import (
     RangeQuery,
     Store,
     StoreError,
+    StoreNoSpace,
     StoreUnavailable,
     Txn,
     TxnResult,
@@ -90,6 +97,10 @@ _MVCC_EVENT_DELETE = 1  # mvccpb.Event.EventType.DELETE
 _RETRY_BACKOFF_S = 0.05
 _MAX_BACKOFF_S = 1.0
 _MIN_ATTEMPT_S = 0.5
+# etcd's answer to a write at its space quota (ErrGRPCNoSpace): RESOURCE_EXHAUSTED with this text.
+_NO_SPACE_HINT = "database space exceeded"
+NO_SPACE_REASON = "etcd NOSPACE alarm: its database reached --quota-backend-bytes; writes are refused"
+_NO_SPACE_PROBE_S = 1.0  # how often the alarm list is asked while writes are refused
 
 
 def _rpc_error(exc: BaseException) -> grpc.aio.AioRpcError | None:
@@ -174,6 +185,10 @@ class EtcdStore(Store):
         self._kv_svc: KVService | None = None
         self._lease_svc: LeaseService | None = None
         self._closed = False
+        # Since when (monotonic) etcd has refused writes for NOSPACE, None while it takes them.
+        self._no_space_since: float | None = None
+        self._no_space_probe: asyncio.Task[None] | None = None
+        self.no_space_episodes = 0
 
     # grpc.aio channels bind to the running loop, so they are made on first use.
     def _channel_now(self) -> grpc.aio.Channel:
@@ -225,7 +240,10 @@ class EtcdStore(Store):
                 continue
             except (EtcdError, grpc.aio.AioRpcError) as exc:
                 if not _is_transient(exc):
-                    raise self._translate(name, exc) from exc
+                    error = self._translate(name, exc)
+                    if isinstance(error, StoreNoSpace):
+                        self._refused_for_space(name)
+                    raise error from exc
                 if not idempotent and not _not_applied(exc):
                     raise StoreUnavailable(f"etcd {name}: outcome unknown ({exc})") from exc
                 last = exc
@@ -241,6 +259,8 @@ class EtcdStore(Store):
     def _translate(name: str, exc: BaseException) -> StoreError:
         rpc = _rpc_error(exc)
         details = (rpc.details() or "") if rpc is not None else str(exc)
+        if _NO_SPACE_HINT in details:
+            return StoreNoSpace(f"etcd {name} refused: {details} (NOSPACE alarm; see docs/etcd-space.md)")
         if "lease not found" in details:
             return LeaseNotFound(details)
         if "compacted" in details:
@@ -273,6 +293,7 @@ class EtcdStore(Store):
         resp = await self._call(
             "put", lambda t: self._kvs.put(key, value, lease=lease, timeout=t), timeout, idempotent=False
         )
+        self._wrote()
         return int(resp.header.revision)
 
     async def delete(self, key: bytes, *, prefix: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> int:
@@ -293,6 +314,8 @@ class EtcdStore(Store):
             timeout,
             idempotent=not writes,
         )
+        if any(isinstance(op, Put) for op in (*txn.success, *txn.failure)):
+            self._wrote()  # etcd refuses any txn holding a put at NOSPACE, whichever branch would run
         gets: list[KeyValue | None] = []
         for r in resp.responses:
             if r.WhichOneof("response") == "response_range":
@@ -313,6 +336,7 @@ class EtcdStore(Store):
         resp = await self._call("grant", lambda t: self._leases.grant(ttl_s, timeout=t), timeout)
         if resp.error:
             raise StoreError(f"etcd lease grant failed: {resp.error}")
+        self._wrote()
         return int(resp.ID)
 
     async def refresh_lease(self, lease_id: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> int:
@@ -381,8 +405,57 @@ class EtcdStore(Store):
         kind = EventType.DELETE if pb.type == _MVCC_EVENT_DELETE else EventType.PUT
         return WatchEvent(kind, _kv(pb.kv), prev)
 
+    # ------------------------------------------------------------------ space
+
+    def writes_refused(self) -> str | None:
+        return NO_SPACE_REASON if self._no_space_since is not None else None
+
+    def _refused_for_space(self, name: str) -> None:
+        """A write was refused for NOSPACE: enter the episode (logged once) and watch for its end."""
+        if self._no_space_since is not None:
+            return
+        self._no_space_since = time.monotonic()
+        self.no_space_episodes += 1
+        _log.error(
+            "etcd refuses writes (%s, first seen on %s): registrations, lease grants and checkpoints fail with "
+            "STORE_NO_SPACE; reads, renewals and turns go on (fail open to recompute). An operator must compact, "
+            "defragment and disarm (docs/etcd-space.md); writes resume here without a restart",
+            NO_SPACE_REASON,
+            name,
+        )
+        if self._no_space_probe is None or self._no_space_probe.done():
+            self._no_space_probe = asyncio.get_running_loop().create_task(self._probe_alarm(), name="etcd-nospace")
+
+    def _wrote(self) -> None:
+        """A write was applied: any NOSPACE episode is over."""
+        if self._no_space_since is not None:
+            self._space_back("a write succeeded")
+
+    def _space_back(self, how: str) -> None:
+        since, self._no_space_since = self._no_space_since, None
+        if since is not None:
+            _log.warning("etcd accepts writes again after %.1fs (%s)", time.monotonic() - since, how)
+
+    async def _probe_alarm(self) -> None:
+        """While writes are refused: ask etcd's alarm list each second; end the episode once NOSPACE is gone.
+        (A failed ask changes nothing: a successful write ends the episode too.)"""
+        request = rpc_pb2.AlarmRequest(action=rpc_pb2.AlarmRequest.GET, memberID=0, alarm=rpc_pb2.NONE)
+        while self._no_space_since is not None and not self._closed:
+            await asyncio.sleep(_NO_SPACE_PROBE_S)
+            try:
+                resp = await MaintenanceStub(self._channel_now()).Alarm(request, timeout=self.default_timeout)
+            except (grpc.aio.AioRpcError, StoreUnavailable) as exc:
+                _log.debug("etcd alarm list failed: %s", exc)
+                continue
+            if not any(a.alarm == rpc_pb2.NOSPACE for a in resp.alarms):
+                self._space_back("NOSPACE alarm disarmed")
+
     async def close(self) -> None:
         self._closed = True
+        if self._no_space_probe is not None:
+            self._no_space_probe.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._no_space_probe
         if self._channel is not None:
             await self._channel.close()
             self._channel = None
