@@ -7,29 +7,23 @@ lease manager stay SERVING (reads go on) while their health name ``kvbridge.stor
 ``kvbridge_store_writes_refused`` is 1; the store logs the episode once however many writes fail; the lease leader
 stays leader and the standby a standby (sampled every 50 ms across several leader TTLs). Then the runbook's steps
 (delete the filler, compact, defragment, disarm) and the services take writes again without a restart: health,
-gauge, a registration and a conversation that hits.
+gauge, a lease grant and a conversation that hits. The recovery runs the runbook's etcdctl commands.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
+import os
+import shutil
+import subprocess
 import time
 from pathlib import Path
 
 import grpc
 import pytest
-from etcd3aio import prefix_range_end
-from etcd3aio._protobuf import (  # type: ignore[attr-defined]  # rpc_pb2 is not re-exported
-    CompactionRequest,
-    DefragmentRequest,
-    DeleteRangeRequest,
-    KVStub,
-    MaintenanceStub,
-    PutRequest,
-    RangeRequest,
-    rpc_pb2,
-)
+from etcd3aio._protobuf import KVStub, PutRequest
 from google.protobuf.duration_pb2 import Duration
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -40,6 +34,7 @@ from kvbridge_services.common.store.etcd import EtcdStore
 from kvbridge_services.common.store_space import STORE_HEALTH
 from kvbridge_services.lease.app import LeaseApp
 from kvbridge_services.lease.policy import LeasePolicy
+from tests.fixtures.common import missing
 from tests.fixtures.etcd import EtcdServer
 
 from .conftest import MODEL
@@ -79,24 +74,34 @@ def _gauge(app: object) -> float | None:
     return value
 
 
-async def _recover(endpoint: str) -> float:
-    """The runbook (docs/etcd-space.md): delete what filled it, compact to now, defragment, disarm; returns when
-    disarmed. (Deletes are taken at NOSPACE.)"""
-    async with grpc.aio.insecure_channel(endpoint) as ch:
-        kv, maintenance = KVStub(ch), MaintenanceStub(ch)
-        await kv.DeleteRange(DeleteRangeRequest(key=b"/fill/", range_end=prefix_range_end(b"/fill/")), timeout=10)
-        now = await kv.Range(RangeRequest(key=b"\x00", count_only=True), timeout=10)
-        await kv.Compact(CompactionRequest(revision=now.header.revision, physical=True), timeout=30)
-        await maintenance.Defragment(DefragmentRequest(), timeout=30)
-        alarms = await maintenance.Alarm(rpc_pb2.AlarmRequest(action=rpc_pb2.AlarmRequest.GET), timeout=5)
-        for alarm in alarms.alarms:
-            await maintenance.Alarm(
-                rpc_pb2.AlarmRequest(
-                    action=rpc_pb2.AlarmRequest.DEACTIVATE, memberID=alarm.memberID, alarm=alarm.alarm
-                ),
-                timeout=5,
-            )
-    return time.monotonic()
+def _etcdctl(endpoint: str, *args: str) -> str:
+    """One etcdctl command (v3 API), as docs/etcd-space.md gives it; its output."""
+    binary = shutil.which("etcdctl")
+    if binary is None:
+        missing("etcdctl", "scripts/install (apt etcd-client)")
+    done = subprocess.run(
+        [binary, f"--endpoints={endpoint}", *args],
+        env={**os.environ, "ETCDCTL_API": "3"},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    assert done.returncode == 0, f"etcdctl {' '.join(args)}: {done.stderr}"
+    return done.stdout
+
+
+def _recover(endpoint: str) -> tuple[float, str, str]:
+    """The runbook (docs/etcd-space.md), with etcdctl: see the alarm, delete what filled it (deletes are taken at
+    NOSPACE), compact to the current revision, defragment, disarm. Returns when disarmed, with the alarm list before
+    and after."""
+    before = _etcdctl(endpoint, "alarm", "list")
+    _etcdctl(endpoint, "del", "--prefix", "/fill/")
+    status = json.loads(_etcdctl(endpoint, "endpoint", "status", "--write-out=json"))
+    _etcdctl(endpoint, "compact", str(status[0]["Status"]["header"]["revision"]), "--physical")
+    _etcdctl(endpoint, "defrag")
+    _etcdctl(endpoint, "alarm", "disarm")
+    return time.monotonic(), before, _etcdctl(endpoint, "alarm", "list")
 
 
 async def test_nospace_fails_open_keeps_leadership_and_recovers(
@@ -191,7 +196,8 @@ async def _scenario(
     await asyncio.sleep(max(0.0, HOLD_S - (time.monotonic() - alarm_at)))
     assert stack.lease.is_leader and not standby.is_leader
 
-    recovered_at = await _recover(server.endpoint)
+    recovered_at, alarms_before, alarms_after = await asyncio.to_thread(_recover, server.endpoint)
+    assert "alarm:NOSPACE" in alarms_before and alarms_after.strip() == "", (alarms_before, alarms_after)
     async with asyncio.timeout(10):
         while store.writes_refused() is not None:  # noqa: ASYNC110 - polling the store's state
             await asyncio.sleep(0.05)
