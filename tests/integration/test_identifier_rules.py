@@ -144,7 +144,7 @@ def _http_verdict(resp: httpx.Response, field: str) -> bool:
     """True: the identifier passed (the turn then fails for want of an engine: 404/503); False: refused (400)."""
     if resp.status_code == 400:
         error = resp.json()["error"]
-        assert (error["code"], error["param"]) == ("INVALID_FIELD", field), resp.text
+        assert (error["code"], error["param"]) == ("invalid_field", field), resp.text
         return False
     assert resp.status_code in (404, 503), resp.text
     return True

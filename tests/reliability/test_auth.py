@@ -109,7 +109,7 @@ async def test_gateway_http_refuses_unauthenticated(secure: SecureStack, header:
         ):
             resp = await client.request(method, path, json=payload, headers=headers)
             assert resp.status_code == 401, (path, resp.text)
-            assert resp.json()["error"]["code"] == Reason.UNAUTHENTICATED.value
+            assert resp.json()["error"]["code"] == Reason.UNAUTHENTICATED.value.lower()
     stats = await _requests_seen(secure)
     assert stats == 0, "an unauthenticated request reached an engine"
 

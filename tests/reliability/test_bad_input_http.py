@@ -143,7 +143,7 @@ async def test_oversized_body_is_413(secure: SecureStack) -> None:
     big = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": "w" * (limit + 10)}]}).encode()
     async with secure.http() as client:
         resp = await _send(client, "/v1/chat/completions", big, {})
-        assert resp.status_code == 413 and resp.json()["error"]["code"] == "TOO_LARGE"
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "too_large"
 
         async def chunks() -> Any:  # no content-length: the limit holds while streaming the body in
             for _ in range(limit // 65536 + 2):

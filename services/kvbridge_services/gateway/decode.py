@@ -15,6 +15,7 @@ from typing import Any
 from kvbridge import telemetry as tel
 
 from . import kvparams
+from .answers import SseRewriter, error_frame, reused_tokens, set_cached_tokens
 from .enginecalls import (
     EngineAccess,
     EngineStep,
@@ -80,7 +81,7 @@ class Decoder(EngineStep):
             body["return_token_ids"] = True
         self._metrics.router_overhead.observe(max(0.0, time.perf_counter() - plan.started - plan.engine_seconds))
         if turn.stream:
-            return await self._stream(turn, plan, engine, body)
+            return await self._stream(turn, plan, engine, body, reused_tokens(p_params, plan.verdict.pulled_tokens))
         with self._calls.span("kvbridge.gateway.decode", engine):
             async with self._pool.using(engine):
                 plan.decode_sent_s = time.time()
@@ -98,6 +99,7 @@ class Decoder(EngineStep):
         self._pool.answered(engine)
         self._metrics.ttft.labels(plan.reuse_label).observe(time.perf_counter() - plan.started)
         retained_params = data.pop("kv_transfer_params", None)
+        set_cached_tokens(data, reused_tokens(p_params, plan.verdict.pulled_tokens))
         result = TurnResult(plan.verdict, body=data)
         if register:
             seq = sequence_of(turn, data)
@@ -119,7 +121,9 @@ class Decoder(EngineStep):
             drop_token_ids(data)
         return result
 
-    async def _stream(self, turn: Turn, plan: TurnPlan, engine: EngineState, body: dict[str, Any]) -> TurnResult:
+    async def _stream(
+        self, turn: Turn, plan: TurnPlan, engine: EngineState, body: dict[str, Any], cached: int | None
+    ) -> TurnResult:
         engine.outstanding += 1
         try:
             with self._calls.span("kvbridge.gateway.decode", engine):  # until D's response headers
@@ -139,25 +143,36 @@ class Decoder(EngineStep):
             raise
         ttft = self._metrics.ttft.labels(plan.reuse_label)
         return TurnResult(
-            plan.verdict, stream=forward(upstream, engine, lambda: ttft.observe(time.perf_counter() - plan.started))
+            plan.verdict,
+            stream=forward(upstream, engine, lambda: ttft.observe(time.perf_counter() - plan.started), cached),
         )
 
 
+UPSTREAM_FAILED_FRAME = error_frame("upstream stream failed", "upstream_failed")
+
+
 async def forward(
-    upstream: UpstreamStream, engine: EngineState, on_first_chunk: Callable[[], None]
+    upstream: UpstreamStream, engine: EngineState, on_first_chunk: Callable[[], None], cached: int | None = None
 ) -> AsyncIterator[bytes]:
-    """D's SSE bytes, forwarded as they arrive; closing early (client gone) closes the upstream request."""
+    """D's SSE bytes, forwarded as they arrive (its usage frame's ``cached_tokens`` set to ``cached`` unless None,
+    its error frames in OpenAI's shape: answers.py); closing early (client gone) closes the upstream request."""
     started = time.monotonic()
     first = True
+    frames = SseRewriter(cached)
     try:
         async for chunk in upstream.chunks():
             if first:
                 on_first_chunk()
                 first = False
-            yield chunk
+            out = frames.feed(chunk)
+            if out:
+                yield out
+        tail = frames.flush()
+        if tail:
+            yield tail
     except TRANSPORT_ERRORS as exc:
         log.warning("decode stream from %s broke after %.1fs: %s", engine.url, time.monotonic() - started, exc)
-        yield b'data: {"error": {"message": "upstream stream failed", "code": "UPSTREAM_FAILED"}}\n\n'
+        yield UPSTREAM_FAILED_FRAME  # a frame cut short by the break (held, not sent) is dropped
     finally:
         engine.outstanding -= 1
         await upstream.aclose()

@@ -16,6 +16,7 @@ from starlette.responses import JSONResponse
 from kvbridge.errors import KvbridgeError, NotFound, Reason
 
 from . import messages_api, responses_api
+from .answers import openai_code, openai_type
 from .chatstream import ChatAnswer, answer_of, chat_chunks, delta_of
 from .responses_store import ResponseStore, StoredResponse
 from .turn import TurnKind
@@ -40,10 +41,8 @@ class Failure:
 
     status: int
     message: str
-    kind: str  # the gRPC code's name, lower case (the chat door's error type)
-    code: str | None = None  # the machine reason
+    code: str | None = None  # the machine reason, in lower case (OpenAI's ``code``)
     param: str | None = None
-    engine_body: Any = None  # an engine's own 4xx body (passed through by the chat door)
     close: bool = False  # the connection is closed after the answer (a body that never came)
 
     @classmethod
@@ -53,40 +52,54 @@ class Failure:
             status = 413
         elif err.reason == Reason.UPSTREAM_FAILED.value and err.code is not grpc.StatusCode.DEADLINE_EXCEEDED:
             status = 502  # an engine failed; one that timed out keeps 504
-        return cls(status, err.message, err.code.name.lower(), err.reason or None, err.metadata.get("field"))
+        return cls(status, err.message, openai_code(err.reason), err.metadata.get("field"))
 
     @classmethod
     def engine(cls, status: int, body: Any) -> Failure:
+        """An engine's own 4xx answer (vLLM's ``{"error": {"message", "type": "BadRequestError", "param", "code":
+        400}}``, or its older flat form), translated: its message and ``param`` are kept, its ``type`` and numeric
+        ``code`` (vLLM's exception class and the status) are replaced by OpenAI's type for the status."""
         err = body.get("error") if isinstance(body, dict) else None
-        message = (
-            err.get("message") if isinstance(err, dict) else body.get("message") if isinstance(body, dict) else None
+        fields = err if isinstance(err, dict) else body if isinstance(body, dict) else {}
+        message = fields.get("message")
+        param = fields.get("param")
+        code = fields.get("code")
+        return cls(
+            status,
+            str(message or f"the engine answered {status}"),
+            code if isinstance(code, str) and code else None,
+            param if isinstance(param, str) and param else None,
         )
-        return cls(status, str(message or f"the engine answered {status}"), "invalid_argument", engine_body=body)
 
 
 def _headers(failure: Failure) -> dict[str, str] | None:
     return {"connection": "close"} if failure.close else None
 
 
+def openai_error_body(failure: Failure) -> dict[str, Any]:
+    """OpenAI's error body: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {
+        "error": {
+            "message": failure.message,
+            "type": openai_type(failure.status),
+            "param": failure.param,
+            "code": failure.code,
+        }
+    }
+
+
 def openai_error(failure: Failure) -> JSONResponse:
-    """The chat and completions routes' error body (an engine's own 4xx body passes through unchanged)."""
-    if failure.engine_body is not None:
-        return JSONResponse(failure.engine_body, status_code=failure.status)
-    body = {"error": {"message": failure.message, "type": failure.kind, "code": failure.code, "param": failure.param}}
-    return JSONResponse(body, status_code=failure.status, headers=_headers(failure))
+    """The error answer of every OpenAI-compatible route (chat, completions, the Responses API, models): OpenAI's
+    shape, engines' errors translated into it."""
+    return JSONResponse(openai_error_body(failure), status_code=failure.status, headers=_headers(failure))
 
 
-_OPENAI_TYPES = {401: "authentication_error", 403: "permission_error", 429: "rate_limit_error"}
-
-
-def responses_error(failure: Failure) -> JSONResponse:
-    """OpenAI's error shape as the Responses API answers it (``type`` invalid_request_error for a client's error)."""
-    kind = _OPENAI_TYPES.get(failure.status) or ("invalid_request_error" if failure.status < 500 else "server_error")
-    body = {"error": {"message": failure.message, "type": kind, "param": failure.param, "code": failure.code}}
-    return JSONResponse(body, status_code=failure.status, headers=_headers(failure))
+# The Responses API answers errors in OpenAI's shape too.
+responses_error = openai_error
 
 
 def messages_error(failure: Failure) -> JSONResponse:
+    """The Anthropic Messages API's error answer: ``{"type": "error", "error": {"type", "message"}}``."""
     body = messages_api.error_body(messages_api.error_type(failure.status), failure.message)
     return JSONResponse(body, status_code=failure.status, headers=_headers(failure))
 
@@ -257,6 +270,7 @@ __all__ = [
     "messages_door",
     "messages_error",
     "openai_error",
+    "openai_error_body",
     "passthrough",
     "responses_door",
     "responses_error",

@@ -11,6 +11,7 @@ from opentelemetry import trace
 from prometheus_client import CollectorRegistry
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
@@ -224,7 +225,7 @@ def build_http_app(core: GatewayCore) -> Starlette:
             except BodyTimeout:
                 door_metrics.timeouts.labels("body").inc()
                 message = f"the request body did not arrive within {s.body_read_timeout_s:g} s"
-                resp = errors(Failure(408, message, "deadline_exceeded", "REQUEST_TIMEOUT", "body", close=True))
+                resp = errors(Failure(408, message, "request_timeout", "body", close=True))
             except ClientDisconnect:
                 resp = Response(status_code=499)
             m.requests.labels(route, f"{resp.status_code // 100}xx").inc()
@@ -314,7 +315,7 @@ def build_http_app(core: GatewayCore) -> Starlette:
         return JSONResponse({"object": "list", "data": data})
 
     async def healthz(_: Request) -> Response:
-        return JSONResponse({"status": "ok"})
+        return JSONResponse({"status": "ok"})  # /healthz and vLLM's /health: the process is up
 
     async def readyz(_: Request) -> Response:
         ready = core.ready()
@@ -338,14 +339,44 @@ def build_http_app(core: GatewayCore) -> Starlette:
         ),
         Route("/v1/models", guarded("models", models), methods=["GET"]),
         Route("/healthz", healthz, methods=["GET"]),
+        Route("/health", healthz, methods=["GET"]),
         Route("/readyz", readyz, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
     ]
-    app = Starlette(routes=routes)
+    app = Starlette(
+        routes=routes,
+        exception_handlers={HTTPException: _http_exception, Exception: _internal_error},  # type: ignore[dict-item]
+    )
     app.state.responses = store  # the stored responses (tests read them)
     app.state.slots = slots
     app.state.metrics = door_metrics
     return app
+
+
+def _error_shape(path: str) -> Callable[[Failure], Response]:
+    """The error shape of a path: the Messages API's under ``/v1/messages``, OpenAI's everywhere else."""
+    return messages_error if path == "/v1/messages" or path.startswith("/v1/messages/") else openai_error
+
+
+async def _http_exception(request: Request, exc: HTTPException) -> Response:
+    """The router's own answers (no such path: 404, a path without that method: 405) in the path's API shape,
+    as JSON (Starlette's are text/plain)."""
+    method, path = request.method, request.url.path
+    if exc.status_code == 404:
+        failure = Failure(404, f"Invalid URL ({method} {path})", "not_found")
+    elif exc.status_code == 405:
+        failure = Failure(405, f"Method {method} is not allowed on {path}", "method_not_allowed")
+    else:
+        failure = Failure(exc.status_code, str(exc.detail))
+    resp = _error_shape(path)(failure)
+    for name, value in (exc.headers or {}).items():  # the 405's Allow
+        resp.headers[name] = value
+    return resp
+
+
+async def _internal_error(request: Request, _exc: Exception) -> Response:
+    """An unexpected failure (logged by Starlette with its traceback) as a JSON 500 in the path's API shape."""
+    return _error_shape(request.url.path)(Failure(500, "internal error", "internal"))
 
 
 async def _finish(result: TurnResult) -> None:

@@ -123,11 +123,11 @@ async def test_streaming_frames_forwarded(stack: Stack) -> None:
 
 async def test_bad_input_gives_clear_4xx(stack: Stack) -> None:
     r = await stack.client.post("/v1/chat/completions", content=b"{not json")
-    assert r.status_code == 400 and r.json()["error"]["code"] == "INVALID_FIELD"
+    assert r.status_code == 400 and r.json()["error"]["code"] == "invalid_field"
     r = await stack.client.post(
         "/v1/chat/completions", json={"model": "nope", "messages": [{"role": "user", "content": "x"}]}
     )
-    assert r.status_code == 404 and r.json()["error"]["code"] == "MODEL_NOT_FOUND"
+    assert r.status_code == 404 and r.json()["error"]["code"] == "model_not_found"
     r = await stack.client.post("/v1/chat/completions", json={"model": MODEL, "messages": "hi"})
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
     r = await stack.client.post("/v1/chat/completions", content=b"x" * (5 * 1024 * 1024))

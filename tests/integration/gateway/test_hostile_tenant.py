@@ -32,7 +32,7 @@ async def test_a_text_prompt_past_max_prompt_tokens_is_refused_once_tokenized(
     r = await stack.client.post(path, json=payload)
     assert r.status_code == 413, r.text  # TOO_LARGE, as a token-id prompt past the limit
     error = r.json()["error"]
-    assert error["code"] == "TOO_LARGE" and error["param"] == body, error
+    assert error["code"] == "too_large" and error["param"] == body, error
     assert "more than max_prompt_tokens (100)" in error["message"]
     assert stack.prefill.engine.stats.requests == requests_before  # no prefill (P's /tokenize only)
     stack.gateway.core.settings.max_prompt_tokens = 1_000  # the same prompt within the limit: served
