@@ -30,6 +30,9 @@ from kvbridge_services.registry.app import RegistryApp
 from kvbridge_services.registry.config import RegistrySettings
 
 log = logging.getLogger(__name__)
+# The registry's and lease manager's /metrics ports when run alone (their __main__'s DEFAULT_METRICS_PORT).
+REGISTRY_METRICS_PORT = 9151
+LEASE_METRICS_PORT = 9152
 
 
 @dataclass
@@ -46,6 +49,18 @@ class StackConfig:
     engines: LocalEnginesConfig | None = None
     # How long the gateway may take to see the engines after they answer /health.
     gateway_ready_timeout_s: float = 60.0
+    # /metrics of the registry and the lease manager (the gateway's is on its HTTP port). None: 9151 and 9152, as
+    # when each runs alone, for a service on a fixed gRPC port, off for one on port 0 (an ephemeral test stack);
+    # KVBRIDGE_REGISTRY_METRICS_PORT / KVBRIDGE_LEASE_METRICS_PORT, when set, decide instead (0: off).
+    registry_metrics_port: int | None = None
+    lease_metrics_port: int | None = None
+
+
+def metrics_port(explicit: int | None, grpc_port: int, default: int) -> int:
+    """A service's /metrics port in the stack (see ``StackConfig.registry_metrics_port``)."""
+    if explicit is not None:
+        return explicit
+    return default if grpc_port else 0
 
 
 def _gateway_for_engines(gw: GatewaySettings, engines: LocalEngines) -> GatewaySettings:
@@ -239,11 +254,19 @@ class Stack:
             if cfg.engines
             else LeasePolicy(port=cfg.lease_port)
         )
+        registry = RegistrySettings(port=cfg.registry_port)
+        # Each service's /metrics, as when it runs alone, unless the environment set its port.
+        if "metrics_port" not in policy.model_fields_set:
+            port = metrics_port(cfg.lease_metrics_port, cfg.lease_port, LEASE_METRICS_PORT)
+            policy = policy.model_copy(update={"metrics_port": port})
+        if "metrics_port" not in registry.model_fields_set:
+            port = metrics_port(cfg.registry_metrics_port, cfg.registry_port, REGISTRY_METRICS_PORT)
+            registry = registry.model_copy(update={"metrics_port": port})
         # Each service keeps its own tracer (service.name) and metrics registry, as when run separately.
         self.services = ServiceStack(
             self.store,
             lease_policy=policy,
-            registry=RegistrySettings(port=cfg.registry_port),
+            registry=registry,
             server=cfg.server,
             gateway_server=cfg.server,
             auth=auth,
@@ -260,6 +283,9 @@ class Stack:
         assert self.lease is not None and self.registry is not None
         self._progress(f"lease manager: {self.lease.address} (leader)")
         self._progress(f"registry: {self.registry.address}")
+        for name, app in (("lease manager", self.lease), ("registry", self.registry)):
+            if app.metrics_endpoint.url:
+                self._progress(f"{name} metrics: {app.metrics_endpoint.url}")
         if cfg.engines is not None:
             self.engines = LocalEngines(cfg.engines, self._progress)
             await self.engines.build_model()  # before the gateway, which loads the model's tokenizer
@@ -304,6 +330,6 @@ class Stack:
                 log.warning("stopping the services failed", exc_info=True)
         if self.store is not None:
             await self.store.close()
-        for app in (self.gateway, self.registry, self.lease):
-            if app is not None:
-                await asyncio.to_thread(app.telemetry.shutdown)  # flushing spans blocks
+        # Flushing spans blocks (each bounded: telemetry.SHUTDOWN_TIMEOUT_S): the three at once.
+        apps = [app for app in (self.gateway, self.registry, self.lease) if app is not None]
+        await asyncio.gather(*(asyncio.to_thread(app.telemetry.shutdown) for app in apps))

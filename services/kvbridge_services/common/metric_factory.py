@@ -5,9 +5,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 _PREFIX = "kvbridge_"
+# No ``*_created`` series (one per counter and histogram child, holding its creation time): they double the
+# series a scrape stores and dashboards never read them. Process-wide, before any metric is made: every kvbridge
+# service makes its metrics through this module or after importing it (telemetry.py).
+disable_created_metrics()  # type: ignore[no-untyped-call]
 
 
 class MetricFactory:

@@ -16,16 +16,18 @@ import contextlib
 import logging
 import os
 import secrets
+import threading
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 from opentelemetry import trace
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SpanExporter
-from prometheus_client import CollectorRegistry
+from prometheus_client import CollectorRegistry, ProcessCollector
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
@@ -52,6 +54,52 @@ _SERVER_ERROR_CODES = frozenset(
 _CODES_BY_VALUE = {c.value[0]: c for c in grpc.StatusCode}
 # The global provider until a process installs a real one: its spans are dropped.
 _NO_OP_PROVIDERS = (trace.ProxyTracerProvider, trace.NoOpTracerProvider)
+# How long shutdown (and force_flush) wait for the span exporter: with the OTLP collector down its retries would
+# hold a stopping service ~15 s (OTEL_EXPORTER_OTLP_TIMEOUT, 10 s, plus backoff); past it the spans are dropped.
+SHUTDOWN_TIMEOUT_S = 2.0
+
+# OpenTelemetry's GenAI semantic conventions (gen_ai.*), beside kvbridge's own attributes on a turn's span.
+GEN_AI_SYSTEM = "vllm"
+_GEN_AI_OPERATIONS = {"chat": "chat", "completion": "text_completion"}
+
+
+def gen_ai_request(kind: str, model: str) -> dict[str, str]:
+    """A turn's request attributes: ``gen_ai.operation.name`` (``chat`` or ``text_completion``), ``gen_ai.system``
+    and ``gen_ai.request.model``."""
+    return {
+        "gen_ai.operation.name": _GEN_AI_OPERATIONS.get(kind, kind),
+        "gen_ai.system": GEN_AI_SYSTEM,
+        "gen_ai.request.model": model,
+    }
+
+
+def gen_ai_usage(usage: object) -> dict[str, int]:
+    """``gen_ai.usage.input_tokens`` / ``output_tokens`` from an OpenAI ``usage`` object (what it holds of them)."""
+    out: dict[str, int] = {}
+    if isinstance(usage, dict):
+        for key, attr in (
+            ("prompt_tokens", "gen_ai.usage.input_tokens"),
+            ("completion_tokens", "gen_ai.usage.output_tokens"),
+        ):
+            value = usage.get(key)
+            if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+                out[attr] = value
+    return out
+
+
+def server_attributes(url: str) -> dict[str, str | int]:
+    """``server.address`` (a host, as the conventions define it, never a URL) and ``server.port`` of a URL."""
+    parts = urlsplit(url)
+    out: dict[str, str | int] = {"server.address": parts.hostname or url}
+    try:
+        port = parts.port
+    except ValueError:
+        port = None
+    if port is None and parts.scheme in ("http", "https"):
+        port = 443 if parts.scheme == "https" else 80
+    if port is not None:
+        out["server.port"] = port
+    return out
 
 
 class TelemetrySettings(BaseSettings):
@@ -118,8 +166,12 @@ class Telemetry:
         self._provider = tracer_provider
         self.tracer = (tracer_provider or trace.get_tracer_provider()).get_tracer(f"kvbridge.{service_name}")
         self._hash_key = hash_key or secrets.token_bytes(32)
-        self.registry = registry or CollectorRegistry()
+        if registry is None:
+            registry = CollectorRegistry()
+            ProcessCollector(registry=registry)  # process_* (CPU, memory, open fds, start time) on every service
+        self.registry = registry
         self.rpc_metrics = RpcMetrics(self.registry)
+        self._exporter: SpanExporter | None = None
         self._tracing = self.exporting or not isinstance(trace.get_tracer_provider(), _NO_OP_PROVIDERS)
 
     @classmethod
@@ -143,9 +195,12 @@ class Telemetry:
         if exporter is None and not tracing_enabled(env):
             return cls(name, hash_key=key)
         provider = TracerProvider(resource=Resource.create({"service.name": name}))
-        provider.add_span_processor(BatchSpanProcessor(exporter or _otlp_exporter(env)))
+        span_exporter = exporter or _otlp_exporter(env)
+        provider.add_span_processor(BatchSpanProcessor(span_exporter))
         log.info("tracing on: service.name=%s", name)
-        return cls(name, tracer_provider=provider, hash_key=key)
+        telemetry = cls(name, tracer_provider=provider, hash_key=key)
+        telemetry._exporter = span_exporter
+        return telemetry
 
     @property
     def exporting(self) -> bool:
@@ -167,14 +222,36 @@ class Telemetry:
     def server_interceptor(self) -> ServerTelemetryInterceptor:
         return ServerTelemetryInterceptor(self.tracer, self.rpc_metrics, tracing=self.tracing)
 
-    def force_flush(self, timeout_ms: int = 10_000) -> bool:
-        if isinstance(self._provider, TracerProvider):
-            return self._provider.force_flush(timeout_ms)
-        return True
+    def force_flush(self, timeout_ms: int = int(SHUTDOWN_TIMEOUT_S * 1000)) -> bool:
+        """Exports the spans ended so far; False if that took longer than ``timeout_ms`` (the SDK's batch
+        processor ignores its own timeout and would wait out the exporter's retries)."""
+        provider = self._provider
+        if not isinstance(provider, TracerProvider):
+            return True
+        return _bounded(lambda: provider.force_flush(timeout_ms), timeout_ms / 1000)
 
-    def shutdown(self) -> None:
-        if isinstance(self._provider, TracerProvider):
-            self._provider.shutdown()
+    def shutdown(self, timeout_s: float = SHUTDOWN_TIMEOUT_S) -> None:
+        """Exports what is left and stops the exporter, within ``timeout_s``: past it (the collector is down or
+        slow) the exporter is stopped, which ends its retries, and the spans left are dropped with a warning."""
+        provider = self._provider
+        if not isinstance(provider, TracerProvider):
+            return
+        if not _bounded(provider.shutdown, timeout_s):
+            log.warning(
+                "tracing: spans not exported within %.1f s at shutdown (is the OTLP collector reachable?); dropped",
+                timeout_s,
+            )
+            if self._exporter is not None:
+                self._exporter.shutdown()  # the OTLP exporter's retries and in-flight export end
+
+
+def _bounded(call: Callable[[], object], timeout_s: float) -> bool:
+    """Runs ``call`` on a daemon thread; whether it returned (truthy or None) within ``timeout_s``."""
+    result: list[object] = []
+    thread = threading.Thread(target=lambda: result.append(call()), name="kvbridge-telemetry-flush", daemon=True)
+    thread.start()
+    thread.join(timeout_s)
+    return bool(result) and result[0] is not False
 
 
 # ------------------------------------------------------------------------------------------ server side

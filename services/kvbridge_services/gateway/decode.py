@@ -12,7 +12,10 @@ from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from opentelemetry import trace
+
 from kvbridge import telemetry as tel
+from kvbridge_services.common.telemetry import gen_ai_request, gen_ai_usage
 
 from . import kvparams
 from .answers import SseRewriter, error_frame, reused_tokens, set_cached_tokens
@@ -56,6 +59,10 @@ class Decoder(EngineStep):
 
     async def run(self, turn: Turn, plan: TurnPlan, engine: EngineState, p_params: dict[str, Any]) -> TurnResult:
         body = dict(turn.body)
+        turn_span = trace.get_current_span()  # the turn's span: gen_ai.* beside kvbridge's own attributes
+        turn_span.set_attributes(gen_ai_request(turn.kind, turn.model))
+        if plan.verdict.prompt_tokens:
+            turn_span.set_attribute("gen_ai.usage.input_tokens", plan.verdict.prompt_tokens)
         # A turn whose KV the chain does not cover (multimodal, LoRA) gives D no conversation: a connector there
         # registers nothing, and neither does the gateway.
         covered = plan.features.covered
@@ -100,6 +107,7 @@ class Decoder(EngineStep):
         self._metrics.ttft.labels(plan.reuse_label).observe(time.perf_counter() - plan.started)
         retained_params = data.pop("kv_transfer_params", None)
         set_cached_tokens(data, reused_tokens(p_params, plan.verdict.pulled_tokens))
+        turn_span.set_attributes(gen_ai_usage(data.get("usage")))
         result = TurnResult(plan.verdict, body=data)
         if register:
             seq = sequence_of(turn, data)

@@ -10,6 +10,7 @@ from opentelemetry import trace
 
 from kvbridge import telemetry as tel
 from kvbridge.errors import DeadlineExceeded, KvbridgeError, Reason, Unavailable
+from kvbridge_services.common.telemetry import server_attributes
 
 from .config import GatewaySettings
 from .engines import EnginePool, EngineState
@@ -28,7 +29,7 @@ class EngineCalls:
         return self._tracer.start_as_current_span(
             name,
             kind=trace.SpanKind.CLIENT,
-            attributes={tel.ATTR_ENGINE: engine.engine_id or engine.url, "server.address": engine.url},
+            attributes={tel.ATTR_ENGINE: engine.engine_id or engine.url, **server_attributes(engine.url)},
         )
 
     def failed(self, engine: EngineState, exc: UpstreamError, *, client_deadline: bool = False) -> None:

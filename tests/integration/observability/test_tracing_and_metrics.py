@@ -239,6 +239,18 @@ async def test_one_linked_trace_per_turn_across_services(observed: Observed) -> 
         assert turn.attributes["kvbridge.decode.engine_id"] == "d0"
         expected = verdicts[n].split(";")[0].split(":")[0]
         assert turn.attributes[tel.ATTR_VERDICT] == expected
+        # OpenTelemetry's GenAI conventions beside kvbridge's own (issue 31); a streamed turn's output tokens are
+        # known only once its stream ended, after the turn's span.
+        assert turn.attributes["gen_ai.operation.name"] == "chat"
+        assert turn.attributes["gen_ai.system"] == "vllm"
+        assert turn.attributes["gen_ai.request.model"] == MODEL
+        assert turn.attributes["gen_ai.usage.input_tokens"] > len(LONG.split())
+        assert turn.attributes.get("gen_ai.usage.output_tokens") == (None if n == 3 else 8)
+        # An engine call's server.address is a host, never a URL.
+        for step in ("kvbridge.gateway.prefill", "kvbridge.gateway.decode"):
+            call = next(s for s in in_trace if s.name == step)
+            assert call.attributes["server.address"] == "127.0.0.1", call.attributes
+            assert isinstance(call.attributes["server.port"], int) and call.attributes["server.port"] > 0
         if expected == "hit":
             pulled = int(verdicts[n].split("=")[1])
             assert turn.attributes[tel.ATTR_PULLED_TOKENS] == pulled > 0
@@ -289,6 +301,10 @@ async def test_metrics_endpoints_expose_nonzero_values_after_a_run(observed: Obs
     assert _total(reg, "kvbridge_grpc_server_handled_total{code=OK,method=/kvbridge.registry.v1") > 0
 
     gw = await _metrics(o.gateway.http_url + "/metrics")
+    for scraped in (reg, gw):  # process_* on every service; no *_created series (issue 31)
+        assert scraped["process_cpu_seconds_total{}"] > 0 and scraped["process_resident_memory_bytes{}"] > 0
+        assert scraped["process_open_fds{}"] > 0 and scraped["process_start_time_seconds{}"] > 0
+        assert not [name for name in scraped if "_created{" in name]
     assert gw["kvbridge_gateway_reuse_total{reason=,verdict=hit}"] >= 2
     assert _total(gw, "kvbridge_gateway_lookups_total{") >= 5  # every turn looked up, mirror or registry
     assert gw["kvbridge_gateway_reuse_total{reason=,verdict=miss}"] >= 1
