@@ -1,8 +1,10 @@
 """The ``kvbridge`` command line: run the local stack, the demo, benches, and inspect state.
 
-Exit codes: 0 success, 1 failure (talking to the services, starting the stack or
-its engines; the reason is printed), 2 bad arguments (argparse), 130 interrupted.
-``kvbridge bench`` exits with the bench script's own code.
+Exit codes: 0 success, 1 failure (talking to the services, starting the stack's
+engines; the reason is printed), 2 bad arguments or configuration (an argument, a
+setting's value, an unknown ``KVBRIDGE_*`` name, a bad ``--config`` file), 3 a port
+that cannot be bound, 4 etcd not answering at start, 130 interrupted. Each failure is
+one line on stderr. ``kvbridge bench`` exits with the bench script's own code.
 """
 
 from __future__ import annotations
@@ -39,17 +41,23 @@ def _progress(msg: str) -> None:
 
 
 def _stack_config(args: argparse.Namespace) -> Any:
+    """The stack's settings: flags over the environment over ``--config`` (already applied to the environment)."""
     from kvbridge_services.common.config import ServerSettings, StoreSettings
+    from kvbridge_services.lease.policy import LeasePolicy
+    from kvbridge_services.registry.config import RegistrySettings
     from kvbridge_services.stack import StackConfig
 
     store = StoreSettings()
     if args.etcd:
         store = store.model_copy(update={"etcd_endpoints": StoreSettings(etcd_endpoints=args.etcd).etcd_endpoints})
+    registry_port = args.registry_port if args.registry_port is not None else RegistrySettings().port
+    lease_port = args.lease_port if args.lease_port is not None else LeasePolicy().port
     gateway = None
     if getattr(args, "gateway", False):
         from kvbridge_services.gateway.config import GatewaySettings
 
-        gateway = GatewaySettings(http_port=args.gateway_http_port, grpc_port=args.gateway_grpc_port)
+        ports = {"http_port": args.gateway_http_port, "grpc_port": args.gateway_grpc_port}
+        gateway = GatewaySettings(**{k: v for k, v in ports.items() if v is not None})
     engines = None
     if getattr(args, "engines", False):
         from kvbridge_services.devengines.local import LocalEnginesConfig
@@ -61,11 +69,108 @@ def _stack_config(args: argparse.Namespace) -> Any:
         store=store,
         server=ServerSettings(),
         data_dir=Path(args.data_dir) if getattr(args, "data_dir", None) else None,
-        registry_port=args.registry_port,
-        lease_port=args.lease_port,
+        registry_port=registry_port,
+        lease_port=lease_port,
         gateway=gateway,
         engines=engines,
     )
+
+
+# Flags of `kvbridge up` that set a setting (field name -> flag), for messages naming where a value came from.
+_UP_FLAGS = {
+    "etcd_endpoints": "--etcd",
+    "port": "--registry-port/--lease-port",
+    "http_port": "--gateway-http-port",
+    "grpc_port": "--gateway-grpc-port",
+}
+
+
+def _all_settings_models() -> list[Any]:
+    from kvbridge_services.common.telemetry import TelemetrySettings
+    from kvbridge_services.settings_reference import SERVICES
+
+    models: list[Any] = []
+    for _, _, service_models in SERVICES:
+        models.extend(m for m, _ in service_models if m not in models)
+    return [*models, TelemetrySettings]
+
+
+def _load_up_config(args: argparse.Namespace) -> Any:
+    """The checked environment and --config file, then the stack's settings and ports checked; raises
+    configfile.StartError (exit 3, 4) or ConfigError / ValidationError (exit 2)."""
+    from kvbridge_services.common import entrypoint
+    from kvbridge_services.common.configfile import Port
+
+    config = _stack_config(args)
+    host = config.server.host
+    ports = [
+        Port(host, config.registry_port, "KVBRIDGE_REGISTRY_PORT", flag="--registry-port"),
+        Port(host, config.lease_port, "KVBRIDGE_LEASE_PORT", flag="--lease-port"),
+    ]
+    if config.gateway is not None:
+        gw_host = config.gateway.host
+        ports += [
+            Port(
+                gw_host,
+                config.gateway.http_port,
+                "KVBRIDGE_GATEWAY_HTTP_PORT",
+                "KVBRIDGE_GATEWAY_HOST",
+                "--gateway-http-port",
+            ),
+            Port(
+                gw_host,
+                config.gateway.grpc_port,
+                "KVBRIDGE_GATEWAY_GRPC_PORT",
+                "KVBRIDGE_GATEWAY_HOST",
+                "--gateway-grpc-port",
+            ),
+        ]
+    from kvbridge_services.common.config import check_bind
+
+    secured = config.server.api_keys_file is not None
+    check_bind(config.server.host, secured=secured, insecure=config.server.insecure, what="gRPC server")
+    if config.gateway is not None:
+        check_bind(config.gateway.host, secured=secured, insecure=config.server.insecure, what="gateway")
+        if secured and config.engines is None and not config.gateway.hash_secret_hex:
+            from kvbridge_services.common.auth import Authenticator
+            from kvbridge_services.gateway.app import deployment_secret
+
+            deployment_secret(config.gateway, Authenticator.from_file(config.server.api_keys_file))
+    entrypoint.check_ports(ports)
+    return config
+
+
+def _start_refusal(command: str, args: argparse.Namespace) -> tuple[Any, int]:
+    """(the stack's config, 0), or (None, exit code) after one line on stderr: the environment's unknown
+    names, the --config file, every setting's value, the ports and etcd, checked before anything starts."""
+    from pydantic import ValidationError
+
+    from kvbridge_services.common.configfile import ConfigError, Origin, StartError, explain, load_environment
+
+    models = _all_settings_models()
+    config_file = getattr(args, "config", None)
+    try:
+        from_file = load_environment(config_file, models)
+    except ConfigError as exc:
+        print(f"kvbridge: {command}: invalid configuration: {exc}", file=sys.stderr)
+        return None, 2
+    given = {field: flag for field, flag in _UP_FLAGS.items() if _flag_given(args, flag)}
+    try:
+        return _load_up_config(args), 0
+    except ValidationError as exc:
+        problem = explain(exc, models, Origin(from_file, config_file, given))
+        print(f"kvbridge: {command}: invalid configuration: {problem}", file=sys.stderr)
+        return None, 2
+    except StartError as exc:
+        print(f"kvbridge: {command}: {exc}", file=sys.stderr)
+        return None, exc.code
+    except ValueError as exc:
+        print(f"kvbridge: {command}: invalid configuration: {exc}", file=sys.stderr)
+        return None, 2
+
+
+def _flag_given(args: argparse.Namespace, flags: str) -> bool:
+    return any(getattr(args, f.lstrip("-").replace("-", "_"), None) not in (None, "") for f in flags.split("/"))
 
 
 async def _up(args: argparse.Namespace) -> int:
@@ -81,11 +186,17 @@ async def _up(args: argparse.Namespace) -> int:
                 file=sys.stderr,
             )
             return 1
+    config, code = _start_refusal("up", args)
+    if config is None:
+        return code
+    from kvbridge_services.common.configfile import StartError
+    from kvbridge_services.common.entrypoint import wait_for_store
+
     try:
-        config = _stack_config(args)
-    except ValueError as exc:  # a setting refused (pydantic's ValidationError is one): its message names it
+        await wait_for_store(config.store)
+    except StartError as exc:
         print(f"kvbridge: up: {exc}", file=sys.stderr)
-        return 2
+        return exc.code
     stack = Stack(config, progress=_progress)
     with stop_on_signals() as stop:
         return await _serve(stack, stop)
@@ -98,11 +209,15 @@ async def _serve(stack: Stack, stop: asyncio.Event) -> int:
             return 130
         try:
             starting.result()
-        # A port in use, an engine that died or hung, or a configuration refused at start (ValueError: e.g. a
-        # non-loopback address without API keys, API keys without KVBRIDGE_HASH_SECRET).
-        except (OSError, RuntimeError, TimeoutError, ValueError) as exc:
-            print(f"kvbridge: up failed: {exc}", file=sys.stderr)
-            return 1
+        # A configuration refused at start (ValueError: e.g. a non-loopback address without API keys, API keys
+        # without KVBRIDGE_HASH_SECRET): exit 2; a port taken since the check: 3; an engine that died or hung: 1.
+        except ValueError as exc:
+            print(f"kvbridge: up: invalid configuration: {exc}", file=sys.stderr)
+            return 2
+        except (OSError, RuntimeError, TimeoutError) as exc:
+            bind = "Failed to bind" in str(exc) or "cannot bind" in str(exc)
+            print(f"kvbridge: up failed: {str(exc).split(';')[0] if bind else exc}", file=sys.stderr)
+            return 3 if bind else 1
         _print_ready(stack)
         return await _run_until_stopped(stack, stop)
     finally:
@@ -207,20 +322,52 @@ def _opts(args: argparse.Namespace) -> ClientOptions:
     return ClientOptions(api_key=args.api_key or os.environ.get("KVBRIDGE_API_KEY"), timeout_s=args.timeout)
 
 
+# Enum values as the table shows them: ENGINE_ROLE_DECODE -> decode, LEASE_KIND_NODE -> node.
+_ENUM_PREFIXES = ("ENGINE_ROLE_", "LEASE_KIND_", "REVOKE_REASON_", "LEASE_STATE_", "ENGINE_STATE_")
+
+
+def _cell(value: Any) -> str:
+    if isinstance(value, str):
+        for prefix in _ENUM_PREFIXES:
+            if value.startswith(prefix):
+                return value.removeprefix(prefix).lower()
+        return value
+    if isinstance(value, list):
+        return ",".join(_cell(v) for v in value)
+    return "" if value is None else str(value)
+
+
+def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
+    """Every table of the CLI: columns aligned to their widest cell (rich), nothing cut or wrapped."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(box=None, pad_edge=False, show_edge=False, header_style="", padding=(0, 2, 0, 0))
+    for header in headers:
+        table.add_column(header, no_wrap=True, overflow="ignore")
+    for row in rows:
+        table.add_row(*row)
+    console = Console(width=100_000, color_system=None, highlight=False, soft_wrap=True)
+    with console.capture() as captured:
+        console.print(table)
+    print("\n".join(line.rstrip() for line in captured.get().splitlines()))
+
+
 def _emit(args: argparse.Namespace, messages: Sequence[Message], columns: list[tuple[str, str]]) -> None:
     rows = [json_format.MessageToDict(m, preserving_proto_field_name=True) for m in messages]
     if args.json:
         print(json.dumps(rows, indent=2))
         return
-    print("  ".join(f"{title:<{w}}" for title, w in ((c[0], 18) for c in columns)))
+    cells = []
     for row in rows:
-        cells = []
+        line = []
         for _, path in columns:
             value: Any = row
             for part in path.split("."):
                 value = value.get(part, "") if isinstance(value, dict) else ""
-            cells.append(f"{value!s:<18}")
-        print("  ".join(cells))
+            line.append(_cell(value))
+        cells.append(line)
+    print_table([title for title, _ in columns], cells)
 
 
 async def _inspect(args: argparse.Namespace) -> int:
@@ -297,9 +444,36 @@ async def _inspect(args: argparse.Namespace) -> int:
                 ],
             )
         else:
+            if not await _confirm_revoke(lc, args):
+                return 2
             lease = await lc.revoke(args.lease_id, types_pb2.REVOKE_REASON_OPERATOR)
             print(f"revoked lease {lease.lease_id}")
     return 0
+
+
+async def _confirm_revoke(lc: LeaseClient, args: argparse.Namespace) -> bool:
+    """An entry lease is revoked at once; an engine's node lease ends every entry lease of that engine, so it
+    takes a yes at the prompt or --yes (then a warning on stderr)."""
+    from kvbridge.lease.v1 import lease_pb2
+
+    lease = await lc.get(args.lease_id)
+    if lease.kind != lease_pb2.LEASE_KIND_NODE:
+        return True
+    what = (
+        f"lease {lease.lease_id} is engine {lease.engine_id}'s node lease: revoking it ends every entry lease of "
+        "that engine (its KV is no longer offered; the engine must re-register)"
+    )
+    if args.yes:
+        print(f"kvbridge: warning: {what}", file=sys.stderr)
+        return True
+    if not sys.stdin.isatty():
+        print(f"kvbridge: leases revoke: {what}; add --yes to revoke it", file=sys.stderr)
+        return False
+    answer = await asyncio.to_thread(input, f"{what}. Revoke it? [y/N] ")
+    if answer.strip().lower() in ("y", "yes"):
+        return True
+    print("kvbridge: leases revoke: not revoked", file=sys.stderr)
+    return False
 
 
 DEFAULT_ENGINE_START_TIMEOUT_S = 900.0
@@ -534,15 +708,106 @@ def _store(args: argparse.Namespace) -> int:
     return 0
 
 
+def _config_check(args: argparse.Namespace) -> int:
+    """``kvbridge config check``: the --config file and the environment, validated as each service would; the
+    effective settings printed (secrets redacted); exit 2 with one line per problem."""
+    from pydantic import ValidationError
+
+    from kvbridge_services.common.configfile import ConfigError, Origin, explain, is_secret, load_environment
+    from kvbridge_services.common.settings_doc import NOT_READ, env_names
+    from kvbridge_services.common.telemetry import TelemetrySettings
+    from kvbridge_services.settings_reference import SERVICES
+
+    models = _all_settings_models()
+    try:
+        from_file = load_environment(args.config, models)
+    except ConfigError as exc:
+        print(f"kvbridge: config check: {exc}", file=sys.stderr)
+        return 2
+    origin = Origin(from_file, args.config)
+    environ = {k.upper() for k in os.environ}
+    problems: dict[str, list[str]] = {}
+    report: dict[str, dict[str, dict[str, str]]] = {}
+    services = [(title, command, list(m)) for title, command, m in SERVICES]
+    services.append(("Telemetry (every service)", "", [(TelemetrySettings, None)]))
+    for title, command, service_models in services:
+        settings: dict[str, dict[str, str]] = {}
+        for model, overrides in service_models:
+            try:
+                instance = model()
+            except ValidationError as exc:
+                problems.setdefault(explain(exc, models, origin), []).append(title)
+                continue
+            except ValueError as exc:
+                problems.setdefault(str(exc), []).append(title)
+                continue
+            dumped = instance.model_dump(mode="json")
+            for field in model.model_fields:
+                names = env_names(model, field)
+                override = (overrides or {}).get(field)
+                if override == NOT_READ or names[0] in settings:
+                    continue
+                source = "default"
+                if any(n in from_file for n in names):
+                    source = f"{args.config}"
+                elif any(n in environ for n in names):
+                    source = "environment"
+                value = dumped[field]
+                if override and source == "default":
+                    shown = override
+                elif is_secret(names[0]) and value:
+                    shown = "<redacted>"
+                elif value is None:
+                    shown = "unset"
+                elif isinstance(value, bool):
+                    shown = "true" if value else "false"
+                elif isinstance(value, list | dict):
+                    shown = json.dumps(value, separators=(",", ":"))
+                else:
+                    shown = str(value)
+                settings[names[0]] = {"value": shown, "from": source}
+        report[f"{title} ({command})" if command else title] = settings
+    if problems:
+        for problem, titles in problems.items():
+            print(f"kvbridge: config check: {', '.join(dict.fromkeys(titles))}: {problem}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report, indent=2))
+        return 0
+    for heading, settings in report.items():
+        print(f"{heading}:")
+        print_table(["SETTING", "VALUE", "FROM"], [[n, v["value"], v["from"]] for n, v in settings.items()])
+        print()
+    print("configuration valid for the lease manager, the registry and the gateway")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbridge", description="kvbridge: verified decode→prefill KV reuse for vLLM.")
+    p.add_argument("--version", action="version", version=f"%(prog)s {_version()}", help="print the version and exit")
     sub = p.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def stack_flags(sp: argparse.ArgumentParser, default_ports: bool) -> None:
-        sp.add_argument("--etcd", default="", help="etcd endpoints host:port,... (default: embedded store)")
+        sp.add_argument(
+            "--etcd", default="", help="etcd endpoints host:port,... (default: KVBRIDGE_ETCD_ENDPOINTS, else embedded)"
+        )
         sp.add_argument("--data-dir", default=None, help="embedded store: directory for its durable log")
-        sp.add_argument("--registry-port", type=int, default=50051 if default_ports else 0)
-        sp.add_argument("--lease-port", type=int, default=50052 if default_ports else 0)
+        sp.add_argument(
+            "--registry-port",
+            type=int,
+            default=None if default_ports else 0,
+            help="registry gRPC port (default: KVBRIDGE_REGISTRY_PORT, else 50051)"
+            if default_ports
+            else "registry gRPC port (default 0: any free port)",
+        )
+        sp.add_argument(
+            "--lease-port",
+            type=int,
+            default=None if default_ports else 0,
+            help="lease manager gRPC port (default: KVBRIDGE_LEASE_PORT, else 50052)"
+            if default_ports
+            else "lease manager gRPC port (default 0: any free port)",
+        )
 
     up = sub.add_parser(
         "up",
@@ -552,9 +817,20 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     stack_flags(up, True)
+    add_config_flag(up)
     up.add_argument("--no-gateway", dest="gateway", action="store_false", help="run without the gateway")
-    up.add_argument("--gateway-http-port", type=int, default=8080)
-    up.add_argument("--gateway-grpc-port", type=int, default=50053)
+    up.add_argument(
+        "--gateway-http-port",
+        type=int,
+        default=None,
+        help="gateway HTTP port (default: KVBRIDGE_GATEWAY_HTTP_PORT, else 8080)",
+    )
+    up.add_argument(
+        "--gateway-grpc-port",
+        type=int,
+        default=None,
+        help="gateway gRPC port (default: KVBRIDGE_GATEWAY_GRPC_PORT, else 50053)",
+    )
     up.add_argument(
         "--engines",
         action="store_true",
@@ -615,22 +891,30 @@ def build_parser() -> argparse.ArgumentParser:
         sp.add_argument("--timeout", type=float, default=5.0, help="per-call deadline, seconds")
         sp.add_argument("--json", action="store_true", help="machine-readable output")
         sp.add_argument("--tenant", default="", help="tenant (service principals must name one)")
-        sp.add_argument("--model", default="")
+        sp.add_argument("--model", default="", help="served model name (conversations show/evict need it)")
         sp.add_argument("--limit", type=int, default=100, help="rows per page (1..1000)")
 
     st = sub.add_parser("status", help="counts of engines (and, with --tenant, of entries and leases)")
     client_flags(st)
     en = sub.add_parser("engines", help="registered engines")
-    en.add_argument("action", choices=["ls"])
+    en.add_argument("action", choices=["ls"], help="ls: list them")
     client_flags(en)
     cv = sub.add_parser("conversations", help="registry entries: ls | show KEY | evict KEY")
-    cv.add_argument("action", choices=["ls", "show", "evict"])
+    cv.add_argument(
+        "action", choices=["ls", "show", "evict"], help="ls: list; show KEY: one entry; evict KEY: delete it"
+    )
     cv.add_argument("key", nargs="?", default="", help="conversation key (show, evict)")
     client_flags(cv)
     ls = sub.add_parser("leases", help="leases: ls | revoke LEASE_ID")
-    ls.add_argument("action", choices=["ls", "revoke"])
-    ls.add_argument("lease_id", nargs="?", type=int, default=0)
-    ls.add_argument("--engine", default="")
+    ls.add_argument("action", choices=["ls", "revoke"], help="ls: list; revoke LEASE_ID: end one lease now")
+    ls.add_argument("lease_id", nargs="?", type=int, default=0, help="revoke: the lease id (ls shows them)")
+    ls.add_argument("--engine", default="", help="ls: only this engine's leases")
+    ls.add_argument(
+        "--yes",
+        action="store_true",
+        help="revoke an engine's node lease without asking (it ends every entry lease of that engine; a warning "
+        "is printed)",
+    )
     client_flags(ls)
     sto = sub.add_parser(
         "store",
@@ -644,7 +928,9 @@ def build_parser() -> argparse.ArgumentParser:
         "kvbridge service stopped: the older generation's entries, entry leases and idempotency records are "
         "retired (--data-dir: at the next open; --etcd: now), so none is ever offered again.",
     )
-    sto.add_argument("action", choices=["verify", "repair", "new-generation"])
+    sto.add_argument(
+        "action", choices=["verify", "repair", "new-generation"], help="what to do with the store (see above)"
+    )
     sto.add_argument("--data-dir", default="", help="the directory given to --data-dir of the service")
     sto.add_argument("--etcd", default="", help="new-generation only: etcd endpoints host:port,...")
     sto.add_argument(
@@ -661,14 +947,51 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("name", choices=list(BENCHES), metavar="NAME", help="one of: " + ", ".join(BENCHES))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="the script's arguments")
+    cfg = sub.add_parser(
+        "config",
+        help="check: validate a --config file and the environment for all three services; print the settings",
+        description="check: validate the --config file (if given) and the KVBRIDGE_* environment as the lease "
+        "manager, the registry and the gateway would, and print each one's effective settings (secrets redacted), "
+        "starting nothing. Exit code 0: all valid; 2: refused, with one line per problem.",
+    )
+    cfg.add_argument("action", choices=["check"], help="check: validate and print the effective settings")
+    add_config_flag(cfg)
+    cfg.add_argument("--json", action="store_true", help="print the effective settings as JSON")
     return p
+
+
+def add_config_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        metavar="FILE",
+        help="YAML file of settings named as in the environment (KVBRIDGE_...: value); the environment overrides "
+        "it, flags override both; unknown names are refused (docs/settings.md)",
+    )
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("kvbridge-services")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command == "conversations" and args.action in ("show", "evict") and not args.key:
-        parser.error(f"conversations {args.action} needs a conversation KEY")
+    if args.command == "conversations" and args.action in ("show", "evict"):
+        missing = [
+            what for what, given in (("a conversation KEY", args.key), ("--model MODEL", args.model)) if not given
+        ]
+        if missing:
+            parser.error(
+                f"conversations {args.action} needs {' and '.join(missing)} (and --tenant TENANT unless the API key "
+                "is a tenant's)"
+            )
     if args.command == "leases" and args.action == "revoke" and args.lease_id <= 0:
         parser.error("leases revoke needs a positive LEASE_ID")
     logging.basicConfig(
@@ -679,13 +1002,18 @@ def main(argv: list[str] | None = None) -> int:
         return _bench(args)
     if args.command == "store":
         return _store(args)
+    if args.command == "config":
+        return _config_check(args)
     from kvbridge_services.common.store.wal import StoreOpenError
 
     runner = {"up": _up, "demo": _demo}.get(args.command, _inspect)
     try:
         return asyncio.run(runner(args))
     except (KvbridgeError, StoreOpenError) as exc:  # StoreOpenError: a damaged or locked --data-dir
-        print(f"kvbridge: {exc}", file=sys.stderr)
+        hint = ""
+        if getattr(args, "tenant", None) == "" and "tenant" in str(exc).lower():
+            hint = " (name the tenant: --tenant TENANT)"
+        print(f"kvbridge: {exc}{hint}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
         return 130

@@ -46,3 +46,13 @@ def test_an_undescribed_field_is_caught() -> None:
 
     docs = {d.env[0]: d.description for d in describe(Probe)}
     assert docs == {"COMMENTED": "Described by its comment.", "BARE": ""}
+
+
+def test_the_env_names_catalog_is_generated_from_the_models() -> None:
+    from kvbridge_services.settings_reference import env_names_module
+
+    path = ROOT / "services" / "kvbridge_services" / "common" / "env_names.py"
+    assert path.read_text() == env_names_module(), (
+        "services/kvbridge_services/common/env_names.py is stale: python -m kvbridge_services.settings_reference "
+        "--env-names > /tmp/env_names.py && mv /tmp/env_names.py services/kvbridge_services/common/env_names.py"
+    )

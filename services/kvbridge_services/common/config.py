@@ -44,6 +44,15 @@ class StoreSettings(BaseSettings):
     # Versioned key prefix of every kvbridge key in etcd.
     etcd_prefix: str = "/kvbridge/v1"
     etcd_timeout_s: float = Field(default=5.0, gt=0, le=60, description="Deadline of each etcd call.")
+    etcd_start_timeout_s: float = Field(
+        default=30.0,
+        ge=0,
+        le=24 * 3600,
+        description=(
+            "At start, how long a service waits for etcd to answer before it exits (one line, exit code 4); "
+            "0: wait for ever."
+        ),
+    )
     # TLS towards etcd (PEM files). CA alone: verify etcd's server certificate. CA + cert + key: mutual TLS,
     # for etcd started with --client-cert-auth. Unset: plaintext.
     etcd_ca_file: Path | None = None

@@ -62,6 +62,11 @@ def _env_names(model: type[BaseSettings], name: str) -> tuple[str, ...]:
     return ((prefix + name).upper(),)
 
 
+def env_names(model: type[BaseSettings], name: str) -> tuple[str, ...]:
+    """The environment names of field ``name`` of ``model``, the preferred first."""
+    return _env_names(model, name)
+
+
 def _default(value: Any) -> str:
     if value is None:
         return "unset"

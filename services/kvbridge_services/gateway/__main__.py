@@ -5,7 +5,7 @@ from __future__ import annotations
 import sys
 
 from kvbridge_services.common import entrypoint
-from kvbridge_services.common.config import PeerTlsSettings, ServerSettings
+from kvbridge_services.common.config import PeerTlsSettings, ServerSettings, check_bind
 from kvbridge_services.common.settings_doc import NOT_READ, SettingsModels
 from kvbridge_services.common.telemetry import Telemetry
 
@@ -67,10 +67,24 @@ def main(argv: list[str] | None = None) -> int:
         settings = GatewaySettings(
             **entrypoint.overrides(args, {"host": "host", "http_port": "http_port", "grpc_port": "grpc_port"})
         )
+        server = ServerSettings()  # the gRPC door's limits: refused here, as one line, not while starting
+        PeerTlsSettings()
+        secured = settings.api_keys_file is not None
+        check_bind(settings.host, secured=secured, insecure=server.insecure, what="gateway")
+        host = "KVBRIDGE_GATEWAY_HOST"
+        entrypoint.check_ports(
+            [
+                entrypoint.Port(settings.host, settings.http_port, "KVBRIDGE_GATEWAY_HTTP_PORT", host, "--http-port"),
+                entrypoint.Port(settings.host, settings.grpc_port, "KVBRIDGE_GATEWAY_GRPC_PORT", host, "--grpc-port"),
+            ]
+        )
         entrypoint.configure_logging(settings.log_level)
         return settings
 
-    return entrypoint.run(load, _serve)
+    flags = {"host": "--host", "http_port": "--http-port", "grpc_port": "--grpc-port"}
+    return entrypoint.run(
+        load, _serve, settings=SETTINGS, config_file=args.config, flags=entrypoint.given_flags(args, flags)
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from kvbridge_services.common import entrypoint
 from kvbridge_services.common.auth import Authenticator
-from kvbridge_services.common.config import ServerSettings, StoreSettings
+from kvbridge_services.common.config import ServerSettings, StoreSettings, check_bind
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.settings_doc import SettingsModels
 from kvbridge_services.common.telemetry import Telemetry
@@ -50,7 +50,17 @@ def _load(args: argparse.Namespace) -> _Config:
     policy = LeasePolicy(**entrypoint.overrides(args, {"port": "port"}))
     if "metrics_port" not in policy.model_fields_set:
         policy = policy.model_copy(update={"metrics_port": DEFAULT_METRICS_PORT})
-    return _Config(policy, StoreSettings(), server, Authenticator.from_file(server.api_keys_file), args.data_dir)
+    store = StoreSettings()
+    check_bind(server.host, secured=server.api_keys_file is not None, insecure=server.insecure, what="gRPC server")
+    # Its ports free and bindable, etcd answering: else one line and the exit code (common/entrypoint.py).
+    entrypoint.check_ports(
+        [
+            entrypoint.Port(server.host, policy.port, "KVBRIDGE_LEASE_PORT", flag="--port"),
+            entrypoint.Port(server.host, policy.metrics_port, "KVBRIDGE_LEASE_METRICS_PORT"),
+        ]
+    )
+    entrypoint.check_store(store)
+    return _Config(policy, store, server, Authenticator.from_file(server.api_keys_file), args.data_dir)
 
 
 _GC_FREEZE_EVERY_S = 10.0
@@ -103,7 +113,13 @@ def main(argv: list[str] | None = None) -> int:
         entrypoint.configure_logging(cfg.server.log_level)
         return cfg
 
-    return entrypoint.run(load, _serve)
+    return entrypoint.run(
+        load,
+        _serve,
+        settings=SETTINGS,
+        config_file=args.config,
+        flags=entrypoint.given_flags(args, {"host": "--host", "port": "--port"}),
+    )
 
 
 if __name__ == "__main__":

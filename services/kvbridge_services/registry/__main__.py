@@ -10,7 +10,7 @@ from pathlib import Path
 
 from kvbridge_services.common import entrypoint
 from kvbridge_services.common.auth import Authenticator
-from kvbridge_services.common.config import PeerTlsSettings, ServerSettings, StoreSettings
+from kvbridge_services.common.config import PeerTlsSettings, ServerSettings, StoreSettings, check_bind
 from kvbridge_services.common.keys import KeyLayout
 from kvbridge_services.common.settings_doc import SettingsModels
 from kvbridge_services.common.telemetry import Telemetry
@@ -51,16 +51,30 @@ def _load(args: argparse.Namespace) -> _Config:
     if args.worker is not None and registry.metrics_port:
         registry = registry.model_copy(update={"metrics_port": registry.metrics_port + args.worker})
     store = StoreSettings()
+    check_bind(server.host, secured=server.api_keys_file is not None, insecure=server.insecure, what="gRPC server")
+    if args.worker is None:  # workers share the port their supervisor checked
+        # Its ports free and bindable, etcd answering: else one line and the exit code (common/entrypoint.py).
+        entrypoint.check_ports(
+            [
+                entrypoint.Port(server.host, registry.port, "KVBRIDGE_REGISTRY_PORT", flag="--port"),
+                entrypoint.Port(server.host, registry.metrics_port, "KVBRIDGE_REGISTRY_METRICS_PORT"),
+            ]
+        )
+        if registry.serve_processes > 1:
+            problem = _multi_process_problem(store, registry)
+            if problem:
+                raise ValueError(problem)
+        entrypoint.check_store(store)
     return _Config(registry, store, server, Authenticator.from_file(server.api_keys_file), args.data_dir, args.worker)
 
 
-def _multi_process_problem(cfg: _Config) -> str | None:
-    if cfg.store.embedded:
+def _multi_process_problem(store: StoreSettings, registry: RegistrySettings) -> str | None:
+    if store.embedded:
         return (
             "KVBRIDGE_REGISTRY_SERVE_PROCESSES > 1 needs etcd (KVBRIDGE_ETCD_ENDPOINTS): the embedded "
             "in-process store cannot be shared between processes"
         )
-    if cfg.registry.port == 0:
+    if registry.port == 0:
         return "KVBRIDGE_REGISTRY_SERVE_PROCESSES > 1 needs a fixed KVBRIDGE_REGISTRY_PORT, not 0"
     return None
 
@@ -104,21 +118,28 @@ def main(argv: list[str] | None = None) -> int:
     entrypoint.add_data_dir_flag(parser)
     parser.add_argument(WORKER_FLAG, type=int, default=None, dest="worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    try:
+
+    def load() -> _Config:
         cfg = _load(args)
-    except (ValueError, TypeError) as exc:
-        return entrypoint.bad_config(exc)
-    entrypoint.configure_logging(cfg.server.log_level)
+        entrypoint.configure_logging(cfg.server.log_level)
+        return cfg
+
+    loaded = entrypoint.load(
+        load,
+        settings=SETTINGS,
+        config_file=args.config,
+        flags=entrypoint.given_flags(args, {"host": "--host", "port": "--port"}),
+    )
+    cfg = loaded.config
+    if cfg is None:
+        return loaded.code
     if cfg.worker is None and cfg.registry.serve_processes > 1:
-        problem = _multi_process_problem(cfg)
-        if problem:
-            return entrypoint.bad_config(problem)
         # Each worker prints its own "registry listening" line once it serves; flags go to every worker.
         log.info(
             "registry: %d server processes on %s:%d", cfg.registry.serve_processes, cfg.server.host, cfg.registry.port
         )
         return supervise(cfg.registry.serve_processes, argv)
-    return entrypoint.run(lambda: cfg, _serve)
+    return entrypoint.serve(cfg, _serve, SETTINGS)
 
 
 if __name__ == "__main__":

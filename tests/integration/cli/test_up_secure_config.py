@@ -1,5 +1,5 @@
 """``kvbridge up`` refuses an insecure or inconsistent configuration at start, with one line naming the
-setting and exit status 1 (not a traceback, not a stack that runs open)."""
+setting and exit status 2, a configuration error (not a traceback, not a stack that runs open)."""
 
 from __future__ import annotations
 
@@ -36,7 +36,7 @@ def _up(env: dict[str, str]) -> subprocess.CompletedProcess[str]:
 
 def test_up_without_keys_refuses_a_public_address() -> None:
     done = _up({"KVBRIDGE_HOST": "0.0.0.0"})
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 2, done.stderr
     assert "refusing to listen on '0.0.0.0' without API keys" in done.stderr and "KVBRIDGE_INSECURE=1" in done.stderr
     assert "Traceback" not in done.stderr
 
@@ -45,7 +45,7 @@ def test_up_with_keys_needs_the_deployment_secret(tmp_path: Path) -> None:
     keys = tmp_path / "keys.json"
     keys.write_text(json.dumps({"kvb_svc": {"name": "stack", "roles": ["gateway", "engine", "operator"]}}))
     done = _up({"KVBRIDGE_API_KEYS_FILE": str(keys), "KVBRIDGE_API_KEY": "kvb_svc"})
-    assert done.returncode == 1, done.stderr
+    assert done.returncode == 2, done.stderr
     assert "KVBRIDGE_HASH_SECRET is required" in done.stderr and "Traceback" not in done.stderr
     done = _up({"KVBRIDGE_API_KEYS_FILE": str(keys), "KVBRIDGE_HASH_SECRET": "not-hex-at-all"})
     assert done.returncode == 2 and "KVBRIDGE_HASH_SECRET must be hex" in done.stderr, done.stderr
