@@ -55,7 +55,7 @@ class Placer:
             links[(d, p_key)] = self._figures.bytes_per_s(d, p_key)
         placed = placement.place(
             PlacementInput(
-                prompt_tokens=plan.verdict.prompt_tokens,
+                prompt_tokens=plan.prompt_tokens,
                 history_tokens=decided.tokens if decided is not None else 0,
                 holder_id=holder_id,
                 prefill=self._engine_figures(prefill, self._figures.prefill(p_key)),
@@ -116,7 +116,6 @@ class Placer:
 
 def set_placement(plan: TurnPlan, placed: tuple[Placement, EngineState]) -> None:
     plan.placement, plan.decode_engine = placed
-    plan.verdict.placement = placed[0].label
 
 
 def recompute_instead(plan: TurnPlan) -> None:
@@ -128,7 +127,6 @@ def recompute_instead(plan: TurnPlan) -> None:
     same_d = [o for o in placed.options if o.choice is Choice.RECOMPUTE and o.decode == placed.chosen.decode]
     if same_d:
         plan.placement = Placement(same_d[0], placed.reason, placed.options)
-        plan.verdict.placement = plan.placement.label
 
 
 def engine_key(engine: EngineState) -> str:

@@ -25,9 +25,8 @@ from .enginecalls import (
 )
 from .engines import PREFILL, EngineState
 from .figures import Figures
-from .reuse import NoReuse
 from .turn import Turn
-from .turnstate import TurnPlan
+from .turnstate import PullOutcome, TurnPlan
 from .upstream import ClientError, UpstreamError
 
 log = logging.getLogger(__name__)
@@ -65,13 +64,13 @@ class Prefiller(EngineStep):
                 returned = await self._once(turn, plan, engine, params)
                 cached = returned.get("remote_prefill_cached_tokens")
                 if isinstance(cached, int) and cached == 0:
-                    plan.verdict.outcome = NoReuse.RECOMPUTED  # P chose (or had) to recompute
+                    plan.observed.pull = PullOutcome.RECOMPUTED  # P chose (or had) to recompute
                 return returned
             except (UpstreamError, ClientError) as exc:
                 log.warning("prefill with D params failed; retrying without them: %s", exc)
                 self._metrics.reuse_retries.inc()
                 timed_out = isinstance(exc, UpstreamError) and exc.timed_out
-                plan.verdict.outcome = NoReuse.PREFILL_TIMEOUT if timed_out else NoReuse.PREFILL_FAILED
+                plan.observed.pull = PullOutcome.TIMED_OUT if timed_out else PullOutcome.FAILED
             finally:
                 self.pulling.discard(pull.key)
             with contextlib.suppress(Unavailable):  # the retry may go to another P if this one looks broken
@@ -121,8 +120,8 @@ class Prefiller(EngineStep):
         usage = data.get("usage")
         prompt = usage.get("prompt_tokens") if isinstance(usage, dict) else None
         prompt = prompt if isinstance(prompt, int) and prompt > 0 else None
-        if prompt is not None and not plan.verdict.prompt_tokens:
-            plan.verdict.prompt_tokens = prompt  # a turn planned without its ids: P's count
+        if prompt is not None and not plan.observed.engine_prompt_tokens:
+            plan.observed.engine_prompt_tokens = prompt  # a turn planned without its ids: P's count
         if self._figures is not None and prompt is not None:
             self._observe(engine, params, returned, prompt, time.perf_counter() - started, others)
         return returned

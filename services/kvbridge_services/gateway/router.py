@@ -49,6 +49,7 @@ from .trust import SecretCanary
 from .turn import Turn
 from .turnstate import TurnPlan, TurnResult
 from .upstream import ClientError, EngineHttp, UpstreamError
+from .verdict import verdict_of
 
 log = logging.getLogger(__name__)
 
@@ -170,9 +171,10 @@ class TurnRouter:
                 if plan.warm_up:  # while D decodes: P's prefill (the turn's TTFT) does not share the CPU with it
                     scope = Scope(turn.tenant, turn.model, turn.cache_salt, plan.block_size)
                     self._post_turn.spawn(self._warm_up(turn, scope), turn.conversation)
-                self._record_verdict(span, plan, prefill, decode)
-                result = await self._decoder.run(turn, plan, decode, p_params)
-            result.after.insert(0, lambda: self._after_turn(turn, plan))
+                result = await self._decoder.run(
+                    turn, plan, decode, p_params, self._verdict(span, plan, prefill, decode)
+                )
+            result.after.insert(0, lambda: self._after_turn(turn, plan, result.verdict))
             return result
 
     async def _in_place(
@@ -182,15 +184,15 @@ class TurnRouter:
         turn is served as a recompute through P and another D: a failed local prefill costs time, not the answer."""
         holder.prefilling += 1  # the next turns' cost model sees it queued there
         try:
-            result = await self._decoder.run(turn, plan, holder, kvparams.local_prefill_params())
+            result = await self._decoder.run(turn, plan, holder, kvparams.local_prefill_params(), verdict_of(plan))
         except (Unavailable, DeadlineExceeded) as exc:
             log.warning("local prefill on the holder %s failed; recomputing through P: %s", holder.url, exc)
         else:
-            self._record_verdict(span, plan, None, holder)
+            self._record_verdict(span, result.verdict, plan, None, holder)
             return result
         finally:
             holder.prefilling -= 1
-        plan.verdict.outcome, plan.verdict.in_place = NoReuse.LOCAL_PREFILL_FAILED, False
+        plan.observed.local_prefill_failed = True
         try:
             decode = await self._pool.choose_live(turn.model, DECODE, exclude=frozenset({holder.url}))
         except Unavailable:  # the holder is the only decode engine: through P to it, once more
@@ -199,8 +201,7 @@ class TurnRouter:
         fallback, decode = self._placer.place(turn, plan, None, prefill, decode)
         set_placement(plan, (Placement(fallback.chosen, Why.HOLDER_UNAVAILABLE, fallback.options), decode))
         p_params = await self._prefiller.run(turn, plan, prefill)
-        self._record_verdict(span, plan, prefill, decode)
-        return await self._decoder.run(turn, plan, decode, p_params)
+        return await self._decoder.run(turn, plan, decode, p_params, self._verdict(span, plan, prefill, decode))
 
     @property
     def figures(self) -> Figures:
@@ -221,7 +222,7 @@ class TurnRouter:
         also releases what that turn is still registering."""
         await self._post_turn.settle((tenant, model, conversation_key), timeout_s=timeout_s)
 
-    def _after_turn(self, turn: Turn, plan: TurnPlan) -> None:
+    def _after_turn(self, turn: Turn, plan: TurnPlan, verdict: ReuseVerdict) -> None:
         self._renewer.flush_soon()  # the renewal touched before the prefill goes out now
         if plan.thread is not None and plan.prompt_ids is not None:
             scope = self._scope(turn, plan)
@@ -238,7 +239,7 @@ class TurnRouter:
             turn.tenant,
             turn.model,
             self._telemetry.hash(turn.conversation_key) if turn.conversation_key else "-",
-            plan.verdict.header(),
+            verdict.header(),
         )
 
     async def _warm_up(self, turn: Turn, scope: Scope) -> None:
@@ -251,11 +252,22 @@ class TurnRouter:
         except Exception as exc:  # noqa: BLE001 - background work: the next turn computes its ids itself
             log.warning("could not encode a new conversation's first prompt for its next turn: %s", exc)
 
+    def _verdict(self, span: trace.Span, plan: TurnPlan, prefill: EngineState, decode: EngineState) -> ReuseVerdict:
+        """The turn's verdict once P answered (what the decode carries to the client), recorded."""
+        verdict = verdict_of(plan)
+        self._record_verdict(span, verdict, plan, prefill, decode)
+        return verdict
+
     def _record_verdict(
-        self, span: trace.Span, plan: TurnPlan, prefill: EngineState | None, decode: EngineState
+        self,
+        span: trace.Span,
+        v: ReuseVerdict,
+        plan: TurnPlan,
+        prefill: EngineState | None,
+        decode: EngineState,
     ) -> None:
-        """``prefill``: None when no P took part (a local prefill on the holder)."""
-        v = plan.verdict
+        """The verdict's span attributes and metrics. ``prefill``: None when no P took part (a local prefill on
+        the holder)."""
         pulled = v.pulled_tokens
         span.set_attributes(
             {
@@ -263,7 +275,7 @@ class TurnRouter:
                 tel.ATTR_REASON: v.span_reason,
                 tel.ATTR_VERIFIED_TOKENS: plan.verified_tokens,
                 tel.ATTR_PULLED_TOKENS: pulled,
-                "kvbridge.prompt_tokens": plan.verdict.prompt_tokens,
+                "kvbridge.prompt_tokens": v.prompt_tokens,
                 "kvbridge.prefill.engine_id": engine_key(prefill) if prefill is not None else "",
                 "kvbridge.decode.engine_id": engine_key(decode),
             }
@@ -273,7 +285,7 @@ class TurnRouter:
         self._metrics.reuse.labels(v.verdict, v.metric_reason).inc()
         self._metrics.verified_tokens.inc(plan.verified_tokens)
         self._metrics.pulled_tokens.inc(pulled)
-        self._metrics.prompt_tokens.inc(plan.verdict.prompt_tokens)
+        self._metrics.prompt_tokens.inc(v.prompt_tokens)
         if plan.placement is not None and self._placer is not None:
             self._placer.record(span, plan.placement, pulled, prefill)
 
@@ -327,7 +339,7 @@ class TurnRouter:
         )
         early = reuse.screen(plan.features, wants_reuse=wants_reuse, prompt_tokens=None, policy=policy)
         if early is not None:
-            plan.verdict.outcome = early
+            plan.outcome = early
         if not turn.conversation_key and wants_reuse and plan.features.covered:
             # A keyless turn: its thread (the key it registers and looks up under) is found from its ids.
             if not await self._tokenize(turn, plan, prefill, early):
@@ -342,7 +354,7 @@ class TurnRouter:
         await self._settle_previous_turn(turn)
         if early is None and plan.thread is None and self._new_conversation(turn):
             # Nothing to look up: the turn goes to P at once; its ids are computed once P answered, off its path.
-            plan.verdict.outcome, plan.warm_up = NoReuse.NOT_FOUND, True
+            plan.outcome, plan.warm_up = NoReuse.NOT_FOUND, True
             self._metrics.lookups.labels("mirror").inc()
             trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "mirror")
             return turn, plan
@@ -353,7 +365,7 @@ class TurnRouter:
             return turn, plan
         short = reuse.screen(plan.features, wants_reuse=True, prompt_tokens=len(plan.prompt_ids), policy=policy)
         if short is not None:
-            plan.verdict.outcome = short
+            plan.outcome = short
             return turn, plan
         await self._lookup(turn, plan, prefill, decode)
         if plan.thread is not None and plan.thread.key != turn.conversation_key:
@@ -368,10 +380,10 @@ class TurnRouter:
             raise
         except UpstreamError as exc:
             if early is None:
-                plan.verdict.outcome = NoReuse.TOKENIZE_FAILED
+                plan.outcome = NoReuse.TOKENIZE_FAILED
             log.warning("tokenize failed, no reuse this turn: %s", exc)
             return False
-        plan.verdict.prompt_tokens = len(plan.prompt_ids)
+        plan.prompt_tokens = len(plan.prompt_ids)
         return True
 
     @staticmethod
@@ -444,11 +456,11 @@ class TurnRouter:
             if found is not None:
                 self._metrics.lookups.labels("mirror").inc()
                 await self._apply_lookup(turn, plan, found, asked_at, prefill, decode)
-                if plan.verdict.hit or plan.verdict.outcome is NoReuse.RECOMPUTE_CHEAPER:
+                if plan.outcome is None or plan.outcome is NoReuse.RECOMPUTE_CHEAPER:
                     trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "mirror")
                     return
                 # Declined here (consumed, busy, ...): the registry may hold a newer entry than the copy.
-                plan.verdict = ReuseVerdict(prompt_tokens=plan.verdict.prompt_tokens)
+                plan.outcome, plan.reused_tokens, plan.in_place = NoReuse.NOT_REQUESTED, 0, False
                 plan.next_epoch, plan.verified_tokens = None, 0
                 plan.placement, plan.decode_engine = None, None
         asked_at = time.monotonic()
@@ -456,7 +468,7 @@ class TurnRouter:
             found = await self._control.lookup(query)
         except ControlPlaneError as exc:
             log.warning("registry lookup failed, no reuse this turn: %s", exc)
-            plan.verdict.outcome = NoReuse.REGISTRY_UNAVAILABLE
+            plan.outcome = NoReuse.REGISTRY_UNAVAILABLE
             return
         self._metrics.lookups.labels("registry").inc()
         trace.get_current_span().set_attribute(tel.ATTR_LOOKUP_SOURCE, "registry")
@@ -490,9 +502,9 @@ class TurnRouter:
         loc = found.location
         if found.HasField("location") and loc.conversation_key == turn.conversation_key:
             plan.next_epoch = int(loc.epoch) + 1
-        plan.verdict.tokens = plan.verified_tokens = int(found.verified_tokens)
+        plan.reused_tokens = plan.verified_tokens = int(found.verified_tokens)
         if found.verdict == registry_pb2.LOOKUP_VERDICT_HIT:
-            plan.verdict.tokens = kvparams.reusable_tokens(plan.verified_tokens, len(plan.prompt_ids), plan.block_size)
+            plan.reused_tokens = kvparams.reusable_tokens(plan.verified_tokens, len(plan.prompt_ids), plan.block_size)
         engine_id = loc.engine.engine_id
         local = self._pool.find(engine_id) if engine_id else None
         source = reuse.SourceState(
@@ -513,17 +525,17 @@ class TurnRouter:
             now_mono=time.monotonic(),
         )
         if isinstance(decided, NoReuse):
-            plan.verdict.outcome = decided
+            plan.outcome = decided
             return
         if self._placer is not None:
             placed, target = self._placer.place(turn, plan, decided, prefill, decode)
             set_placement(plan, (placed, target))
             if placed.choice is Choice.PREFILL_ON_HOLDER:
                 # No pull: the holder's own prefix cache serves the verified history (nothing to consume).
-                plan.verdict.tokens, plan.verdict.outcome, plan.verdict.in_place = decided.tokens, None, True
+                plan.reused_tokens, plan.outcome, plan.in_place = decided.tokens, None, True
                 return
             if placed.choice is Choice.RECOMPUTE:
-                plan.verdict.tokens, plan.verdict.outcome = decided.tokens, NoReuse.RECOMPUTE_CHEAPER
+                plan.reused_tokens, plan.outcome = decided.tokens, NoReuse.RECOMPUTE_CHEAPER
                 return
         if decided.consume:
             try:
@@ -532,13 +544,13 @@ class TurnRouter:
                 )
             except ControlPlaneError as exc:
                 log.warning("could not consume a single-use entry, no reuse this turn: %s", exc)
-                plan.verdict.outcome = NoReuse.REGISTRY_UNAVAILABLE
+                plan.outcome = NoReuse.REGISTRY_UNAVAILABLE
                 recompute_instead(plan)
                 return
             if not took:
-                plan.verdict.outcome = NoReuse.CONSUMED
+                plan.outcome = NoReuse.CONSUMED
                 recompute_instead(plan)
                 return
         plan.pull = decided
-        plan.verdict.tokens = decided.tokens
-        plan.verdict.outcome = None
+        plan.reused_tokens = decided.tokens
+        plan.outcome = None

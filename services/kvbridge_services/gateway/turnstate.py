@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field
@@ -10,7 +11,7 @@ from typing import Any
 from . import reuse
 from .engines import EngineState
 from .placement import Placement
-from .reuse import ReusePlan, ReuseVerdict
+from .reuse import NoReuse, ReusePlan, ReuseVerdict
 from .threads import Thread
 
 
@@ -31,13 +32,37 @@ class TurnResult:
             step()
 
 
+class PullOutcome(enum.Enum):
+    """What P did with an offer of D's blocks: an observation of the prefill step (verdict.py judges it)."""
+
+    RECOMPUTED = "recomputed"  # P answered having read nothing (remote_prefill_cached_tokens 0)
+    TIMED_OUT = "timed_out"
+    FAILED = "failed"
+
+
+@dataclass(slots=True)
+class Observed:
+    """What the turn's engine steps saw, each field written by one step: facts, not verdicts."""
+
+    pull: PullOutcome | None = None  # prefill.py, when P was offered D's blocks
+    local_prefill_failed: bool = False  # the router, when the holder D failed a local prefill
+    engine_prompt_tokens: int = 0  # prefill.py: P's usage.prompt_tokens (a turn planned without its ids)
+
+
 @dataclass(slots=True)
 class TurnPlan:
-    """What the turn decided before prefill, and the timings its later steps add."""
+    """What the turn decided before prefill, what its engine steps observed, and the timings they add. The
+    verdict the client sees is made from it by one pure function (``verdict.verdict_of``)."""
 
     prompt_ids: Sequence[int] | None = None  # a list, or the tokenizer's array("I")
     block_size: int = 16
-    verdict: ReuseVerdict = field(default_factory=ReuseVerdict)
+    # The reuse decision: None when a pull or a local prefill is planned, else why not; the tokens it verified
+    # (a hit: those P pulls, or the holder's prefix cache serves); whether it is served in place.
+    outcome: NoReuse | None = NoReuse.NOT_REQUESTED
+    reused_tokens: int = 0
+    in_place: bool = False
+    prompt_tokens: int = 0  # the prompt's ids, when the turn computed them
+    observed: Observed = field(default_factory=Observed)
     features: reuse.RequestFeatures = field(default_factory=reuse.RequestFeatures)
     pull: ReusePlan | None = None  # what P pulls (a hit), single-use entries already consumed
     # Placement on: the cost model's choice, and the decode engine it chose (None: the pool's least-loaded D).
@@ -67,10 +92,3 @@ class TurnPlan:
         turn's state supersede a newer one).
         """
         return max(self.next_epoch or 0, time.time_ns() // 1_000)
-
-    @property
-    def reuse_label(self) -> str:
-        """The TTFT metric's label: hit (P pulled), local (the holder's prefix cache served it), none."""
-        if not self.verdict.hit:
-            return "none"
-        return "local" if self.verdict.in_place else "hit"

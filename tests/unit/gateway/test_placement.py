@@ -22,7 +22,7 @@ from kvbridge_services.gateway.placement import (
     transfer_seconds,
 )
 from kvbridge_services.gateway.reuse import NoReuse, ReuseVerdict
-from kvbridge_services.gateway.turnstate import TurnPlan
+from kvbridge_services.gateway.verdict import ttft_label
 
 DOCS = Path(__file__).resolve().parents[3] / "docs" / "gateway.md"
 KIB = 1024
@@ -233,7 +233,7 @@ def test_a_hit_served_in_place_reports_no_pulled_tokens() -> None:
     declined = ReuseVerdict(outcome=NoReuse.RECOMPUTE_CHEAPER, tokens=160)
     assert (pulled.pulled_tokens, in_place.pulled_tokens, declined.pulled_tokens) == (160, 0, 0)
     assert in_place.header() == "hit;tokens=160" and declined.header() == "declined:recompute_cheaper;tokens=160"
-    assert TurnPlan(verdict=in_place).reuse_label == "local" and TurnPlan(verdict=pulled).reuse_label == "hit"
+    assert ttft_label(in_place) == "local" and ttft_label(pulled) == "hit" and ttft_label(declined) == "none"
 
 
 # -- the measured figures ---------------------------------------------------------------------------------

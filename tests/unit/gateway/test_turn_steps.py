@@ -13,7 +13,7 @@ from kvbridge_services.gateway.enginecalls import completion_path, upstream_fail
 from kvbridge_services.gateway.prefill import prefill_body
 from kvbridge_services.gateway.prompt_ids import tokenize_request
 from kvbridge_services.gateway.requests import Limits, parse_turn
-from kvbridge_services.gateway.reuse import NoReuse
+from kvbridge_services.gateway.reuse import ReuseVerdict
 from kvbridge_services.gateway.turn import Turn
 from kvbridge_services.gateway.turnstate import TurnPlan, TurnResult
 from kvbridge_services.gateway.upstream import UpstreamError
@@ -84,16 +84,11 @@ def test_a_turns_epoch_is_wall_microseconds_and_above_the_one_looked_up() -> Non
     assert before <= plan.epoch <= time.time_ns() // 1_000
     plan.next_epoch = before + 10**12  # an entry registered by a replica whose clock runs ahead
     assert plan.epoch == before + 10**12
-    assert plan.reuse_label == "none"
-    plan.verdict.outcome = None
-    assert plan.reuse_label == "hit"
-    plan.verdict.outcome = NoReuse.NOT_FOUND
-    assert plan.reuse_label == "none"
 
 
 def test_post_turn_steps_run_once_in_order() -> None:
     ran: list[int] = []
-    result = TurnResult(TurnPlan().verdict, after=[lambda: ran.append(1), lambda: ran.append(2)])
+    result = TurnResult(ReuseVerdict(), after=[lambda: ran.append(1), lambda: ran.append(2)])
     result.finish()
     result.finish()
     assert ran == [1, 2]
