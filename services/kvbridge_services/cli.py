@@ -100,12 +100,25 @@ def _load_up_config(args: argparse.Namespace) -> Any:
     configfile.StartError (exit 3, 4) or ConfigError / ValidationError (exit 2)."""
     from kvbridge_services.common import entrypoint
     from kvbridge_services.common.configfile import Port
+    from kvbridge_services.lease.policy import LeasePolicy
+    from kvbridge_services.registry.config import RegistrySettings
 
     config = _stack_config(args)
     host = config.server.host
     ports = [
         Port(host, config.registry_port, "KVBRIDGE_REGISTRY_PORT", flag="--registry-port"),
         Port(host, config.lease_port, "KVBRIDGE_LEASE_PORT", flag="--lease-port"),
+    ]
+    from kvbridge_services.stack import LEASE_METRICS_PORT, REGISTRY_METRICS_PORT, metrics_port
+
+    registry, policy = RegistrySettings(), LeasePolicy()
+    if "metrics_port" not in registry.model_fields_set:
+        registry.metrics_port = metrics_port(config.registry_metrics_port, config.registry_port, REGISTRY_METRICS_PORT)
+    if "metrics_port" not in policy.model_fields_set:
+        policy.metrics_port = metrics_port(config.lease_metrics_port, config.lease_port, LEASE_METRICS_PORT)
+    ports += [
+        Port(host, registry.metrics_port, "KVBRIDGE_REGISTRY_METRICS_PORT"),
+        Port(host, policy.metrics_port, "KVBRIDGE_LEASE_METRICS_PORT"),
     ]
     if config.gateway is not None:
         gw_host = config.gateway.host
