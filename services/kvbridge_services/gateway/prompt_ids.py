@@ -22,15 +22,17 @@ from .upstream import UpstreamError
 
 def encoding_slot(turn: Turn) -> Hashable | None:
     """Under what the tokenizer keeps this turn's encoding for the next turn to resume: the conversation, or for a
-    keyless chat turn its first two messages (a keyless thread's key is known only once its ids are: the ids
-    come first). Keyless conversations that open alike share a slot and may re-encode whole; the tokenizer
-    resumes only from a previous text that the new one starts with, so a shared slot costs time, never ids."""
+    keyless chat turn its opening, the messages up to its first user message (the same on every turn of the
+    conversation; a keyless thread's key is known only once its ids are, and the ids come first). Keyless
+    conversations that open alike share a slot and may re-encode whole; the tokenizer resumes only from a
+    previous text that the new one starts with, so a shared slot costs time, never ids."""
     if turn.conversation_key:
         return turn.tenant, turn.conversation_key
     messages = turn.body.get("messages") if turn.kind == "chat" else None
     if not isinstance(messages, list) or not messages:
         return None
-    opening = json.dumps(messages[:2], sort_keys=True, separators=(",", ":"), default=str).encode()
+    first_user = next((i for i, m in enumerate(messages) if isinstance(m, dict) and m.get("role") == "user"), 0)
+    opening = json.dumps(messages[: first_user + 1], sort_keys=True, separators=(",", ":"), default=str).encode()
     return turn.tenant, "~keyless", hashlib.blake2b(opening, digest_size=16).digest()
 
 

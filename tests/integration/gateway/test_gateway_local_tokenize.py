@@ -57,9 +57,10 @@ async def test_local_ids_match_the_engines_so_turns_reuse(local_stack: Stack) ->
 
 
 async def test_a_keyless_conversation_is_encoded_incrementally_too(local_stack: Stack) -> None:
-    """Without a conversation key the encoding is kept under the conversation's first two messages (the thread's
-    key comes after the ids): each later turn re-encodes only what follows the previous turn's prompt."""
-    messages = [{"role": "system", "content": "w1 w2 w3"}, {"role": "user", "content": LONG}]
+    """Without a conversation key the encoding is kept under the conversation's opening, up to its first user
+    message (the thread's key comes after the ids): each later turn re-encodes only what follows the previous
+    turn's prompt, the second turn too."""
+    messages = [{"role": "user", "content": LONG}]
     answer, _ = await turn(local_stack, messages, conv=None)
     tokenizers = local_stack.gateway.core.tokenizers
     assert tokenizers is not None
