@@ -45,6 +45,7 @@ _GRANT_LEASE = "kvbridge.lease.v1.LeaseService/GrantLease"
 _REGISTER_ENTRY = "kvbridge.registry.v1.RegistryService/RegisterEntry"
 _BACKOFF_INITIAL_S = 0.2
 _BACKOFF_MAX_S = 5.0
+_RECONNECT_MAX_MS = 2_000
 
 
 # ---- commands (scheduler -> thread) ----------------------------------------
@@ -207,7 +208,14 @@ class ControlPlane:
             self._emit(Connection(up=False))
 
     async def _main(self) -> None:
-        options = [("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+        options = [
+            ("grpc.keepalive_time_ms", 10_000),
+            ("grpc.keepalive_timeout_ms", 5_000),
+            # Reconnect within ~2 s of the service coming back: gRPC's own backoff (up to 120 s) would fail every
+            # call fast long after a lease-manager restart, past the node lease's TTL (ADR 0024).
+            ("grpc.initial_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", _RECONNECT_MAX_MS),
+        ]
         settings = self._settings
 
         def channel(target: str) -> grpc.aio.Channel:
