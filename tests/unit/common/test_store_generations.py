@@ -124,3 +124,25 @@ async def test_new_generation_on_etcd_retires_in_place(etcd_server: EtcdServer) 
         assert {kv.key for kv in left} == {K.engine("d0"), K.lease(1)}
     finally:
         await store.close()
+
+
+async def test_an_older_copy_written_over_the_same_files_is_a_new_generation(tmp_path: Path) -> None:
+    """The log keeps its inode (the copy is written over it, as an inode reused by ``rm -r`` then ``cp -r`` would
+    look): the high-water mark kept beside the directory says acknowledged records are missing."""
+    data = tmp_path / "data"
+    store = MemoryStore(data_dir=data)
+    await _fill(store)
+    await store.close()
+    shutil.copytree(data, tmp_path / "backup")
+    store = MemoryStore(data_dir=data)
+    await store.put(b"/other/late", b"y")
+    await store.close()
+    for name in ("log", "generation"):
+        shutil.copyfile(tmp_path / "backup" / name, data / name)  # same files, older contents
+    keys, retired, _ = await _reopen(data)
+    assert (keys, retired) == (HARD, len(SOFT))
+    assert await _reopen(data) == (HARD, 0, _reopen_generation(data))
+
+
+def _reopen_generation(directory: Path) -> str:
+    return str((read_generation(directory) or {}).get("id", ""))

@@ -259,6 +259,10 @@ class WriteAheadLog:
         # The generation this directory holds, and why opening it starts a new one ("": it does not).
         self.generation = ""
         self.rollback = ""
+        # The highest seq this store acknowledged, kept beside the directory (not in it, so a backup of the
+        # directory put back cannot bring an older one with it): a log ending below it was rolled back.
+        self._hwm_path = directory.parent / f".{directory.name}.kvbridge-seq"
+        self._hwm_fd: int | None = None
 
     def load(self) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         """The last snapshot (or None) and the log records after it, in order."""
@@ -285,8 +289,35 @@ class WriteAheadLog:
                 f"seq {after}: records are missing. Restore the directory from a backup"
             )
         self.next_seq = int(records[-1]["seq"]) + 1 if records else after + 1
+        self._open_high_water()
         self.rollback = self._check_generation(empty=snapshot is None and not records)
+        if not self.rollback:  # else kept until the older generation is retired (begin_generation)
+            self._note_seq(self.next_seq - 1)
         return snapshot, records
+
+    def _read_high_water(self) -> int:
+        try:
+            return int(self._hwm_path.read_bytes().strip() or b"0")
+        except (OSError, ValueError):
+            return 0
+
+    def _open_high_water(self) -> None:
+        try:
+            self._hwm_fd = os.open(self._hwm_path, os.O_RDWR | os.O_CREAT, 0o644)
+        except OSError as exc:
+            log.warning(
+                "embedded store %s: cannot keep its high-water mark in %s (%s): a backup of the directory put back "
+                "over it is detected only by the log file's identity (docs/adr/0024)",
+                self.directory,
+                self._hwm_path,
+                exc,
+            )
+
+    def _note_seq(self, seq: int) -> None:
+        """After a durable append: not fsynced itself (after a power loss it may lag the log, never lead it)."""
+        if self._hwm_fd is not None:
+            with contextlib.suppress(OSError):
+                os.pwrite(self._hwm_fd, b"%020d\n" % seq, 0)
 
     def _identity(self) -> list[int]:
         """The log file's identity: its inode number. A copy is another file; the device number is left out, as
@@ -304,6 +335,12 @@ class WriteAheadLog:
         self.generation = str(record.get("id", ""))
         if record.get("retire"):
             return str(record["retire"])
+        acknowledged, last = self._read_high_water(), self.next_seq - 1
+        if acknowledged > last:
+            return (
+                f"its log ends at seq {last} but this store acknowledged up to seq {acknowledged} "
+                f"({self._hwm_path}): an older copy of the directory was put back, or records were cut"
+            )
         if record.get("log") != self._identity():
             return (
                 "its log is not the file this store wrote (the directory was copied or restored from a backup; "
@@ -326,6 +363,7 @@ class WriteAheadLog:
             },
         )
         self.rollback = ""
+        self._note_seq(self.next_seq - 1)
         return self.generation
 
     def _truncate(self, offset: int) -> None:
@@ -348,6 +386,7 @@ class WriteAheadLog:
             self.failed = exc
             raise
         self.next_seq += 1
+        self._note_seq(record["seq"])
 
     def needs_snapshot(self) -> bool:
         return self._log.tell() > self.max_log_bytes
@@ -372,6 +411,9 @@ class WriteAheadLog:
         self.legacy_snapshot = False
 
     def close(self) -> None:
+        if self._hwm_fd is not None:
+            os.close(self._hwm_fd)
+            self._hwm_fd = None
         self._log.close()
 
 
