@@ -514,8 +514,13 @@ secure mode (one keys file, one service key):
   unset). Without a keys file the services listen on loopback only; a non-loopback
   KVBRIDGE_HOST needs KVBRIDGE_INSECURE=1.
 
-exit codes: 0 stopped by Ctrl-C/SIGTERM, 1 a start failed or an engine exited,
-  2 bad arguments, 130 interrupted while starting.
+settings: the services' KVBRIDGE_* environment (docs/settings.md), beneath it --config FILE
+  (a YAML mapping of the same names), flags over both; `kvbridge config check` shows the result.
+
+exit codes (each failure one line on stderr): 0 stopped by Ctrl-C/SIGTERM; 1 an engine
+  failed to start or exited; 2 bad arguments or configuration (a value, an unknown
+  KVBRIDGE_* name, the --config file); 3 a port in use or an address not this machine's;
+  4 etcd did not answer within KVBRIDGE_ETCD_START_TIMEOUT_S; 130 interrupted while starting.
 """
 
 DEMO_EPILOG = """\
