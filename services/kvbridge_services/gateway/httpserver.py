@@ -14,6 +14,7 @@ its own cap, ``h11_max_incomplete_event_size``). The body's deadline is the appl
 from __future__ import annotations
 
 import asyncio
+import json
 from collections.abc import Callable
 from typing import Any, Literal
 
@@ -23,14 +24,19 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 MAX_HEADER_BYTES = 64 * 1024
 
 
-def _refusal(status: str, text: str) -> bytes:
-    body = text.encode()
-    head = f"HTTP/1.1 {status}\r\ncontent-type: text/plain\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+def _refusal(status: str, text: str, code: str) -> bytes:
+    """A refusal before the request's path is known: JSON in OpenAI's error shape (docs/gateway.md "Errors")."""
+    error = {"message": text, "type": "invalid_request_error", "param": None, "code": code}
+    body = json.dumps({"error": error}, separators=(",", ":")).encode()
+    head = (
+        f"HTTP/1.1 {status}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        "connection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
-_TIMEOUT = _refusal("408 Request Timeout", "headers came too late")
-_TOO_LARGE = _refusal("431 Request Header Fields Too Large", "headers are too large")
+_TIMEOUT = _refusal("408 Request Timeout", "headers came too late", "request_timeout")
+_TOO_LARGE = _refusal("431 Request Header Fields Too Large", "headers are too large", "headers_too_large")
 
 
 class _Deadline:

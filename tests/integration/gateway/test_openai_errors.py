@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -196,3 +197,20 @@ async def test_cached_tokens_are_the_tokens_reused(stack: Stack) -> None:
     reused = int(r.headers["x-kvbridge-reuse"].split(";tokens=")[1])
     assert r.status_code == 200 and r.json()["usage"]["cache_read_input_tokens"] == reused, r.text
     await client.close()
+
+
+async def test_the_anthropic_sdk_raises_its_own_exceptions_on_the_messages_route(stack: Stack) -> None:
+    client = anthropic.AsyncAnthropic(base_url=stack.gateway.http_url, api_key="key-acme", max_retries=0)
+    user: list[anthropic.types.MessageParam] = [{"role": "user", "content": "hi"}]
+    with pytest.raises(anthropic.NotFoundError) as missing:
+        await client.messages.create(model="no-such-model", max_tokens=2, messages=user)
+    assert isinstance(missing.value.body, dict)
+    assert missing.value.body["type"] == "error" and missing.value.body["error"]["type"] == "not_found_error"
+    with pytest.raises(anthropic.BadRequestError) as bad:
+        await client.messages.create(model=MODEL, max_tokens=0, messages=user)
+    assert isinstance(bad.value.body, dict) and bad.value.body["error"]["type"] == "invalid_request_error"
+    stranger = anthropic.AsyncAnthropic(base_url=stack.gateway.http_url, api_key="not-a-key", max_retries=0)
+    with pytest.raises(anthropic.AuthenticationError):
+        await stranger.messages.create(model=MODEL, max_tokens=2, messages=user)
+    await client.close()
+    await stranger.close()

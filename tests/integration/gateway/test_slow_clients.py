@@ -110,6 +110,14 @@ async def test_oversized_headers_get_431(stack: Stack) -> None:
     async with _slow_clients(stack, 1, b"GET /v1/models HTTP/1.1\r\nx-junk: " + b"a" * 70_000) as conns:
         answer = await _answer(conns[0][0])
     assert answer.startswith(b"HTTP/1.1 431 ")
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert b"content-type: application/json" in head  # OpenAI's error shape, as every route's (issue 31)
+    assert json.loads(body)["error"] == {
+        "message": "headers are too large",
+        "type": "invalid_request_error",
+        "param": None,
+        "code": "headers_too_large",
+    }
 
 
 async def test_a_large_body_sent_with_its_headers_is_not_a_large_header(stack: Stack) -> None:
