@@ -350,20 +350,27 @@ def _cell(value: Any) -> str:
     return "" if value is None else str(value)
 
 
-def print_table(headers: Sequence[str], rows: Sequence[Sequence[str]]) -> None:
-    """Every table of the CLI: columns aligned to their widest cell (rich), nothing cut or wrapped."""
+def format_table(headers: Sequence[str] | None, rows: Sequence[Sequence[str]], indent: int = 0) -> str:
+    """Every table of the CLI, as text: columns aligned to their widest cell (rich), nothing cut or wrapped, no
+    trailing blanks; ``headers`` None: no header line (a key/value list)."""
     from rich.console import Console
     from rich.table import Table
 
-    table = Table(box=None, pad_edge=False, show_edge=False, header_style="", padding=(0, 2, 0, 0))
-    for header in headers:
+    table = Table(
+        box=None, pad_edge=False, show_edge=False, header_style="", padding=(0, 2, 0, 0), show_header=bool(headers)
+    )
+    for header in headers or [""] * (len(rows[0]) if rows else 0):
         table.add_column(header, no_wrap=True, overflow="ignore")
     for row in rows:
         table.add_row(*row)
     console = Console(width=100_000, color_system=None, highlight=False, soft_wrap=True)
     with console.capture() as captured:
         console.print(table)
-    print("\n".join(line.rstrip() for line in captured.get().splitlines()))
+    return "\n".join(" " * indent + line.rstrip() for line in captured.get().splitlines())
+
+
+def print_table(headers: Sequence[str] | None, rows: Sequence[Sequence[str]]) -> None:
+    print(format_table(headers, rows))
 
 
 def _emit(args: argparse.Namespace, messages: Sequence[Message], columns: list[tuple[str, str]]) -> None:
@@ -404,7 +411,7 @@ async def _inspect(args: argparse.Namespace) -> int:
                 if args.json:
                     print(json.dumps(status, indent=2))
                 else:
-                    print("\n".join(f"{k + ':':<10} {v}" for k, v in status.items()))
+                    print_table(None, [[f"{k}:", str(v)] for k, v in status.items()])
                     if not args.tenant:
                         print("(entries and leases are counted per tenant: add --tenant TENANT)")
             elif cmd == "engines":
@@ -594,7 +601,7 @@ BENCHES: dict[str, tuple[str, str]] = {
 
 
 def _bench_table() -> str:
-    rows = "\n".join(f"  {name:<18}bench/{script:<22}{desc}" for name, (script, desc) in BENCHES.items())
+    rows = format_table(None, [[name, f"bench/{script}", desc] for name, (script, desc) in BENCHES.items()], indent=2)
     return f"benches:\n{rows}\n\nexample: kvbridge bench registry -- --registrations 100 --lookups 200"
 
 
