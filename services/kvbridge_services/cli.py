@@ -204,12 +204,16 @@ async def _up(args: argparse.Namespace) -> int:
         return code
     from kvbridge_services.common.configfile import StartError
     from kvbridge_services.common.entrypoint import wait_for_store
+    from kvbridge_services.common.store.etcd import EtcdTlsError
 
     try:
         await wait_for_store(config.store)
     except StartError as exc:
         print(f"kvbridge: up: {exc}", file=sys.stderr)
         return exc.code
+    except EtcdTlsError as exc:
+        print(f"kvbridge: up: invalid configuration: {exc}", file=sys.stderr)
+        return 2
     stack = Stack(config, progress=_progress)
     with stop_on_signals() as stop:
         return await _serve(stack, stop)

@@ -149,6 +149,8 @@ async def wait_for_store(settings: StoreSettings) -> None:
             try:
                 await store.current_revision(timeout=max(0.1, min(settings.etcd_timeout_s, left)))
                 return
+            except EtcdTlsError:  # configuration, not an outage: no use waiting
+                raise
             except StoreError as exc:
                 if time.monotonic() + 0.5 >= deadline:
                     reason = str(exc).split(" (")[0][:120] or type(exc).__name__
