@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
@@ -24,6 +25,7 @@ from kvbridge.errors import KvbridgeError, Reason, from_rpc_error
 from kvbridge.gateway.v1 import gateway_pb2, gateway_pb2_grpc
 from kvbridge.lease.v1 import lease_pb2, lease_pb2_grpc
 from kvbridge.registry.v1 import registry_pb2
+from kvbridge.sdk import ClientOptions, Heartbeater, LeaseClient
 from kvbridge_services.common.auth import Authenticator
 from kvbridge_services.common.config import ServerSettings
 from kvbridge_services.common.store.memory import MemoryStore
@@ -476,3 +478,30 @@ async def test_connections_past_their_age_are_closed_and_clients_reconnect(tmp_p
     finally:
         await app.stop(0.1)
         await store.close()
+
+
+async def test_the_sdk_reopens_a_stream_closed_while_idle_without_a_warning(
+    lease_server: LeaseApp, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Heartbeater with nothing to renew has its stream closed at the idle limit (0.5 s here); the SDK sees the
+    close when it next has something to send, reopens as after the normal end it is (no warning), and renews."""
+    caplog.set_level(logging.DEBUG, logger="kvbridge.sdk.lease")
+    async with LeaseClient(lease_server.address, ClientOptions(api_key=ENGINE_KEY, timeout_s=5)) as client:
+        lost: list[lease_pb2.LeaseStatus] = []
+        heartbeater = Heartbeater(client, interval_s=0.2, on_lost=lost.append)
+        heartbeater.start()
+        try:
+            await asyncio.sleep(1.2)  # past the idle limit with nothing to renew: the server closed the stream
+            granted = await client.grant(kind=lease_pb2.LEASE_KIND_NODE, engine_id="d-idle", ttl_s=5)
+            heartbeater.add_lease(granted.lease.lease_id)
+            heartbeater.renew_now()
+            rounds = heartbeater.rounds
+            async with asyncio.timeout(10):
+                while heartbeater.streams_opened < 2 or heartbeater.rounds < rounds + 3:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+        finally:
+            await heartbeater.stop()
+        assert lost == []  # the lease was renewed on the reopened stream
+    warnings = [r for r in caplog.records if r.levelno >= logging.WARNING and r.name == "kvbridge.sdk.lease"]
+    assert warnings == [], [r.getMessage() for r in warnings]
+    assert any("closed while idle" in r.getMessage() for r in caplog.records)

@@ -12,7 +12,7 @@ import grpc
 from google.protobuf import duration_pb2
 
 from kvbridge.backoff import Backoff
-from kvbridge.errors import DeadlineExceeded, KvbridgeError, Unavailable, from_rpc_error, reason_name
+from kvbridge.errors import DeadlineExceeded, KvbridgeError, Reason, Unavailable, from_rpc_error, reason_name
 from kvbridge.lease.v1 import lease_pb2 as pb
 from kvbridge.lease.v1 import lease_pb2_grpc as pb_grpc
 from kvbridge.types.v1 import types_pb2
@@ -244,6 +244,11 @@ class Heartbeater:
                 unreachable.clear()
             if isinstance(failure, TimeoutError):  # a renewal went unanswered: as good as a dead address
                 failure = DeadlineExceeded("", "no KeepAlive response within the deadline")
+            if isinstance(failure, KvbridgeError) and failure.reason == Reason.STREAM_IDLE.value:
+                # The server closed a stream that had nothing to renew for its idle limit: not an outage.
+                log.debug("lease keep-alive stream to %s closed while idle; reopening", tried)
+                failure = None
+                backoff.reset()
             if isinstance(failure, KvbridgeError):
                 # Reconnects to the leader a NOT_LEADER names, or falls back from a dead redirected one.
                 self._client._follow(failure, tried, unreachable)
