@@ -4,8 +4,10 @@ Anthropic Messages API (frontdoors.py), every one a turn served by :func:`serve_
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterable, AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from opentelemetry import trace
 from prometheus_client import CollectorRegistry
@@ -20,6 +22,7 @@ from kvbridge import telemetry as tel
 from kvbridge.errors import InvalidArgument, KvbridgeError, NotFound, Reason, ResourceExhausted
 from kvbridge_services.common import authz
 from kvbridge_services.common.metric_factory import MetricFactory
+from kvbridge_services.common.telemetry import gen_ai_request, gen_ai_usage
 
 from .frontdoors import (
     CHAT_ROW,
@@ -198,23 +201,30 @@ def build_http_app(core: GatewayCore) -> Starlette:
                 return await measured(request)
             # The root of the turn's trace, or a child of the caller's (W3C traceparent, e.g. from Envoy).
             parent = tel.extract(dict(request.headers)) if tel.TRACEPARENT in request.headers else None
-            with tracer.start_as_current_span(
+            span = tracer.start_span(
                 f"{request.method} {request.url.path}",
                 context=parent,
                 kind=trace.SpanKind.SERVER,
-                record_exception=False,
-                set_status_on_exception=False,
                 attributes={
                     "http.request.method": request.method,
                     "url.path": request.url.path,
                     "http.route": request.url.path,
                 },
-            ) as span:
-                resp = await measured(request)
-                span.set_attribute("http.response.status_code", resp.status_code)
-                if resp.status_code >= 500:
-                    span.set_status(trace.Status(trace.StatusCode.ERROR))
-                return resp
+            )
+            try:
+                with trace.use_span(span, record_exception=False, set_status_on_exception=False):
+                    resp = await measured(request)
+            except BaseException:
+                span.end()
+                raise
+            span.set_attribute("http.response.status_code", resp.status_code)
+            if resp.status_code >= 500:
+                span.set_status(trace.Status(trace.StatusCode.ERROR))
+            if isinstance(resp, StreamingResponse):  # the request lasts until its stream ends
+                resp.body_iterator = _ending(resp.body_iterator, span)
+            else:
+                span.end()
+            return resp
 
         async def measured(request: Request) -> Response:
             started = time.perf_counter()
@@ -259,14 +269,19 @@ def build_http_app(core: GatewayCore) -> Starlette:
             headers = {REUSE_HEADER: result.verdict.header()}
             if result.verdict.placement:
                 headers[PLACEMENT_HEADER] = result.verdict.placement
+            span = trace.get_current_span()  # the HTTP request's: gen_ai.* on it too (a stream's usage at its end)
+            span.set_attributes(gen_ai_request(door.kind, turn.model))
             if result.stream is not None:
                 release = False
+                if span.is_recording():
+                    result.stream = _usage_observed(result.stream, span)
                 return StreamingResponse(
                     _release_after(result, exchange.stream(result.stream), lambda: slots.release(tenant)),
                     media_type="text/event-stream",
                     headers={**headers, "cache-control": "no-cache"},
                 )
             assert result.body is not None
+            span.set_attributes(gen_ai_usage(result.body.get("usage")))
             return JSONResponse(
                 exchange.answer(result.body), headers=headers, background=BackgroundTask(_finish, result)
             )
@@ -377,6 +392,46 @@ async def _http_exception(request: Request, exc: HTTPException) -> Response:
 async def _internal_error(request: Request, _exc: Exception) -> Response:
     """An unexpected failure (logged by Starlette with its traceback) as a JSON 500 in the path's API shape."""
     return _error_shape(request.url.path)(Failure(500, "internal error", "internal"))
+
+
+async def _ending(body: AsyncIterable[Any], span: trace.Span) -> AsyncIterator[Any]:
+    """A streamed answer's body; its request's span ends with it."""
+    try:
+        async for chunk in body:
+            yield chunk
+    finally:
+        span.end()
+
+
+def _usages(chunk: bytes) -> list[dict[str, Any]]:
+    """The ``usage`` objects of a chunk of D's SSE (whole frames: decode.forward holds a frame until its end)."""
+    out: list[dict[str, Any]] = []
+    for event in chunk.split(b"\n\n"):
+        data = event.strip()
+        if b'"completion_tokens"' not in data or not data.startswith(b"data:"):
+            continue
+        try:
+            usage = json.loads(data[5:]).get("usage")
+        except (ValueError, AttributeError):
+            continue
+        if isinstance(usage, dict):
+            out.append(usage)
+    return out
+
+
+async def _usage_observed(stream: AsyncIterator[bytes], span: trace.Span) -> AsyncIterator[bytes]:
+    """D's SSE as it is, its usage frame (when the stream has one: the client's ``stream_options.include_usage``,
+    always for the Responses and Messages APIs) written to ``span`` as gen_ai.usage.*."""
+    try:
+        async for chunk in stream:
+            if b'"completion_tokens"' in chunk:
+                for usage in _usages(chunk):
+                    span.set_attributes(gen_ai_usage(usage))
+            yield chunk
+    finally:
+        close = getattr(stream, "aclose", None)
+        if close is not None:
+            await close()
 
 
 async def _finish(result: TurnResult) -> None:

@@ -148,6 +148,8 @@ async def observed() -> AsyncIterator[Observed]:
 
 async def _turn(o: Observed, messages: list[dict[str, str]], *, stream: bool = False) -> tuple[str, str]:
     body = {"model": MODEL, "messages": messages, "max_tokens": 8, "conversation_id": CONVERSATION, "stream": stream}
+    if stream:
+        body["stream_options"] = {"include_usage": True}
     r = await o.client.post("/v1/chat/completions", json=body)
     assert r.status_code == 200, r.text
     await o.gateway.core.router.drain()
@@ -246,6 +248,11 @@ async def test_one_linked_trace_per_turn_across_services(observed: Observed) -> 
         assert turn.attributes["gen_ai.request.model"] == MODEL
         assert turn.attributes["gen_ai.usage.input_tokens"] > len(LONG.split())
         assert turn.attributes.get("gen_ai.usage.output_tokens") == (None if n == 3 else 8)
+        # The HTTP request's span has them too, a stream's usage included: it lasts until the stream's end.
+        assert root.attributes["gen_ai.request.model"] == MODEL and root.attributes["gen_ai.operation.name"] == "chat"
+        assert root.attributes["gen_ai.usage.output_tokens"] == 8
+        assert root.attributes["gen_ai.usage.input_tokens"] == turn.attributes["gen_ai.usage.input_tokens"]
+        assert root.end_ns >= turn.end_ns  # (a stream's usage is written at its end: the span was still open)
         # An engine call's server.address is a host, never a URL.
         for step in ("kvbridge.gateway.prefill", "kvbridge.gateway.decode"):
             call = next(s for s in in_trace if s.name == step)
