@@ -15,7 +15,8 @@ from .staticengines import StaticEngineError
 
 _HELP = """KV-cache-aware gateway for P/D-disaggregated vLLM (OpenAI HTTP + gRPC front doors).
 
-Settings come from the environment (listed below with their defaults); flags override them. A secure stack
+Settings come from the environment (listed below with their defaults), beneath it a --config file of the
+same names; flags override both. A secure stack
 needs three: KVBRIDGE_API_KEYS_FILE (client and service keys; unset: insecure development mode, loopback only
 unless KVBRIDGE_INSECURE=1), KVBRIDGE_API_KEY (the service key presented to the registry and lease manager)
 and KVBRIDGE_HASH_SECRET (hex, shared with every connector). Engines: registered by their connectors (the
