@@ -189,3 +189,24 @@ def test_the_service_monitor_schema_catches_a_typo() -> None:
     doc["spec"]["endpoints"][0]["intreval"] = "15s"
     with pytest.raises(jsonschema.ValidationError):
         jsonschema.validate(doc, SERVICE_MONITOR_SCHEMA)
+
+
+def test_compose_monitoring_profile_provisions_prometheus_and_the_dashboard() -> None:
+    services = yaml.safe_load((DEPLOY / "compose.yaml").read_text())["services"]
+    prometheus, grafana = services["prometheus"], services["grafana"]
+    assert prometheus["profiles"] == grafana["profiles"] == ["monitoring"]  # off unless asked for
+    mounts = {
+        target: DEPLOY / source.removeprefix("./")
+        for svc in (prometheus, grafana)
+        for source, target, *_ in (v.split(":") for v in svc["volumes"])
+    }
+    for target, source in mounts.items():
+        assert source.exists(), f"{target}: {source} is missing"
+    assert mounts["/etc/prometheus/prometheus.yml"] == PROMETHEUS
+    provisioning = mounts["/etc/grafana/provisioning"]
+    datasource = yaml.safe_load((provisioning / "datasources" / "prometheus.yaml").read_text())["datasources"][0]
+    assert datasource["type"] == "prometheus" and datasource["url"] == "http://prometheus:9090"
+    assert datasource["isDefault"] is True  # the dashboard's datasource variable picks it
+    provider = yaml.safe_load((provisioning / "dashboards" / "kvbridge.yaml").read_text())["providers"][0]
+    dashboards = provider["options"]["path"]
+    assert mounts[f"{dashboards}/kvbridge.json"] == DEPLOY / "grafana" / "kvbridge.json"
