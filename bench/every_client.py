@@ -295,14 +295,15 @@ def main() -> None:
     p.add_argument("--turn-words", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--quick", action="store_true", help="1 repetition of 4 conversations x 3 turns")
+    p.add_argument("--work-dir", type=Path, help="keep the engines' and services' logs here (default: a temp dir)")
     args = p.parse_args()
     if args.quick:
         args.reps, args.conversations, args.turns = 1, 4, 3
     command = "python bench/every_client.py " + " ".join(sys.argv[1:])
     started = time.monotonic()
     results = Results()
-    with tempfile.TemporaryDirectory(prefix="kvb-every-client-") as tmp:
-        work = Path(tmp)
+    with contextlib.ExitStack() as keep:
+        work = args.work_dir or Path(keep.enter_context(tempfile.TemporaryDirectory(prefix="kvb-every-client-")))
         progress("starting etcd, registry and lease manager")
         with run_control_plane(work / "control-plane") as procs:
             progress("building the tiny model and starting the prefill and decode vLLM engines (1-3 min)")
