@@ -12,9 +12,13 @@ from array import array
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
+from opentelemetry import trace
+
 from kvbridge import telemetry as tel
+from kvbridge_services.common.telemetry import gen_ai_request, gen_ai_usage
 
 from . import kvparams
+from .answers import SseRewriter, error_frame, reused_tokens, set_cached_tokens
 from .enginecalls import (
     EngineAccess,
     EngineStep,
@@ -60,6 +64,10 @@ class Decoder(EngineStep):
     ) -> TurnResult:
         """``verdict``: the turn's, as the client gets it with the answer (made by verdict.verdict_of)."""
         body = dict(turn.body)
+        turn_span = trace.get_current_span()  # the turn's span: gen_ai.* beside kvbridge's own attributes
+        turn_span.set_attributes(gen_ai_request(turn.kind, turn.model))
+        if verdict.prompt_tokens:
+            turn_span.set_attribute("gen_ai.usage.input_tokens", verdict.prompt_tokens)
         # A turn whose KV the chain does not cover (multimodal, LoRA) gives D no conversation: a connector there
         # registers nothing, and neither does the gateway.
         covered = plan.features.covered
@@ -85,7 +93,7 @@ class Decoder(EngineStep):
             body["return_token_ids"] = True
         self._metrics.router_overhead.observe(max(0.0, time.perf_counter() - plan.started - plan.engine_seconds))
         if turn.stream:
-            return await self._stream(turn, plan, engine, body, verdict)
+            return await self._stream(turn, plan, engine, body, verdict, reused_tokens(p_params, verdict.pulled_tokens))
         with self._calls.span("kvbridge.gateway.decode", engine):
             async with self._pool.using(engine):
                 plan.decode_sent_s = time.time()
@@ -103,6 +111,8 @@ class Decoder(EngineStep):
         self._pool.answered(engine)
         self._metrics.ttft.labels(ttft_label(verdict)).observe(time.perf_counter() - plan.started)
         retained_params = data.pop("kv_transfer_params", None)
+        set_cached_tokens(data, reused_tokens(p_params, verdict.pulled_tokens))
+        turn_span.set_attributes(gen_ai_usage(data.get("usage")))
         result = TurnResult(verdict, body=data)
         if register:
             seq = sequence_of(turn, data)
@@ -125,7 +135,13 @@ class Decoder(EngineStep):
         return result
 
     async def _stream(
-        self, turn: Turn, plan: TurnPlan, engine: EngineState, body: dict[str, Any], verdict: ReuseVerdict
+        self,
+        turn: Turn,
+        plan: TurnPlan,
+        engine: EngineState,
+        body: dict[str, Any],
+        verdict: ReuseVerdict,
+        cached: int | None,
     ) -> TurnResult:
         engine.outstanding += 1
         try:
@@ -146,25 +162,36 @@ class Decoder(EngineStep):
             raise
         ttft = self._metrics.ttft.labels(ttft_label(verdict))
         return TurnResult(
-            verdict, stream=forward(upstream, engine, lambda: ttft.observe(time.perf_counter() - plan.started))
+            verdict,
+            stream=forward(upstream, engine, lambda: ttft.observe(time.perf_counter() - plan.started), cached),
         )
 
 
+UPSTREAM_FAILED_FRAME = error_frame("upstream stream failed", "upstream_failed")
+
+
 async def forward(
-    upstream: UpstreamStream, engine: EngineState, on_first_chunk: Callable[[], None]
+    upstream: UpstreamStream, engine: EngineState, on_first_chunk: Callable[[], None], cached: int | None = None
 ) -> AsyncIterator[bytes]:
-    """D's SSE bytes, forwarded as they arrive; closing early (client gone) closes the upstream request."""
+    """D's SSE bytes, forwarded as they arrive (its usage frame's ``cached_tokens`` set to ``cached`` unless None,
+    its error frames in OpenAI's shape: answers.py); closing early (client gone) closes the upstream request."""
     started = time.monotonic()
     first = True
+    frames = SseRewriter(cached)
     try:
         async for chunk in upstream.chunks():
             if first:
                 on_first_chunk()
                 first = False
-            yield chunk
+            out = frames.feed(chunk)
+            if out:
+                yield out
+        tail = frames.flush()
+        if tail:
+            yield tail
     except TRANSPORT_ERRORS as exc:
         log.warning("decode stream from %s broke after %.1fs: %s", engine.url, time.monotonic() - started, exc)
-        yield b'data: {"error": {"message": "upstream stream failed", "code": "UPSTREAM_FAILED"}}\n\n'
+        yield UPSTREAM_FAILED_FRAME  # a frame cut short by the break (held, not sent) is dropped
     finally:
         engine.outstanding -= 1
         await upstream.aclose()
