@@ -811,6 +811,81 @@ def _config_check(args: argparse.Namespace) -> int:
     return 0
 
 
+HASH_DESCRIPTION = """\
+Print a prompt's block-hash chain (docs/hash-chain.md) as JSON, for clients in other languages that look up
+entries by hash (RegistryService.LookupEntry's block_hashes; docs/clients.md). Computed by kvbridge.hashchain,
+the one definition the gateway, the registry and the connector use.
+
+The deployment secret is read from KVBRIDGE_HASH_SECRET (hex, the value every gateway and connector shares),
+never from a flag: a command line is readable by every local user.
+
+Which cache_salt: the chain is scoped by the cache_salt the ENGINE gets. Behind the gateway that is never the
+client's own salt: the gateway sends every engine request a per-tenant salt derived from the tenant and the
+client's cache_salt under the deployment secret (docs/security.md, "Engines' prefix caches"), and decode
+engines register their blocks under it. So for entries written through the gateway, pass the client's
+cache_salt (or nothing) with --derive-salt: the salt is derived exactly as the gateway derives it. Without
+--derive-salt the --cache-salt value is used as it is (engines a kvbridge gateway does not front)."""
+
+HASH_EPILOG = """\
+example:
+  export KVBRIDGE_HASH_SECRET=<the deployment secret, hex>
+  kvbridge hash --tenant acme --model Qwen/Qwen3-0.6B --block-size 16 --derive-salt --tokens '[151644, 872, ...]'
+  kvbridge hash --tenant acme --model Qwen/Qwen3-0.6B --block-size 16 --derive-salt --tokens-file ids.json
+
+output: {"tenant", "model", "block_size", "cache_salt" (the salt the chain is scoped by), "tokens",
+"hashes": [32 hex digits per full block]}; exit 2 for a bad argument or a missing or malformed secret."""
+
+
+def _read_token_ids(args: argparse.Namespace) -> list[int]:
+    """The token ids of --tokens (a JSON array) or --tokens-file (a file holding one; - is stdin)."""
+    if args.tokens_file is not None:
+        source = str(args.tokens_file)
+        text = sys.stdin.read() if source == "-" else Path(source).read_text()
+    else:
+        source, text = "--tokens", args.tokens
+    value = json.loads(text)
+    if not isinstance(value, list) or not all(type(t) is int and 0 <= t < 2**32 for t in value):
+        raise ValueError(f"{source}: expected a JSON array of token ids (integers 0..4294967295)")
+    return value
+
+
+def _hash(args: argparse.Namespace) -> int:
+    """``kvbridge hash``: a prompt's block-hash chain, hex, as JSON on stdout."""
+    from kvbridge import hashchain
+    from kvbridge import secret as kvsecret
+
+    text = os.environ.get(kvsecret.ENV, "")
+    if not text:
+        print(
+            f"kvbridge: hash: set {kvsecret.ENV} to the deployment secret (hex; never a flag: command lines are "
+            "readable by every local user)",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        secret = kvsecret.parse(text, setting=kvsecret.ENV)
+        tokens = _read_token_ids(args)
+        salt = args.cache_salt
+        if args.derive_salt:
+            from kvbridge_services.gateway.kvparams import cache_salt_key, engine_cache_salt
+
+            salt = engine_cache_salt(cache_salt_key(secret), args.tenant, args.cache_salt)
+        hashes = hashchain.chain(secret, args.tenant, args.model, salt, args.block_size, tokens)
+    except (OSError, ValueError) as exc:  # json.JSONDecodeError is a ValueError
+        print(f"kvbridge: hash: {exc}", file=sys.stderr)
+        return 2
+    out = {
+        "tenant": args.tenant,
+        "model": args.model,
+        "block_size": args.block_size,
+        "cache_salt": salt,
+        "tokens": len(tokens),
+        "hashes": [h.hex() for h in hashes],
+    }
+    print(json.dumps(out))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="kvbridge", description="kvbridge: verified decode→prefill KV reuse for vLLM.")
     p.add_argument("--version", action="version", version=f"%(prog)s {_version()}", help="print the version and exit")
@@ -976,6 +1051,34 @@ def build_parser() -> argparse.ArgumentParser:
     )
     bench.add_argument("name", choices=list(BENCHES), metavar="NAME", help="one of: " + ", ".join(BENCHES))
     bench.add_argument("bench_args", nargs=argparse.REMAINDER, metavar="-- ARGS", help="the script's arguments")
+    hs = sub.add_parser(
+        "hash",
+        help="a prompt's block-hash chain as JSON (for clients in other languages; secret from KVBRIDGE_HASH_SECRET)",
+        description=HASH_DESCRIPTION,
+        epilog=HASH_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    tokens = hs.add_mutually_exclusive_group(required=True)
+    tokens.add_argument("--tokens", metavar="JSON", help="the prompt's token ids as a JSON array: '[1, 2, 3]'")
+    tokens.add_argument(
+        "--tokens-file", type=Path, metavar="FILE", help="a file holding the JSON array of token ids (- for stdin)"
+    )
+    hs.add_argument("--tenant", required=True, help="the tenant the entries belong to (the API key's tenant)")
+    hs.add_argument("--model", required=True, help="the served model name, as in the request's model field")
+    hs.add_argument(
+        "--block-size", type=int, required=True, help="the engines' KV block size in tokens (vLLM's --block-size)"
+    )
+    hs.add_argument(
+        "--cache-salt",
+        default="",
+        help="with --derive-salt: the client's cache_salt (default none); without it: the engine's salt as is",
+    )
+    hs.add_argument(
+        "--derive-salt",
+        action="store_true",
+        help="scope the chain by the per-tenant salt the gateway sends engines (derived from --tenant and "
+        "--cache-salt as the gateway does): what entries registered through the gateway are hashed under",
+    )
     cfg = sub.add_parser(
         "config",
         help="check: validate a --config file and the environment for all three services; print the settings",
@@ -1033,6 +1136,8 @@ def main(argv: list[str] | None = None) -> int:
         return _store(args)
     if args.command == "config":
         return _config_check(args)
+    if args.command == "hash":
+        return _hash(args)
     from kvbridge_services.common.store.wal import StoreOpenError
 
     runner = {"up": _up, "demo": _demo}.get(args.command, _inspect)
