@@ -15,7 +15,11 @@
   every second until the alarm is gone or a write succeeds (docs/etcd-space.md).
 - Watches run on our own stream so reconnects resume exactly after the last
   delivered event (etcd3aio's own watch resumes from the header revision,
-  which can be ahead of the events while a watcher catches up).
+  which can be ahead of the events while a watcher catches up). They ask etcd
+  to fragment a large revision (a lease expiry deleting thousands of keys, each
+  delete carrying its previous value) and put the fragments back together: in
+  one message it would pass gRPC's 4 MiB receive limit, and the watch would
+  fail at that revision on every retry until etcd compacted it away.
 """
 
 from __future__ import annotations
@@ -290,10 +294,11 @@ class EtcdStore(Store):
     # ----------------------------------------------------------------- writes
 
     async def put(self, key: bytes, value: bytes, *, lease: int = 0, timeout: float = DEFAULT_TIMEOUT_S) -> int:
+        sent = time.monotonic()
         resp = await self._call(
             "put", lambda t: self._kvs.put(key, value, lease=lease, timeout=t), timeout, idempotent=False
         )
-        self._wrote()
+        self._wrote(sent)
         return int(resp.header.revision)
 
     async def delete(self, key: bytes, *, prefix: bool = False, timeout: float = DEFAULT_TIMEOUT_S) -> int:
@@ -308,6 +313,7 @@ class EtcdStore(Store):
         pb_success = [_to_pb_op(op) for op in txn.success]
         pb_failure = [_to_pb_op(op) for op in txn.failure]
         writes = any(not isinstance(op, Get) for op in (*txn.success, *txn.failure))
+        sent = time.monotonic()
         resp = await self._call(
             "txn",
             lambda t: self._kvs.txn(pb_compares, pb_success, pb_failure, timeout=t),
@@ -315,7 +321,7 @@ class EtcdStore(Store):
             idempotent=not writes,
         )
         if any(isinstance(op, Put) for op in (*txn.success, *txn.failure)):
-            self._wrote()  # etcd refuses any txn holding a put at NOSPACE, whichever branch would run
+            self._wrote(sent)  # etcd refuses any txn holding a put at NOSPACE, whichever branch would run
         gets: list[KeyValue | None] = []
         for r in resp.responses:
             if r.WhichOneof("response") == "response_range":
@@ -333,10 +339,11 @@ class EtcdStore(Store):
         if ttl_s < 1:
             raise ValueError("lease TTL must be >= 1 second")
         # A lost grant only leaks a lease that expires by itself: safe to retry.
+        sent = time.monotonic()
         resp = await self._call("grant", lambda t: self._leases.grant(ttl_s, timeout=t), timeout)
         if resp.error:
             raise StoreError(f"etcd lease grant failed: {resp.error}")
-        self._wrote()
+        self._wrote(sent)
         return int(resp.ID)
 
     async def refresh_lease(self, lease_id: int, *, timeout: float = DEFAULT_TIMEOUT_S) -> int:
@@ -426,9 +433,10 @@ class EtcdStore(Store):
         if self._no_space_probe is None or self._no_space_probe.done():
             self._no_space_probe = asyncio.get_running_loop().create_task(self._probe_alarm(), name="etcd-nospace")
 
-    def _wrote(self) -> None:
-        """A write was applied: any NOSPACE episode is over."""
-        if self._no_space_since is not None:
+    def _wrote(self, sent: float) -> None:
+        """A write sent at ``sent`` (monotonic) was applied: a NOSPACE episode that began before it is over (one
+        sent earlier may have been applied before the alarm and answered after it)."""
+        if self._no_space_since is not None and sent > self._no_space_since:
             self._space_back("a write succeeded")
 
     def _space_back(self, how: str) -> None:
@@ -474,7 +482,12 @@ class _WatchStream:
         self._requests.put_nowait(
             WatchRequest(
                 create_request=WatchCreateRequest(
-                    key=key, range_end=end, start_revision=start_revision, prev_kv=True, progress_notify=progress_notify
+                    key=key,
+                    range_end=end,
+                    start_revision=start_revision,
+                    prev_kv=True,
+                    progress_notify=progress_notify,
+                    fragment=True,
                 )
             )
         )
@@ -495,7 +508,9 @@ class _WatchStream:
             await self._responses.put(exc)
 
     async def responses(self, progress_interval_s: float) -> AsyncIterator[Any]:
-        """Event and progress responses; raises Compacted, _WatchBroken, or a non-transient error."""
+        """Event and progress responses, a fragmented revision put back together; raises Compacted,
+        _WatchBroken, or a non-transient error."""
+        fragments: list[Any] = []  # the events of a fragmented response so far
         while True:
             try:
                 async with asyncio.timeout(progress_interval_s if progress_interval_s > 0 else None):
@@ -516,6 +531,16 @@ class _WatchStream:
                 raise _WatchBroken(f"watch canceled by etcd: {item.cancel_reason or 'no reason'}")
             if item.created:
                 continue
+            if item.fragment:  # more of the same revision follows
+                fragments.extend(item.events)
+                continue
+            if fragments:
+                whole = rpc_pb2.WatchResponse()
+                whole.CopyFrom(item)
+                del whole.events[:]
+                whole.events.extend([*fragments, *item.events])
+                fragments = []
+                item = whole
             yield item
 
     async def close(self) -> None:
