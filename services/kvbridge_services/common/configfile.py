@@ -63,6 +63,10 @@ OTHER_ENV_NAMES: Mapping[str, str] = {
     "KVBRIDGE_JAEGER_IMAGE": "deploy/compose.yaml: the Jaeger image",
     "KVBRIDGE_ENVOY_IMAGE": "deploy/compose.yaml: the Envoy image",
     "KVBRIDGE_MODEL_DIR": "deploy/compose.yaml: the model directory",
+    "KVBRIDGE_PROMETHEUS_IMAGE": "deploy/compose.yaml (profile monitoring): the Prometheus image",
+    "KVBRIDGE_GRAFANA_IMAGE": "deploy/compose.yaml (profile monitoring): the Grafana image",
+    "KVBRIDGE_DEBUG": "clients/node: print a failed call's stack trace",
+    "KVBRIDGE_PYTHON": "scripts/fetch-vllm-wheels: the interpreter whose pip downloads the wheel",
 }
 # Settings whose value is redacted wherever kvbridge prints settings (kvbridge config check, error messages).
 _SECRET_MARKERS = ("SECRET", "API_KEY", "HASH_KEY", "PASSWORD", "TOKEN_")
