@@ -601,6 +601,10 @@ BENCHES: dict[str, tuple[str, str]] = {
         "retention_pressure.py",
         "a 96-block decode cache under 12 concurrent conversations: reuse on vs off (vLLM engines or simulators)",
     ),
+    "etcd-space": (
+        "etcd_space.py",
+        "etcd bytes per turn, and its database under periodic compaction against docs/etcd-space.md's rule",
+    ),
 }
 
 
