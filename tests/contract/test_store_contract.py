@@ -251,6 +251,20 @@ async def test_watch_from_now_sees_only_new_changes(store: Store) -> None:
         await watch.aclose()  # type: ignore[attr-defined]
 
 
+async def test_a_watch_without_previous_values_still_sees_puts_and_deletes(store: Store) -> None:
+    """``prev_kv=False`` (the registry's index feeder): a delete still names its key and revision; etcd leaves the
+    previous value out, the embedded store may keep it."""
+    first = await store.put(b"/c/p/a", b"1")
+    deleted_at = await store.delete(b"/c/p/a") and await store.current_revision()
+    watch = store.watch_prefix(b"/c/p/", start_revision=first, prev_kv=False)
+    try:
+        put, delete = await collect_events(watch, 2)
+    finally:
+        await watch.aclose()  # type: ignore[attr-defined]
+    assert (put.type, put.kv.key, put.kv.value, put.kv.mod_revision) == (EventType.PUT, b"/c/p/a", b"1", first)
+    assert (delete.type, delete.kv.key, delete.kv.mod_revision) == (EventType.DELETE, b"/c/p/a", deleted_at)
+
+
 async def test_watch_compacted_revision_raises(harness: Harness) -> None:
     store = harness.store
     first = await store.put(b"/c/cp/a", b"1")

@@ -25,7 +25,11 @@ VALUE = b"v" * 4096  # 1,500 x 4 KiB of previous values: ~6 MiB in one revision
 BATCH = 100  # under etcd's 128 ops and 1.5 MiB per txn
 
 
-async def test_a_revision_larger_than_a_grpc_message_reaches_the_watcher(etcd_server: EtcdServer) -> None:
+@pytest.mark.parametrize("prev_kv", [True, False])
+async def test_a_revision_larger_than_a_grpc_message_reaches_the_watcher(
+    etcd_server: EtcdServer, prev_kv: bool
+) -> None:
+    """With previous values (~6 MiB, fragmented) and without them (the registry's index feeder: keys only)."""
     store = EtcdStore([etcd_server.endpoint], timeout=10.0)
     try:
         lease = await store.grant_lease(600)
@@ -34,7 +38,7 @@ async def test_a_revision_larger_than_a_grpc_message_reaches_the_watcher(etcd_se
                 [], [Put(f"/big/{i:05d}".encode(), VALUE, lease=lease) for i in range(start, start + BATCH)]
             )
         after = await store.current_revision()
-        watch = store.watch_prefix(b"/big/", start_revision=after + 1)
+        watch = store.watch_prefix(b"/big/", start_revision=after + 1, prev_kv=prev_kv)
         await store.revoke_lease(lease)  # every key deleted in one revision
         deleted: list[bytes] = []
         revisions: set[int] = set()
@@ -42,7 +46,10 @@ async def test_a_revision_larger_than_a_grpc_message_reaches_the_watcher(etcd_se
             async for batch in watch:
                 for event in batch.events:
                     assert event.type is EventType.DELETE
-                    assert event.prev_kv is not None and event.prev_kv.value == VALUE
+                    if prev_kv:
+                        assert event.prev_kv is not None and event.prev_kv.value == VALUE
+                    else:
+                        assert event.prev_kv is None
                     deleted.append(event.kv.key)
                     revisions.add(event.kv.mod_revision)
                 if len(deleted) >= KEYS:

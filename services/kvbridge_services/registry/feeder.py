@@ -150,8 +150,13 @@ class IndexFeeder:
         backoff = _backoff()
         while True:
             try:
+                # No previous values: a delete needs only its key, and the idempotency records under this prefix
+                # (the size of an entry) are deleted thousands at a time when their window's lease expires.
                 async for batch in self._store.watch_prefix(
-                    self._registry_prefix, start_revision=self.revision + 1, progress_interval_s=self._progress_s
+                    self._registry_prefix,
+                    start_revision=self.revision + 1,
+                    progress_interval_s=self._progress_s,
+                    prev_kv=False,
                 ):
                     self._index.heard()
                     for event in batch.events:

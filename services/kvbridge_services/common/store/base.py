@@ -153,7 +153,7 @@ class WatchEvent:
     type: EventType
     # For DELETE: key set, value empty, mod_revision = the deleting revision.
     kv: KeyValue
-    # Value before the event, when the backend knows it (always on DELETE).
+    # Value before the event, when the backend knows it (always on DELETE, unless the watch asked for none).
     prev_kv: KeyValue | None = None
 
 
@@ -184,11 +184,13 @@ class Txn:
 @dataclass(frozen=True, slots=True)
 class WatchQuery:
     """Changes under ``prefix`` from ``start_revision`` (0: from now on); with ``progress_interval_s`` > 0 an idle
-    watch yields empty batches carrying the current revision."""
+    watch yields empty batches carrying the current revision. With ``prev_kv`` False a backend may leave out the
+    previous values (etcd then neither reads nor sends them: a lease expiry deleting thousands of records)."""
 
     prefix: bytes
     start_revision: int = 0
     progress_interval_s: float = 0.0
+    prev_kv: bool = True
 
     def __post_init__(self) -> None:
         if self.start_revision < 0:
@@ -278,9 +280,10 @@ class Store(abc.ABC):
         *,
         start_revision: int = 0,
         progress_interval_s: float = 0.0,
+        prev_kv: bool = True,
     ) -> AsyncIterator[WatchBatch]:
         """Changes under ``prefix`` from ``start_revision`` (0: from now on): ``watch`` of a ``WatchQuery``."""
-        return self.watch(WatchQuery(prefix, start_revision, progress_interval_s))
+        return self.watch(WatchQuery(prefix, start_revision, progress_interval_s, prev_kv))
 
     @abc.abstractmethod
     def watch(self, query: WatchQuery) -> AsyncIterator[WatchBatch]:

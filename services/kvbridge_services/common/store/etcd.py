@@ -384,7 +384,9 @@ class EtcdStore(Store):
         failing_since: float | None = None
         backoff = Backoff(_RETRY_BACKOFF_S, _MAX_BACKOFF_S)
         while True:
-            stream = _WatchStream(WatchStub(self._channel_now()), key, end, next_rev, progress_interval_s > 0)
+            stream = _WatchStream(
+                WatchStub(self._channel_now()), key, end, next_rev, progress_interval_s > 0, query.prev_kv
+            )
             try:
                 async for resp in stream.responses(progress_interval_s):
                     failing_since = None
@@ -477,7 +479,9 @@ class _WatchStream:
     """One etcd watch stream; a reader task pumps responses so reads are never cancelled
     (cancelling a grpc.aio read cancels the whole call)."""
 
-    def __init__(self, stub: Any, key: bytes, end: bytes, start_revision: int, progress_notify: bool) -> None:
+    def __init__(
+        self, stub: Any, key: bytes, end: bytes, start_revision: int, progress_notify: bool, prev_kv: bool
+    ) -> None:
         self._requests: asyncio.Queue[Any] = asyncio.Queue()
         self._requests.put_nowait(
             WatchRequest(
@@ -485,7 +489,7 @@ class _WatchStream:
                     key=key,
                     range_end=end,
                     start_revision=start_revision,
-                    prev_kv=True,
+                    prev_kv=prev_kv,
                     progress_notify=progress_notify,
                     fragment=True,
                 )
