@@ -36,6 +36,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import anthropic
 import openai
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,6 +188,145 @@ async def _run(args: argparse.Namespace, gateways: dict[str, GatewayApp], result
         results.overhead_p50_ms[arm] = _overhead_p50_ms(gw)
 
 
+# -- the other client kinds: each against reuse (the keyless gateway) and none, identical requests ----------------
+KINDS = ("responses", "responses-chained", "messages", "chat-tools")
+TOOLS_CHAT: list[Any] = [{"type": "function", "function": {"name": "search", "parameters": {"type": "object"}}}]
+TOOLS_ANTHROPIC: list[Any] = [
+    {"name": "lookup", "description": "looks a word up", "input_schema": {"type": "object"}},
+]
+
+
+@dataclass
+class _Clients:
+    openai: openai.AsyncOpenAI
+    anthropic: anthropic.AsyncAnthropic
+
+
+@dataclass
+class _KindConversation:
+    """One conversation of a client kind: its history as that API sends it (the same for both arms), and for a
+    chained Responses conversation each arm's previous response id."""
+
+    kind: str
+    history: list[Any]
+    pending: str = ""  # a chained conversation's next input
+    previous: dict[str, str | None] = field(default_factory=lambda: {"reuse": None, "none": None})
+
+
+async def _first_event(started: float, stream: Any, is_text: Any, text_of: Any) -> tuple[str, float, Any]:
+    """Reads a stream of SDK events: the text of those ``is_text`` says carry it, the time to the first of them,
+    and the last event."""
+    first: float | None = None
+    parts: list[str] = []
+    last = None
+    async for event in stream:
+        last = event
+        if is_text(event):
+            if first is None:
+                first = time.perf_counter() - started
+            parts.append(text_of(event))
+    return "".join(parts), first if first is not None else time.perf_counter() - started, last
+
+
+async def _kind_turn(
+    args: argparse.Namespace, clients: _Clients, conv: _KindConversation, arm: str
+) -> tuple[str, str, float]:
+    started = time.perf_counter()
+    if conv.kind == "chat-tools":
+        return await _stream(clients.openai, conv.history, args.max_tokens, tools=TOOLS_CHAT)
+    if conv.kind in ("responses", "responses-chained"):
+        chained = conv.kind == "responses-chained"
+        raw = await clients.openai.responses.with_raw_response.create(
+            model=MODEL,
+            input=conv.pending if chained and conv.previous[arm] else conv.history,
+            previous_response_id=conv.previous[arm] if chained else None,
+            stream=True,
+            temperature=0,
+            max_output_tokens=args.max_tokens,
+        )
+        text, ttft, last = await _first_event(
+            started, raw.parse(), lambda e: e.type == "response.output_text.delta", lambda e: e.delta
+        )
+        if chained and last is not None and last.type in ("response.completed", "response.incomplete"):
+            conv.previous[arm] = last.response.id
+        return text, raw.headers.get("x-kvbridge-reuse", ""), ttft
+    raw_m = await clients.anthropic.messages.with_raw_response.create(
+        model=MODEL,
+        system="be brief",
+        messages=conv.history,
+        tools=TOOLS_ANTHROPIC,
+        max_tokens=args.max_tokens,
+        stream=True,
+        extra_body={"temperature": 0},
+    )
+    text, ttft, _ = await _first_event(
+        started,
+        await raw_m.parse(),
+        lambda e: e.type == "content_block_delta" and e.delta.type == "text_delta",
+        lambda e: e.delta.text,
+    )
+    return text, raw_m.headers.get("x-kvbridge-reuse", ""), ttft
+
+
+def _extend(conv: _KindConversation, answer: str, user: str, t: int) -> None:
+    """The next request, as that kind of client writes it: the answer, a tool call and its result, or (chained)
+    only the new input."""
+    if conv.kind == "chat-tools":
+        call = {"id": f"call_{t}", "type": "function", "function": {"name": "search", "arguments": '{"q": 1}'}}
+        conv.history += [
+            {"role": "assistant", "content": answer, "tool_calls": [call]},
+            {"role": "tool", "tool_call_id": f"call_{t}", "content": user},
+        ]
+    elif conv.kind == "messages":
+        conv.history += [
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": answer or "ok"},
+                    {"type": "tool_use", "id": f"toolu_{t}", "name": "lookup", "input": {"word": f"w{t}"}},
+                ],
+            },
+            {"role": "user", "content": [{"type": "tool_result", "tool_use_id": f"toolu_{t}", "content": user}]},
+        ]
+    else:
+        conv.history += [{"role": "assistant", "content": answer}, {"role": "user", "content": user}]
+        conv.pending = user
+
+
+async def _run_kinds(args: argparse.Namespace, gateways: dict[str, GatewayApp], results: Results) -> None:
+    clients = {
+        arm: _Clients(
+            openai.AsyncOpenAI(base_url=gateways[gw].http_url + "/v1", api_key="unused", timeout=600, max_retries=0),
+            anthropic.AsyncAnthropic(base_url=gateways[gw].http_url, api_key="unused", timeout=600, max_retries=0),
+        )
+        for arm, gw in (("reuse", "keyless"), ("none", "none"))
+    }
+    for rep in range(args.reps):
+        for kind in KINDS:
+            rng = random.Random(f"{kind}-{rep}")
+            convs = [
+                _KindConversation(kind, [{"role": "user", "content": _text(rng, args.system_words + args.user_words)}])
+                for _ in range(args.kind_conversations)
+            ]
+
+            async def one(
+                c: int, t: int, convs: list[_KindConversation] = convs, kind: str = kind, rep: int = rep
+            ) -> None:
+                answers: dict[str, str] = {}
+                for arm in ("reuse", "none") if t % 2 == 0 else ("none", "reuse"):
+                    answer, verdict, ttft = await _kind_turn(args, clients[arm], convs[c], arm)
+                    answers[arm] = answer
+                    results.turns.append(TurnRecord(f"{kind}:{arm}", rep, c, t, verdict, ttft))
+                mine = next(r for r in reversed(results.turns) if r.arm == f"{kind}:reuse" and r.conversation == c)
+                mine.wrong = answers["reuse"] != answers["none"]
+                _extend(convs[c], answers["reuse"], _text(random.Random(f"{kind}-{rep}-{c}-{t}"), args.turn_words), t)
+
+            for t in range(args.turns):
+                for pair in range(0, len(convs), 2):
+                    await asyncio.gather(*(one(c, t) for c in range(pair, min(pair + 2, len(convs)))))
+            progress(f"repetition {rep + 1}/{args.reps}: {kind}, {len(convs)} conversations x {args.turns} turns")
+
+
 def _median_ci(values: list[float], rng: random.Random, n: int = 2000) -> tuple[float, float, float]:
     if not values:
         return float("nan"), float("nan"), float("nan")
@@ -243,11 +383,41 @@ def _report(args: argparse.Namespace, results: Results, command: str, wall_s: fl
         "gateway's `kvbridge_gateway_router_overhead_seconds` histogram, interpolated in its buckets.",
         "- Wrong answers: a keyless answer that differs from the none arm's answer to identical messages.",
         "",
+        *_kinds_report(args, results, rng),
         f"![TTFT by turn]({Path(args.out).name}.png)",
         "",
         "Every turn's arm, repetition, conversation, turn, verdict and TTFT are in the JSON beside this page.",
     ]
     return "\n".join(lines) + "\n"
+
+
+def _kinds_report(args: argparse.Namespace, results: Results, rng: random.Random) -> list[str]:
+    if not any(":" in r.arm for r in results.turns):
+        return []
+    lines = [
+        f"## Per client kind ({args.reps} repetitions x {args.kind_conversations} conversations x {args.turns} turns, "
+        "two at once; each turn sent with reuse (the keyless gateway) and without (reuse off), identical requests)",
+        "",
+        "`responses`: the Responses API streaming, the whole history as `input`; `responses-chained`: only the new "
+        "input, chained by `previous_response_id`; `messages`: the Anthropic SDK streaming, a `tool_use` / "
+        "`tool_result` history; `chat-tools`: chat completions streaming with `tools`, assistant `tool_calls` and "
+        "`tool` messages. No request carries a conversation key.",
+        "",
+        "| kind | later turns | hits | wrong answers | TTFT p50 with reuse (95 % CI) | TTFT p50 without (95 % CI) |",
+        "|---|---|---|---|---|---|",
+    ]
+    for kind in KINDS:
+        mine = [r for r in results.turns if r.arm == f"{kind}:reuse" and r.turn > 0]
+        none = [r for r in results.turns if r.arm == f"{kind}:none" and r.turn > 0]
+        hits = sum(r.verdict.startswith("hit;") for r in mine)
+        wrong = sum(r.wrong for r in results.turns if r.arm == f"{kind}:reuse")
+        w, wlo, whi = _median_ci([r.ttft_s for r in mine], rng)
+        n, nlo, nhi = _median_ci([r.ttft_s for r in none], rng)
+        lines.append(
+            f"| {kind} | {len(mine)} | {hits} | {wrong} | {w * 1000:.1f} ms ({wlo * 1000:.1f}-{whi * 1000:.1f}) | "
+            f"{n * 1000:.1f} ms ({nlo * 1000:.1f}-{nhi * 1000:.1f}) |"
+        )
+    return [*lines, ""]
 
 
 def _plot(args: argparse.Namespace, results: Results) -> None:
@@ -259,7 +429,8 @@ def _plot(args: argparse.Namespace, results: Results) -> None:
     rng = random.Random(1)
     fig, ax = plt.subplots(figsize=(7, 4))
     for i, arm in enumerate(ARMS):
-        xs, meds, los, his = [], [], [], []
+        xs: list[float] = []
+        meds, los, his = [], [], []
         for t in range(args.turns):
             values = [r.ttft_s * 1000 for r in results.turns if r.arm == arm and r.turn == t]
             med, lo, hi = _median_ci(values, rng)
@@ -294,11 +465,18 @@ def main() -> None:
     p.add_argument("--user-words", type=int, default=200)
     p.add_argument("--turn-words", type=int, default=40)
     p.add_argument("--max-tokens", type=int, default=16)
+    p.add_argument(
+        "--kind-conversations",
+        type=int,
+        default=4,
+        help="conversations per other client kind (Responses, chained Responses, Anthropic Messages, chat with "
+        "tools); 0: the chat arms only",
+    )
     p.add_argument("--quick", action="store_true", help="1 repetition of 4 conversations x 3 turns")
     p.add_argument("--work-dir", type=Path, help="keep the engines' and services' logs here (default: a temp dir)")
     args = p.parse_args()
     if args.quick:
-        args.reps, args.conversations, args.turns = 1, 4, 3
+        args.reps, args.conversations, args.turns, args.kind_conversations = 1, 4, 3, 2
     command = "python bench/every_client.py " + " ".join(sys.argv[1:])
     started = time.monotonic()
     results = Results()
@@ -315,7 +493,10 @@ def main() -> None:
 
                 async def go() -> None:
                     async with contextlib.AsyncExitStack() as stack:
-                        await _run(args, await _gateways(procs, stack), results)
+                        gateways = await _gateways(procs, stack)
+                        await _run(args, gateways, results)
+                        if args.kind_conversations:
+                            await _run_kinds(args, gateways, results)
 
                 asyncio.run(go())
             finally:
