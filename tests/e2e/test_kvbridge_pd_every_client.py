@@ -1,11 +1,10 @@
-"""Every client reuses (issue 27, invariant 8), on real vLLM CPU engines with the kvbridge connector, through
-the stock SDKs, sending no kvbridge field: a keyless OpenAI chat client (streaming, conversations interleaved,
-two at once), the Responses API (stateless and with previous_response_id), the Anthropic Messages API with a
-tool_use/tool_result history, and a chat tool-calling history (the kvbridge engines run with vLLM's automatic tool choice, as a deployment
-serving tool-calling agents does: tests/e2e/conftest.py). Each
-turn's answer is compared with the same request through a gateway with reuse off (greedy): 0 wrong answers.
-
-Named after test_kvbridge_pd.py so that it runs right after it on the same engine pair (no restart).
+"""Every client reuses (issue 27, invariant 8), on real vLLM CPU engines with the kvbridge connector, through the stock
+SDKs, sending no kvbridge field: a keyless OpenAI chat client (streaming, conversations interleaved, two at once),
+the Responses API (stateless and with previous_response_id), the Anthropic Messages API with a tool_use/tool_result
+history, and a chat tool-calling history (the kvbridge engines run with vLLM's automatic tool choice, as a
+deployment serving tool-calling agents does: tests/e2e/conftest.py). Each turn's answer is compared with the same
+request through a gateway with reuse off (greedy): 0 wrong answers. Named after test_kvbridge_pd.py so that it runs
+right after it on the same engine pair (no restart).
 """
 
 from __future__ import annotations

@@ -83,15 +83,17 @@ def test_up_stops_with_one_line_naming_what_an_engine_does_not_state(tmp_path: P
     with sim("prefill") as p, sim("decode", "--no-cache-config-info") as d:
         proc = up(p, d, out, err)
         try:
-            assert proc.wait(timeout=120) == 2  # a configuration the engines cannot serve (docs/settings.md, "Failures to start")
+            # A configuration the engines cannot serve: exit 2 (docs/settings.md, "Failures to start").
+            assert proc.wait(timeout=120) == 2
         finally:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
     failed = [line for line in err.read_text().splitlines() if line.startswith("kvbridge: up: ")]
     assert failed == [
-        f"kvbridge: up: invalid configuration: engine {d} (decode) cannot be registered for reuse: block_size not stated by the"
-        f" engine (its /metrics has no vllm:cache_config_info with a block_size: --disable-log-stats?); set it in"
+        f"kvbridge: up: invalid configuration: engine {d} (decode) cannot be registered for reuse: block_size not"
+        f" stated by the engine (its /metrics has no vllm:cache_config_info with a block_size: --disable-log-stats?);"
+        " set it in"
         f' KVBRIDGE_GATEWAY_DECODE_ENGINES ({{"url": "{d}", "block_size": ...}}), or "register_in_registry": false'
         " (or KVBRIDGE_GATEWAY_REGISTER_STATIC_ENGINES=false) to route it without reuse"
     ], err.read_text()
