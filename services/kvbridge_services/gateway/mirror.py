@@ -19,13 +19,13 @@ registry by milliseconds is safe (ADR 0008):
   copy's lag costs one turn's reuse, as it would a registry that answered a moment earlier;
 - a hit names an entry of the engine's current incarnation only (``entrylookup.unusable``).
 
-Freshness is measured from when a message *arrived*, not from how old its data is (issue 30, item 8): a message
-that waited in a buffer (a starved event loop, a slow link) counts as fresh on arrival. WatchEntries messages
-carry a store revision and no time, so the data's age cannot be told here. What would be needed: the registry
-stamping each message with when its store confirmed that revision (``WatchEntriesResponse.as_of``, a Timestamp
-on the registry's clock; for a progress heartbeat, when the store answered it), and the copy's lag taken as
-``now - as_of`` plus a bound on the clocks' skew. Until then the bound above holds only up to that buffering;
-safety does not depend on it (every hit is verified, and blocks outlive their lease by the free grace).
+Freshness is the age of the copy's data, not of its last message (issue 30, item 8): the registry stamps each
+message with when it had that state from its store (``WatchEntriesResponse.as_of``, on the registry's clock), and
+the copy's lag is the larger of ``now - as_of`` on this host's clock and the time since the last message arrived.
+A message that waited in a buffer (a starved event loop, a slow link) therefore no longer counts as fresh. Clock
+skew errs one way only: a registry clock behind this host's makes the copy look staler (more lookups go to the
+registry), one ahead is bounded by the arrival time. Safety does not depend on it either way (every hit is
+verified, and blocks outlive their lease by the free grace).
 """
 
 from __future__ import annotations
@@ -79,6 +79,7 @@ class EntryMirror:
         self._entries: dict[EntryId, MirroredEntry] = {}
         self._loading = True  # until the snapshot's last page
         self._last_message: float | None = None
+        self._data_as_of: float | None = None  # wall time the registry had the newest state (its as_of)
         self.revision = 0  # the store revision the copy is up to (for status and tests)
         self.skipped = 0  # entries not kept: the copy was full, or the entry was unusable
         self._left_out = False  # an entry was not kept for lack of room since the snapshot: absence proves nothing
@@ -95,13 +96,19 @@ class EntryMirror:
         self._left_out = False
         self._loading = True
         self._last_message = None
+        self._data_as_of = None
         self.revision = 0
 
     def lag_s(self) -> float | None:
-        """Seconds since the copy last heard from the registry's watch (an event or a progress heartbeat, which
-        the registry sends only once its store answered); None before the first message."""
+        """How old the copy's data is: the age of the newest state the registry sent (its ``as_of``) or, if
+        larger, the time since its last message (an event or a progress heartbeat, which the registry sends only
+        once its store answered); None before the first message."""
         last = self._last_message
-        return None if last is None else max(0.0, self._clock() - last)
+        if last is None:
+            return None
+        arrived = self._clock() - last
+        data = self._wall_clock() - self._data_as_of if self._data_as_of is not None else 0.0
+        return max(0.0, arrived, data)
 
     def in_sync(self) -> bool:
         """The snapshot is loaded and the copy lags by at most ``stale_after_s``: only then it answers hits."""
@@ -123,6 +130,9 @@ class EntryMirror:
             self._loading = False
         self.revision = max(self.revision, message.revision)
         self._last_message = self._clock()
+        if message.HasField("as_of"):
+            as_of = message.as_of.ToNanoseconds() / 1e9
+            self._data_as_of = as_of if self._data_as_of is None else max(self._data_as_of, as_of)
 
     def _put(self, eid: EntryId, entry: registry_pb2.Entry, revision: int) -> None:
         old = self._entries.get(eid)

@@ -279,6 +279,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
                 kvs, revision = await self._store.range_prefix(prefix, start_after=after, limit=_SNAPSHOT_PAGE)
                 start = start or revision
                 page = registry_pb2.WatchEntriesResponse(revision=start, snapshot_complete=len(kvs) < _SNAPSHOT_PAGE)
+                page.as_of.GetCurrentTime()  # the read answered now: what the page holds is this old
                 for kv in kvs:
                     entry = registry_pb2.Entry.FromString(kv.value)
                     if wanted(entry):
@@ -292,6 +293,7 @@ class RegistryServicer(registry_pb2_grpc.RegistryServiceServicer):
         try:
             async for batch in self._store.watch_prefix(prefix, start_revision=start, progress_interval_s=progress):
                 out = registry_pb2.WatchEntriesResponse(revision=batch.revision)
+                out.as_of.GetCurrentTime()  # the store's watch delivered the batch now
                 for event in batch.events:
                     if event.type is EventType.PUT:
                         entry = registry_pb2.Entry.FromString(event.kv.value)

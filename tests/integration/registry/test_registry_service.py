@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import functools
+import time
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -199,6 +200,8 @@ async def test_get_list_delete_watch(env: Env) -> None:
     stream = watch.__aiter__()
     snap = await asyncio.wait_for(stream.__anext__(), 10)
     assert snap.snapshot_complete and not snap.events
+    # Stamped with when the registry had it from its store: a watcher's copy is that old (issue 30 item 8).
+    assert abs(snap.as_of.ToNanoseconds() / 1e9 - time.time()) < 5
     for i in range(5):
         await env.register(HISTORY[: 40 + i * 8], conv=f"c{i}")
     page1 = await env.stub.ListEntries(registry_pb2.ListEntriesRequest(tenant="acme", page_size=3))
@@ -231,6 +234,7 @@ async def test_get_list_delete_watch(env: Env) -> None:
     while len(seen) < 6:
         msg = await asyncio.wait_for(stream.__anext__(), 10)
         seen += [(e.type, e.entry.key.conversation_key) for e in msg.events]
+        assert msg.as_of.ToNanoseconds() >= snap.as_of.ToNanoseconds()
     assert seen[-1] == (registry_pb2.EntryEvent.TYPE_DELETE, "c0")
     watch.cancel()
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from kvbridge import hashchain
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
@@ -186,6 +188,28 @@ def test_lag_is_the_time_since_the_last_message() -> None:
     assert mirror.lag_s() == 1.25 and mirror.in_sync()
     clock.now += 2.0
     assert mirror.lag_s() == 3.25 and not mirror.in_sync()
+
+
+def test_lag_is_the_age_of_the_data_a_message_brings_when_it_waited_on_the_way() -> None:
+    """Issue 30 item 8: a message that arrives now but carries state the registry had 5 s ago (it waited in a
+    buffer) is 5 s old; the copy answers no hit from it."""
+    clock, wall = Clock(), Clock()
+    mirror = EntryMirror(max_entries=100, stale_after_s=3.0, clock=clock, wall_clock=wall)
+    stale = message(complete=True, revision=5)
+    stale.as_of.FromNanoseconds(int((wall.now - 5.0) * 1e9))
+    mirror.apply(stale)
+    assert mirror.lag_s() == pytest.approx(5.0) and not mirror.in_sync()
+    fresh = message(complete=True, revision=6)
+    fresh.as_of.FromNanoseconds(int((wall.now - 0.5) * 1e9))
+    mirror.apply(fresh)
+    assert mirror.lag_s() == pytest.approx(0.5) and mirror.in_sync()
+    # A registry clock ahead of this host's: the time since the message arrived still bounds the lag.
+    ahead = message(complete=True, revision=7)
+    ahead.as_of.FromNanoseconds(int((wall.now + 60.0) * 1e9))
+    mirror.apply(ahead)
+    clock.now += 4.0
+    wall.now += 4.0
+    assert mirror.lag_s() == pytest.approx(4.0) and not mirror.in_sync()
 
 
 def test_absence_is_vouched_for_only_while_in_sync_and_complete() -> None:

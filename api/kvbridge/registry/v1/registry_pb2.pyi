@@ -793,6 +793,7 @@ class WatchEntriesResponse(_message.Message):
     EVENTS_FIELD_NUMBER: _builtins.int
     REVISION_FIELD_NUMBER: _builtins.int
     SNAPSHOT_COMPLETE_FIELD_NUMBER: _builtins.int
+    AS_OF_FIELD_NUMBER: _builtins.int
     revision: _builtins.int
     """Store revision this message brings the watcher up to."""
     snapshot_complete: _builtins.bool
@@ -801,16 +802,25 @@ class WatchEntriesResponse(_message.Message):
     """
     @_builtins.property
     def events(self) -> _containers.RepeatedCompositeFieldContainer[Global___EntryEvent]: ...
+    @_builtins.property
+    def as_of(self) -> _timestamp_pb2.Timestamp:
+        """When the registry had this state from its store, on the registry's clock:
+        a snapshot page when its read answered; events and progress when the
+        store's watch delivered them. A watcher's copy is as old as now minus
+        this (plus the clocks' skew), however long the message then waited.
+        """
+
     def __init__(
         self,
         *,
         events: _abc.Iterable[Global___EntryEvent] | None = ...,
         revision: _builtins.int = ...,
         snapshot_complete: _builtins.bool = ...,
+        as_of: _timestamp_pb2.Timestamp | None = ...,
     ) -> None: ...
-    _HasFieldArgType: _TypeAlias = _Never  # noqa: Y015
+    _HasFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of"]  # noqa: Y015
     def HasField(self, field_name: _HasFieldArgType) -> _builtins.bool: ...
-    _ClearFieldArgType: _TypeAlias = _typing.Literal["events", b"events", "revision", b"revision", "snapshot_complete", b"snapshot_complete"]  # noqa: Y015
+    _ClearFieldArgType: _TypeAlias = _typing.Literal["as_of", b"as_of", "events", b"events", "revision", b"revision", "snapshot_complete", b"snapshot_complete"]  # noqa: Y015
     def ClearField(self, field_name: _ClearFieldArgType) -> None: ...
     def WhichOneof(self, oneof_group: _Never) -> None: ...
 
