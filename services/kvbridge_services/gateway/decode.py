@@ -111,6 +111,10 @@ class Decoder(EngineStep):
         self._pool.answered(engine)
         self._metrics.ttft.labels(ttft_label(verdict)).observe(time.perf_counter() - plan.started)
         retained_params = data.pop("kv_transfer_params", None)
+        if plan.connector_registers and not connector_registers(engine, retained_params, record=False):
+            # D's connector kept nothing of this turn (under memory pressure it frees a finished request at once):
+            # no registration is coming, so the conversation's next turn must not wait for one (freshness.py).
+            plan.connector_registers = False
         set_cached_tokens(data, reused_tokens(p_params, verdict.pulled_tokens))
         turn_span.set_attributes(gen_ai_usage(data.get("usage")))
         result = TurnResult(verdict, body=data)

@@ -72,10 +72,11 @@ class RegistrationCheck:
     engine_id: str = ""
 
 
-def connector_registers(engine: EngineState, params: object) -> bool:
-    """Whether D runs the kvbridge connector (its record says so, or it marked the response retained)."""
-    record = engine.record
-    if record is not None and reuse.CONNECTOR_CAPABILITY in record.capabilities:
+def connector_registers(engine: EngineState, params: object, *, record: bool = True) -> bool:
+    """Whether D runs the kvbridge connector (its record says so, or it marked the response retained).
+    ``record=False``: only whether this response says D retained the turn (a connector D that kept nothing
+    answers without the mark)."""
+    if record and engine.record is not None and reuse.CONNECTOR_CAPABILITY in engine.record.capabilities:
         return True
     return isinstance(params, dict) and params.get(RETAINED_PARAM) is True
 

@@ -14,6 +14,7 @@ import pytest
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from kvbridge import hashchain
+from kvbridge import secret as kvsecret
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2
 from kvbridge.types.v1 import types_pb2
@@ -22,6 +23,7 @@ from kvbridge_services.gateway.control import ControlPlaneError, KeyedLookup
 from kvbridge_services.gateway.engines import DECODE, PREFILL, EnginePool
 from kvbridge_services.gateway.kvparams import CONVERSATION_KEY_PARAM
 from kvbridge_services.gateway.metrics import GatewayMetrics
+from kvbridge_services.gateway.reuse import CONNECTOR_CAPABILITY
 from kvbridge_services.gateway.router import TurnRouter
 from kvbridge_services.gateway.threads import THREAD_KEY_PREFIX
 from kvbridge_services.gateway.turn import Turn
@@ -40,6 +42,7 @@ class FakeHttp:
 
     cached: int | None = None
     fail_pulls: int = 0
+    d_retains: bool = True  # D's connector marks its answer retained (kvbridge_retained)
     sent: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
 
     async def post_json(self, url: str, body: dict[str, Any], *, timeout_s: float, headers: Any = None) -> Any:
@@ -62,7 +65,13 @@ class FakeHttp:
                 "remote_prefill_cached_tokens": offered if self.cached is None else self.cached,
             }
             return {"choices": [{"text": "x"}], "usage": {"prompt_tokens": len(PROMPT)}, "kv_transfer_params": returned}
-        return {"choices": [{"message": {"role": "assistant", "content": "answer"}}], "usage": {"prompt_tokens": 1}}
+        answer: dict[str, Any] = {
+            "choices": [{"message": {"role": "assistant", "content": "answer"}}],
+            "usage": {"prompt_tokens": 1},
+        }
+        if self.d_retains:
+            answer["kv_transfer_params"] = {"remote_engine_id": "d0", "kvbridge_retained": True}
+        return answer
 
     async def get(self, url: str, *, timeout_s: float) -> Any:
         raise AssertionError("no health checks in these tests")
@@ -119,9 +128,18 @@ class FakeControl:
         pass
 
 
-def _engine(engine_id: str, role: types_pb2.EngineRole.ValueType) -> types_pb2.Engine:
+def _engine(engine_id: str, role: types_pb2.EngineRole.ValueType, *, connector: bool = False) -> types_pb2.Engine:
+    """An engine record; ``connector``: a kvbridge-connector engine under this deployment's secret (connector mode:
+    D registers its own entries)."""
+    caps = [CONNECTOR_CAPABILITY, kvsecret.canary_capability(SECRET)] if connector else []
     return types_pb2.Engine(
-        engine_id=engine_id, role=role, model=MODEL, block_size=B, kv_host="127.0.0.1", kv_port=5601
+        engine_id=engine_id,
+        role=role,
+        model=MODEL,
+        block_size=B,
+        kv_host="127.0.0.1",
+        kv_port=5601,
+        capabilities=caps,
     )
 
 
@@ -148,11 +166,13 @@ def settings() -> GatewaySettings:
     )
 
 
-async def _router(settings: GatewaySettings, control: FakeControl, http: FakeHttp) -> AsyncIterator[TurnRouter]:
+async def _router(
+    settings: GatewaySettings, control: FakeControl, http: FakeHttp, *, connector: bool = False
+) -> AsyncIterator[TurnRouter]:
     pool = EnginePool(http, health_timeout_s=1, kv_usage_weight=0)  # type: ignore[arg-type]
     for url, role, record in (
         (P_URL, PREFILL, _engine("p0", types_pb2.ENGINE_ROLE_PREFILL)),
-        (D_URL, DECODE, _engine("d0", types_pb2.ENGINE_ROLE_DECODE)),
+        (D_URL, DECODE, _engine("d0", types_pb2.ENGINE_ROLE_DECODE, connector=connector)),
     ):
         state = pool.add_static(url, role, model=MODEL, engine_id=record.engine_id)
         state.record, state.healthy = record, True
@@ -174,11 +194,20 @@ def chat(key: str = "conv") -> Turn:
 
 
 async def run(settings: GatewaySettings, control: FakeControl, http: FakeHttp, turn: Turn) -> str:
-    async for router in _router(settings, control, http):
+    header, _ = await run_and_remember(settings, control, http, turn)
+    return header
+
+
+async def run_and_remember(
+    settings: GatewaySettings, control: FakeControl, http: FakeHttp, turn: Turn, *, connector: bool = False
+) -> tuple[str, bool]:
+    """The turn's verdict header, and whether the router expects D to register the turn (its next turn then
+    waits for that registration)."""
+    async for router in _router(settings, control, http, connector=connector):
         result = await router.run(turn)
         result.finish()
         await router.drain()
-        return result.verdict.header()
+        return result.verdict.header(), router._recent.last(turn.conversation) is not None
     raise AssertionError("unreachable")
 
 
@@ -240,3 +269,13 @@ async def test_a_keyless_turn_looks_up_by_content_and_registers_under_a_thread_k
     assert control.lookups[0].conversation_key == ""  # a new thread: found by content
     (decode,) = http.decodes()
     assert decode[CONVERSATION_KEY_PARAM].startswith(THREAD_KEY_PREFIX)  # never the keyed conversation's key
+
+
+@pytest.mark.parametrize("retains", [True, False])
+async def test_a_turn_d_did_not_retain_is_not_awaited_by_the_next_one(settings: GatewaySettings, retains: bool) -> None:
+    """Under memory pressure D's connector frees a finished request at once and says nothing of it retained: the
+    next turn must not wait registration_wait_s for an entry that is not coming."""
+    answer = registry_pb2.LookupEntryResponse(verdict=registry_pb2.LOOKUP_VERDICT_NOT_FOUND)
+    control, http = FakeControl(answer), FakeHttp(d_retains=retains)
+    _, awaited = await run_and_remember(settings, control, http, chat(), connector=True)
+    assert awaited is retains
