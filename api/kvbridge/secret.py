@@ -44,6 +44,9 @@ EPOCH = "kvbridge_epoch"
 MODEL = "kvbridge_model"
 ISSUED_AT = "kvbridge_issued_at"  # Unix seconds (float) when the gateway signed
 SIGNATURE = "kvbridge_signature"  # hex HMAC-SHA256 (128 bits kept)
+# Added by D's kvbridge connector to the params D returns once it retains the turn's blocks under its own lease
+# (unsigned: it only tells the gateway a registration is coming, never what to trust).
+RETAINED = "kvbridge_retained"
 # The request identity: the prefill request whose KV this decode request reads (P's returned params).
 _BOUND = ("remote_engine_id", "remote_request_id")
 SIGNED_FIELDS = (TENANT, CONVERSATION_KEY, EPOCH, MODEL, *_BOUND, ISSUED_AT)

@@ -44,7 +44,7 @@ _LOG_EVERY_S = 10.0
 _last_logged: dict[str, float] = {}
 
 # Added by the connector to D's returned params once it retains blocks under kvbridge.
-RETAINED = "kvbridge_retained"
+RETAINED = kvsecret.RETAINED
 
 _EPOCH_MAX = 2**63 - 1
 

@@ -16,6 +16,7 @@ from enum import StrEnum
 
 from cachetools import LRUCache
 
+from kvbridge import secret as kvsecret
 from kvbridge.errors import Reason
 from kvbridge.lease.v1 import lease_pb2
 from kvbridge.registry.v1 import registry_pb2
@@ -34,9 +35,8 @@ log = logging.getLogger(__name__)
 # A deadline closer than this counts as passed (vLLM's P uses the same slack on D's expiry).
 EXPIRY_MARGIN_S = 5.0
 _EXPIRY_PARAM = "remote_blocks_expiry_time"
-# The kvbridge connector marks D's returned params when it retains the blocks under its own lease
-# (kvbridge_connector.params.RETAINED).
-RETAINED_PARAM = "kvbridge_retained"
+# The kvbridge connector marks D's returned params when it retains the blocks under its own lease.
+RETAINED_PARAM = kvsecret.RETAINED
 _MAX_CLOCKS = 10_000  # cap of the engine clock table (one row per decode engine)
 
 
