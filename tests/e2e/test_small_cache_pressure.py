@@ -184,6 +184,11 @@ async def test_small_decode_cache_under_concurrent_conversations_and_a_restart_n
         try:
             await asyncio.to_thread(wait_healthy, [restarted])
             assert restarted.engine_id == decode.engine_id
+            # The gateway learns of the new process from the registry and its own health checks (a few seconds);
+            # until then it answers 503 no_engine_available. The test is about what is offered after a restart.
+            async with asyncio.timeout(60):
+                while not gw.core.ready():  # noqa: ASYNC110 - the gateway's loops run in their own tasks
+                    await asyncio.sleep(0.2)
             # Two turns each: the first finds only the old process's entries (never offered), the second reuses
             # what the new process retained. One conversation after the other: ten first turns at once would need
             # more than D's cache, and D retains only from slack (ADR 0026), so the burst would leave no entries.
