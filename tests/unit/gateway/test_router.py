@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -233,19 +233,20 @@ async def test_a_miss_prefills_plainly(settings: GatewaySettings) -> None:
 
 
 @pytest.mark.parametrize(
-    ("control", "header"),
+    ("make_control", "header"),
     [
-        (FakeControl(None), "declined:registry_unavailable;tokens=0"),
-        (FakeControl(hit(), consumed=False), f"declined:consumed;tokens={6 * B}"),
-        (FakeControl(hit(blocks=3)), f"declined:below_threshold;tokens={3 * B}"),
+        (lambda: FakeControl(None), "declined:registry_unavailable;tokens=0"),
+        (lambda: FakeControl(hit(), consumed=False), f"declined:consumed;tokens={6 * B}"),
+        (lambda: FakeControl(hit(blocks=3)), f"declined:below_threshold;tokens={3 * B}"),
     ],
     ids=["registry-down", "consumed-by-another-turn", "below-threshold"],
 )
 async def test_each_decline_prefills_plainly_with_its_reason(
-    settings: GatewaySettings, control: FakeControl, header: str
+    settings: GatewaySettings, make_control: Callable[[], FakeControl], header: str
 ) -> None:
+    """(Each answer is made when the test runs: its entry's deadline is a minute from then.)"""
     http = FakeHttp()
-    assert await run(settings, control, http, chat()) == header
+    assert await run(settings, make_control(), http, chat()) == header
     assert all("remote_num_tokens" not in p for p in http.prefills())
 
 
