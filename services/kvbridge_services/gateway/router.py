@@ -226,8 +226,10 @@ class TurnRouter:
         self._renewer.flush_soon()  # the renewal touched before the prefill goes out now
         if plan.thread is not None and plan.prompt_ids is not None:
             scope = self._scope(turn, plan)
-            if plan.thread.base and plan.thread.base != turn.conversation_key:
-                # Hashed under the key it was looked up with: kept under the thread's (every block reused).
+            if plan.thread.continues and plan.thread.base != turn.conversation_key:
+                # Another replica's thread taken over after the lookup: the ids were hashed under the key the turn
+                # was looked up with; kept under the thread's too (every block reused). A fork was hashed under
+                # its own key already.
                 self._chains.chain(scope, turn.conversation_key, plan.prompt_ids, base=plan.thread.base)
             self._threads.served(scope, plan.prompt_ids, turn.conversation_key)
         if turn.conversation_key and plan.sent_epoch and plan.features.covered and plan.connector_registers:
