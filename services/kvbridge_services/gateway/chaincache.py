@@ -70,14 +70,11 @@ class ChainCache:
     def nbytes(self) -> int:
         return self._by_key.nbytes
 
-    def shared_blocks(self, scope: Scope, conversation: str, token_ids: Sequence[int]) -> int:
-        """Whole blocks at the start of ``token_ids`` equal to the conversation's last hashed ids (0: none kept)."""
+    def shared_blocks(self, scope: Scope, conversation: str, packed: bytes) -> int:
+        """Whole blocks at the start of ``packed`` (a prompt's full blocks, ``hashchain.token_bytes``) equal to the
+        conversation's last hashed ids (0: none kept)."""
         prev = self._by_key.get((scope, conversation))
-        if prev is None:
-            return 0
-        b = scope.block_size
-        full = min(len(token_ids), len(prev.packed) // 4) // b
-        return common_blocks(hashchain.token_bytes(token_ids[: full * b]), prev.packed, 4 * b)
+        return 0 if prev is None else common_blocks(packed, prev.packed, 4 * scope.block_size)
 
     def chain(self, scope: Scope, conversation: str, token_ids: Sequence[int], *, base: str = "") -> list[bytes]:
         """The chain of ``token_ids`` (``hashchain.chain``), reusing the conversation's last chain where the

@@ -111,8 +111,10 @@ class RecentThreads:
         if not candidates:
             return Thread(new_thread_key(), ThreadWhy.NEW)
         best_key, best_blocks, best_seen = "", -1, None
+        b = scope.block_size
+        packed = hashchain.token_bytes(token_ids[: len(token_ids) // b * b])  # once for every candidate
         for key, seen in reversed(candidates.items()):  # the most recent first: it wins a tie
-            shared = self._chains.shared_blocks(scope, key, token_ids)
+            shared = self._chains.shared_blocks(scope, key, packed)
             if shared > best_blocks:
                 best_key, best_blocks, best_seen = key, shared, seen
         assert best_seen is not None
